@@ -1,0 +1,35 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (lint + the test suite).
+# Each creates .venv if needed and installs what it needs; the CPU build of torch is pinned.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.attnzoo-installed
+PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml $(PLUGIN_FILES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	for p in plugins/*/; do $(BIN)/python -m pip install -q --force-reinstall --no-deps "./$$p" || exit 1; done
+	touch $@
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/attnzoo list
+	$(BIN)/attnzoo validate specs/*
+	$(BIN)/python -m attnzoo.demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info

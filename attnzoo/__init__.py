@@ -1,0 +1,36 @@
+"""attnzoo: attention variants declared as data, composed from transforms, held to a reference."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .cache import KVCache
+from .dispatch import Variant, attention, compile, explain
+from .errors import AttnzooError, PluginError, SpecError, UnsupportedError
+from .evictors.base import Evictor, EvictorOptions
+from .hookspecs import hookimpl
+from .registry import Registry, get_registry, new_registry
+from .spec import SpecBase as Spec
+from .spec import load_spec
+from .backends.base import Backend
+from .transforms.base import (
+    AccumulatorTransform,
+    Context,
+    Dims,
+    LogitsTransform,
+    MaskTransform,
+    ParamSpec,
+    RowScaleTransform,
+    Slot,
+    Transform,
+    TransformOptions,
+)
+from .transforms.selective import memory_counts, memory_loss
+
+__all__ = [
+    "AccumulatorTransform", "AttnzooError", "Backend", "Context", "Dims", "Evictor", "EvictorOptions",
+    "KVCache", "LogitsTransform", "MaskTransform", "ParamSpec", "PluginError", "Registry", "RowScaleTransform",
+    "Slot", "Spec", "SpecError", "Transform", "TransformOptions", "UnsupportedError", "Variant", "__version__",
+    "attention", "compile", "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss",
+    "new_registry",
+]

@@ -1,0 +1,11 @@
+"""Registers the built-in backends through the same hook a third-party plugin uses."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from .reference import ReferenceBackend
+
+
+@hookimpl
+def register_backends(register):
+    register(ReferenceBackend())

@@ -1,0 +1,97 @@
+"""The decode-time KV cache: keys, values, absolute positions and per-token scores, evicting permanently.
+
+Every (batch row, key/value head) holds the same number of tokens, so the cache stays dense: (B, H_kv, M, D).
+Evictors that keep one set per layer drop the same token in every head; per-head evictors (H2O) may differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Name of the running per-token accumulator (selective attention's F) in ``KVCache.state``.
+SELECTION_STATE = "selection"
+
+
+class KVCache:
+    """A cache for one attention layer. Create it with ``variant.new_cache(batch=B, budget=K)``.
+
+    ``keys``/``values``: (B, H_kv, M, D) raw rows (transforms are applied when attending); ``positions``:
+    (B, H_kv, M) int64; ``state[name]``: (B, H_kv, M) per-token scores kept by the accumulator and the evictor.
+    ``budget=None`` never evicts.
+    """
+
+    def __init__(self, batch: int, budget: int | None, evictor=None, state_names: tuple[str, ...] = ()) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        if budget is not None and budget < 1:
+            raise ValueError(f"budget must be >= 1 or None, got {budget}")
+        self.batch = batch
+        self.budget = budget
+        self.evictor = evictor
+        self.state_names = tuple(state_names)
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.next_position = 1
+        self.evicted = 0
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens held per (batch row, key/value head)."""
+        return len(self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by keys, values, positions and per-token scores."""
+        tensors = [self.keys, self.values, self.positions, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def over_budget(self) -> bool:
+        return self.budget is not None and len(self) > self.budget
+
+    def __repr__(self) -> str:
+        return (f"KVCache(batch={self.batch}, tokens={len(self)}, budget={self.budget}, "
+                f"next_position={self.next_position}, bytes={self.nbytes})")
+
+    # -- mutation -------------------------------------------------------------------------------------------------
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one token: key, value (B, H_kv, 1, D). New per-token scores start at 0."""
+        if self.keys is None:
+            if key.shape[0] != self.batch:
+                raise ValueError(f"cache was made for batch {self.batch}, got k of batch {key.shape[0]}")
+            self.keys, self.values = key, value
+            shape = key.shape[:3]
+            self.positions = torch.full(shape, self.next_position, dtype=torch.int64, device=key.device)
+            self.state = {n: torch.zeros(shape, dtype=key.dtype, device=key.device) for n in self.state_names}
+        else:
+            if key.shape[:2] != self.keys.shape[:2] or key.shape[3] != self.keys.shape[3]:
+                raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
+            if key.dtype != self.keys.dtype:
+                raise ValueError(f"k has dtype {key.dtype} but the cache holds {self.keys.dtype}")
+            self.keys = torch.cat([self.keys, key], dim=2)
+            self.values = torch.cat([self.values, value], dim=2)
+            new_pos = torch.full(key.shape[:3], self.next_position, dtype=torch.int64, device=key.device)
+            self.positions = torch.cat([self.positions, new_pos], dim=2)
+            for name, t in self.state.items():
+                self.state[name] = torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2)
+        self.next_position += 1
+
+    def remove(self, victim: torch.Tensor) -> None:
+        """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""
+        m = len(self)
+        keep = torch.arange(m - 1, device=victim.device).view(1, 1, -1)
+        keep = keep + (keep >= victim.unsqueeze(-1)).long()
+        self.keys = self.keys.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[3]))
+        self.values = self.values.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[3]))
+        self.positions = self.positions.gather(2, keep)
+        self.state = {name: t.gather(2, keep) for name, t in self.state.items()}
+        self.evicted += 1
+
+    def evict(self) -> None:
+        """Ask the evictor for one victim per row and drop it."""
+        self.remove(self.evictor.victim(self))

@@ -1,0 +1,129 @@
+"""The ``attnzoo`` command. Exit codes: 0 success, 1 a check failed, 2 bad input (one line, no traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import AttnzooError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class BadInput(Exception):
+    """Raised by a command for input it cannot use; main() prints its one line and exits 2."""
+
+
+def _dtype(name: str):
+    import torch
+
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise BadInput(f"unknown floating dtype '{name}' (e.g. float32, float64, float16, bfloat16)")
+    return value
+
+
+def cmd_list(args) -> int:
+    from .registry import get_registry
+
+    reg = get_registry()
+    data = {
+        "transforms": [{"kind": k, "slot": c.slot.value, "summary": c.summary, "plugin": reg.origin[("transforms", k)]}
+                       for k, c in sorted(reg.transforms.items())],
+        "evictors": [{"kind": k, "summary": c.summary, "plugin": reg.origin[("evictors", k)]}
+                     for k, c in sorted(reg.evictors.items())],
+        "backends": [{"name": k, "priority": b.priority, "summary": b.summary, "plugin": reg.origin[("backends", k)]}
+                     for k, b in sorted(reg.backends.items())],
+        "specs": [{"name": k, "summary": s.summary, "hash": s.hash[:12], "plugin": reg.origin[("specs", k)]}
+                  for k, s in sorted(reg.specs.items())],
+        "plugins": [{"name": p.name, "package": p.package, "version": p.version, "builtin": p.builtin,
+                     "hooks": p.hooks, "registered": p.registered, "errors": p.errors}
+                    for p in reg.plugins.values()],
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return EXIT_OK
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=max(150, Console().width), soft_wrap=False)
+    columns = {"transforms": ("kind", "slot", "summary", "plugin"), "evictors": ("kind", "summary", "plugin"),
+               "backends": ("name", "priority", "summary", "plugin"), "specs": ("name", "summary", "plugin")}
+    for section, cols in columns.items():
+        table = Table(title=section, title_justify="left", box=None, pad_edge=False)
+        for col in cols:
+            table.add_column(col, overflow="fold")
+        for row in data[section]:
+            table.add_row(*(str(row[c]) for c in cols))
+        console.print(table)
+        console.print()
+    table = Table(title="plugins", title_justify="left", box=None, pad_edge=False)
+    for col in ("name", "package", "version", "status"):
+        table.add_column(col, overflow="fold")
+    for p in data["plugins"]:
+        status = "ok" if not p["errors"] else "FAILED: " + "; ".join(p["errors"])
+        table.add_row(p["name"], p["package"], p["version"], status)
+    console.print(table)
+    return EXIT_OK
+
+
+def cmd_validate(args) -> int:
+    from .spec import load_spec
+
+    status = EXIT_OK
+    for path in args.files:
+        try:
+            spec = load_spec(path if ("." in path.rsplit("/", 1)[-1] or "/" in path) else path)
+        except AttnzooError as exc:
+            print(f"attnzoo: {exc}", file=sys.stderr)
+            status = EXIT_BAD_INPUT
+            continue
+        print(f"ok  {path}  ({spec.name}, {spec.hash[:12]})")
+    return status
+
+
+def cmd_explain(args) -> int:
+    from .dispatch import explain
+
+    print(explain(args.spec, device=args.device, dtype=_dtype(args.dtype), requires_grad=args.grad))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("list", help="transforms, evictors, backends, specs and plugins")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("validate", help="check spec files (exit 2 if any is malformed)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("explain", help="which backends can run a spec, and why not")
+    p.add_argument("spec", metavar="SPEC", help="a spec file or the name of a registered spec")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--grad", action="store_true", help="the case needs gradients (training)")
+    p.set_defaults(func=cmd_explain)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (BadInput, AttnzooError, ValueError) as exc:
+        print(f"attnzoo: {' '.join(str(exc).split())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

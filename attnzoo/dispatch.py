@@ -1,0 +1,176 @@
+"""compile(), the Variant it returns, the one-shot attention() and explain(): choosing a backend per case."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .cache import SELECTION_STATE, KVCache
+from .errors import UnsupportedError
+from .plan import Plan, check_key_mask, check_positions, check_qkv
+from .registry import get_registry
+from .spec import load_spec
+from .transforms.base import Dims, Slot
+
+_UNSET: Any = object()
+
+
+def _case(device, dtype) -> tuple[torch.device, torch.dtype]:
+    return torch.device(device if device is not None else "cpu"), dtype if dtype is not None else torch.float32
+
+
+def verdicts(plan: Plan, registry, device, dtype, requires_grad) -> dict[str, list[str]]:
+    """Every backend's reasons for not running the case (empty list: it can), best priority first."""
+    ordered = sorted(registry.backends.values(), key=lambda b: (-b.priority, b.name))
+    return {b.name: list(b.supports(plan, device, dtype, requires_grad)) for b in ordered}
+
+
+class Variant:
+    """A spec bound to a backend choice. Call it like an attention function; decode with a cache."""
+
+    def __init__(self, spec, backend: str = "auto", registry=None) -> None:
+        self.registry = registry or get_registry()
+        self.spec = load_spec(spec, registry=self.registry)
+        self.plan = Plan.from_spec(self.spec, self.registry)
+        if backend != "auto" and backend not in self.registry.backends:
+            known = ", ".join(sorted(self.registry.backends))
+            raise ValueError(f"unknown backend '{backend}' (registered: {known})")
+        self.backend_name = backend
+        self._chosen: dict[tuple, Any] = {}
+
+    def __repr__(self) -> str:
+        return f"Variant(spec='{self.spec.name}', backend='{self.backend_name}')"
+
+    # -- backend choice -----------------------------------------------------------------------------------------
+    def backend_for(self, device, dtype, requires_grad: bool):
+        """The backend that runs this case; raises UnsupportedError with every backend's reasons."""
+        device, dtype = _case(device, dtype)
+        key = (device.type, dtype, bool(requires_grad))
+        if key not in self._chosen:
+            reasons = verdicts(self.plan, self.registry, device, dtype, requires_grad)
+            if self.backend_name != "auto":
+                reasons = {self.backend_name: reasons[self.backend_name]}
+            chosen = next((name for name, why in reasons.items() if not why), None)
+            if chosen is None:
+                raise UnsupportedError(self.spec.name, reasons)
+            self._chosen[key] = self.registry.backends[chosen]
+        return self._chosen[key]
+
+    # -- parameters ---------------------------------------------------------------------------------------------
+    def init_params(self, num_heads: int, head_dim: int, num_kv_heads: int | None = None,
+                    dtype: torch.dtype = torch.float32, device=None) -> dict[str, torch.Tensor]:
+        """The transforms' learnable parameters at their initial values, keyed ``"<kind>.<name>"``."""
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or head_dim < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"need num_heads % num_kv_heads == 0 and positive sizes, got "
+                             f"num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}")
+        return self.plan.init_params(Dims(num_heads, head_dim, num_kv_heads), dtype=dtype, device=device)
+
+    def parameter_names(self) -> list[str]:
+        return list(self.plan.param_specs())
+
+    # -- batch form ---------------------------------------------------------------------------------------------
+    def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_selection: bool = False):
+        """Attention over the whole sequence.
+
+        q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
+        initial values); positions (N,) or (B, N) 1-based (default 1..N); key_mask (B, N) bool, True where a key
+        may be attended (padding). Returns (B, H, N, D); with ``return_selection`` also the accumulated F
+        (B, N, N), or None for a spec without an accumulator.
+        """
+        dims = check_qkv(q, k, v)
+        b, _, n, _ = q.shape
+        pos = check_positions(positions, b, n, q.device)
+        mask = check_key_mask(key_mask, b, n, q.device)
+        grouped = self.plan.split_params(params, dims, q)
+        requires_grad = torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+            or any(p.requires_grad for group in grouped.values() for p in group.values()))
+        backend = self.backend_for(q.device, q.dtype, requires_grad)
+        return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_selection=return_selection)
+
+    # -- decoding -------------------------------------------------------------------------------------------------
+    def new_cache(self, batch: int, budget: int | None = _UNSET) -> KVCache:
+        """A decode-time KV cache with the spec's evictor. ``budget`` defaults to the spec's ``cache.budget``;
+        None never evicts."""
+        if not self.plan.causal:
+            raise ValueError(f"spec '{self.spec.name}' is not causal: token-by-token decoding needs causal attention")
+        options = self.spec.cache
+        if budget is _UNSET:
+            budget = options.budget if options is not None else None
+        evictor = self.plan.evictor_cls(options) if options is not None else None
+        if budget is not None and evictor is None:
+            raise ValueError(f"spec '{self.spec.name}' has no cache evictor, so a budget cannot be kept")
+        if evictor is not None:
+            problem = evictor.check_budget(budget)
+            if problem:
+                raise ValueError(problem)
+        names = list(evictor.state_names) if evictor is not None else []
+        if self.plan.one(Slot.ACCUMULATOR) is not None:
+            names.insert(0, SELECTION_STATE)
+        return KVCache(batch, budget, evictor, tuple(names))
+
+    def decode(self, q_t, k_t, v_t, cache: KVCache, params=None):
+        """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D). Appends to ``cache``, evicts when over
+        budget, returns the output (B, H, 1, D). Positions come from the cache."""
+        if q_t.dim() == 4 and q_t.shape[2] != 1:
+            raise ValueError(f"decode takes one token (N = 1), got q of shape {tuple(q_t.shape)}; use prefill")
+        return self._extend(q_t, k_t, v_t, cache, params, evict_first=True)
+
+    def prefill(self, q, k, v, cache: KVCache, params=None):
+        """Several new tokens at once (B, H, T, D): they attend over the cache and each other, then the cache
+        is evicted down to its budget. With no eviction this equals T calls of :meth:`decode`."""
+        return self._extend(q, k, v, cache, params, evict_first=False)
+
+    def _extend(self, q, k, v, cache, params, evict_first):
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
+        dims = check_qkv(q, k, v)
+        if q.shape[0] != cache.batch:
+            raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
+        grouped = self.plan.split_params(params, dims, q)
+        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        backend = self.backend_for(q.device, q.dtype, requires_grad)
+        return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first)
+
+
+def compile(spec, backend: str = "auto", registry=None) -> Variant:  # noqa: A001 - the public name
+    """Bind a spec (path, registered name, mapping or Spec) to a backend (``"auto"`` picks per call).
+
+    A named backend that cannot run the spec at all (on CPU, float32, forward) raises UnsupportedError now.
+    """
+    variant = Variant(spec, backend, registry)
+    if backend != "auto":
+        variant.backend_for("cpu", torch.float32, False)
+    return variant
+
+
+_compiled: dict[tuple[str, str, int], Variant] = {}
+
+
+def attention(q, k, v, spec, params=None, backend: str = "auto", positions=None, key_mask=None):
+    """One-shot functional form of ``compile(spec, backend)(q, k, v, ...)`` (compiled variants are reused)."""
+    registry = get_registry()
+    loaded = load_spec(spec, registry=registry)
+    key = (loaded.hash, backend, id(registry))
+    if key not in _compiled:
+        _compiled[key] = compile(loaded, backend, registry)
+    return _compiled[key](q, k, v, params=params, positions=positions, key_mask=key_mask)
+
+
+def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False, registry=None) -> str:
+    """Every backend's verdict on a case, one line each, and which one ``auto`` picks."""
+    registry = registry or get_registry()
+    loaded = load_spec(spec, registry=registry)
+    plan = Plan.from_spec(loaded, registry)
+    dev, dt = _case(device, dtype)
+    result = verdicts(plan, registry, dev, dt, requires_grad)
+    lines = [f"spec '{loaded.name}' ({loaded.hash[:12]}) on {dev.type}, {str(dt).removeprefix('torch.')}, "
+             f"{'forward+backward' if requires_grad else 'forward'}:"]
+    for name, why in result.items():
+        priority = registry.backends[name].priority
+        lines.append(f"  {name:<10} yes (priority {priority})" if not why else f"  {name:<10} no: {'; '.join(why)}")
+    chosen = next((name for name, why in result.items() if not why), None)
+    lines.append(f"  auto -> {chosen}" if chosen else "  auto -> none can run this case")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""The evictor contract: which cached token to drop when a decode-time cache is over its budget."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, create_model
+
+from ..transforms.base import StrictModel
+
+
+class EvictorOptions(StrictModel):
+    """The ``cache:`` mapping of a spec: ``evictor`` (the kind), ``budget`` (tokens per layer; None never evicts)
+    and the evictor's own options."""
+
+    evictor: str
+    budget: int | None = Field(None, ge=1)
+
+
+class Evictor:
+    """Base class of evictors. Subclasses set ``kind``, ``Options`` and implement :meth:`victim`.
+
+    ``per_head``: the kept set may differ between key/value heads (otherwise one set per layer).
+    ``evict_after_attention``: evict after the new query attended over ``budget + 1`` tokens (H2O, TOVA score
+    with the current query's attention) rather than before (selective, sink + window).
+    ``state_names``: per-token scores the cache keeps for this evictor, (B, H_kv, M) each, starting at 0.
+    """
+
+    kind: ClassVar[str]
+    Options: ClassVar[type[EvictorOptions]] = EvictorOptions
+    summary: ClassVar[str] = ""
+    per_head: ClassVar[bool] = False
+    evict_after_attention: ClassVar[bool] = False
+    state_names: ClassVar[tuple[str, ...]] = ()
+    _options_model: ClassVar[type[EvictorOptions] | None] = None
+
+    def __init__(self, options: EvictorOptions) -> None:
+        self.options = options
+
+    def check_spec(self, spec: Any) -> str | None:
+        """A reason this evictor cannot serve ``spec``, or None."""
+        return None
+
+    def check_budget(self, budget: int | None) -> str | None:
+        """A reason this evictor cannot work with ``budget`` tokens, or None."""
+        return None
+
+    def update(self, cache, probs: torch.Tensor) -> None:
+        """Update scores after a step; ``probs`` (B, H, 1, M) is the new query's attention over the cache."""
+
+    def victim(self, cache) -> torch.Tensor:
+        """Slot index to drop per (batch row, key/value head): (B, H_kv) int64."""
+        raise NotImplementedError
+
+    @classmethod
+    def options_model(cls) -> type[EvictorOptions]:
+        if cls.__dict__.get("_options_model") is None:
+            cls._options_model = create_model(
+                f"{cls.__name__}Options", __base__=cls.Options, evictor=(Literal[cls.kind], ...)
+            )
+        return cls._options_model
+
+    @classmethod
+    def contract_problem(cls) -> str | None:
+        if not (isinstance(cls.Options, type) and issubclass(cls.Options, EvictorOptions)):
+            return "Options must subclass attnzoo.EvictorOptions"
+        return None
+
+
+def pick(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Among eligible slots, the one with the largest (or smallest) score; ties go to the oldest position.
+
+    score, eligible, positions: (B, H_kv, M) → (B, H_kv) slot indices. Every row must have an eligible slot.
+    """
+    fill = float("-inf") if largest else float("inf")
+    masked = torch.where(eligible, score, torch.full_like(score, fill))
+    best = masked.amax(-1, keepdim=True) if largest else masked.amin(-1, keepdim=True)
+    tied = eligible & (masked == best)
+    oldest = torch.where(tied, positions, torch.full_like(positions, torch.iinfo(torch.int64).max))
+    return oldest.argmin(-1)

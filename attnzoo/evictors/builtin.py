@@ -1,0 +1,119 @@
+"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (PAPERS.md §2-3)."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from ..cache import SELECTION_STATE
+from ..hookspecs import hookimpl
+from .base import Evictor, EvictorOptions, pick
+
+
+class Selective(Evictor):
+    """Evict the non-BOS token with the largest accumulated F; ties go to the oldest. Needs ``selective_mask``
+    (or another accumulator) in the spec: F is the same quantity the model subtracted from its logits."""
+
+    kind = "selective"
+    summary = "drop the largest F (never BOS, ties -> oldest)"
+
+    def check_spec(self, spec):
+        if "accumulator" not in spec.slots():
+            return "evictor 'selective' needs an accumulator transform (e.g. selective_mask) in the spec"
+        return None
+
+    def check_budget(self, budget):
+        if budget is not None and budget < 2:
+            return "evictor 'selective' needs budget >= 2 (BOS is never evicted)"
+        return None
+
+    def victim(self, cache):
+        return pick(cache.state[SELECTION_STATE], cache.positions != 1, cache.positions, largest=True)
+
+
+class H2OOptions(EvictorOptions):
+    recent: int | None = Field(None, ge=0, description="most recent tokens always kept; default budget // 2")
+
+
+class H2O(Evictor):
+    """Heavy-Hitter Oracle: keep a window of recent tokens plus the tokens with the most attention accumulated
+    over all queries so far, per key/value head (summed over its query heads; kept per batch row)."""
+
+    kind = "h2o"
+    Options = H2OOptions
+    summary = "keep recent window + highest accumulated attention, per head"
+    per_head = True
+    evict_after_attention = True
+    state_names = ("attention",)
+
+    def recent(self, budget: int) -> int:
+        return self.options.recent if self.options.recent is not None else budget // 2
+
+    def check_spec(self, spec):
+        if "accumulator" in spec.slots():
+            return "evictor 'h2o' keeps a set per head; an accumulator needs one kept set per layer"
+        return None
+
+    def check_budget(self, budget):
+        if budget is not None and self.recent(budget) >= budget:
+            return f"h2o.recent ({self.recent(budget)}) must be smaller than the budget ({budget})"
+        return None
+
+    def update(self, cache, probs):
+        b, h, _, m = probs.shape
+        hkv = cache.keys.shape[1]
+        per_query_head = probs.detach().sum(dim=2)
+        cache.state["attention"] += per_query_head.reshape(b, hkv, h // hkv, m).sum(dim=2)
+
+    def victim(self, cache):
+        newest = cache.positions.amax(-1, keepdim=True)
+        eligible = cache.positions <= newest - self.recent(cache.budget)
+        return pick(cache.state["attention"], eligible, cache.positions, largest=False)
+
+
+class TOVA(Evictor):
+    """Token Omission Via Attention: drop the token the current query attends to least, averaged over heads;
+    one kept set per layer; no accumulation."""
+
+    kind = "tova"
+    summary = "drop the lowest current-query attention (mean over heads)"
+    evict_after_attention = True
+    state_names = ("last_attention",)
+
+    def update(self, cache, probs):
+        mean = probs[:, :, -1].detach().mean(dim=1)
+        cache.state["last_attention"] = mean.unsqueeze(1).expand_as(cache.positions).clone()
+
+    def victim(self, cache):
+        return pick(cache.state["last_attention"], torch.ones_like(cache.positions, dtype=torch.bool),
+                    cache.positions, largest=False)
+
+
+class SinkWindowOptions(EvictorOptions):
+    sink: int = Field(4, ge=0, description="first tokens always kept (attention sinks)")
+
+
+class SinkWindow(Evictor):
+    """StreamingLLM: keep the first ``sink`` tokens and the most recent ``budget - sink``."""
+
+    kind = "sink_window"
+    Options = SinkWindowOptions
+    summary = "keep the first `sink` tokens + a recent window"
+
+    def check_budget(self, budget):
+        if budget is not None and budget <= self.options.sink:
+            return f"sink_window.sink ({self.options.sink}) must be smaller than the budget ({budget})"
+        return None
+
+    def victim(self, cache):
+        eligible = cache.positions > self.options.sink
+        return pick(cache.positions.to(cache.keys.dtype), eligible, cache.positions, largest=False)
+
+
+BUILTIN_EVICTORS = (Selective, H2O, TOVA, SinkWindow)
+
+
+@hookimpl
+def register_evictors(register):
+    for cls in BUILTIN_EVICTORS:
+        register(cls)

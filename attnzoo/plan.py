@@ -1,0 +1,124 @@
+"""A spec resolved against the registry: transform instances by slot, parameter declarations, input checks.
+
+Backends consume a :class:`Plan`; it holds no backend-specific state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .transforms.base import Dims, ParamSpec, Slot, Transform
+
+
+@dataclass
+class Plan:
+    spec: Any
+    transforms: list[Transform]
+    causal: bool
+    scale: float | None
+    by_slot: dict[Slot, list[Transform]] = field(default_factory=dict)
+    evictor_cls: type | None = None
+
+    @classmethod
+    def from_spec(cls, spec, registry) -> Plan:
+        transforms = [registry.transforms[entry.kind](entry) for entry in spec.transforms]
+        by_slot: dict[Slot, list[Transform]] = {}
+        for t in transforms:
+            by_slot.setdefault(t.slot, []).append(t)
+        evictor_cls = registry.evictors[spec.cache.evictor] if spec.cache is not None else None
+        return cls(spec, transforms, spec.attention.causal, spec.attention.scale, by_slot, evictor_cls)
+
+    def one(self, slot: Slot) -> Transform | None:
+        items = self.by_slot.get(slot, [])
+        return items[0] if items else None
+
+    def many(self, slot: Slot) -> list[Transform]:
+        return self.by_slot.get(slot, [])
+
+    # -- parameters ---------------------------------------------------------------------------------------------
+    def param_specs(self) -> dict[str, tuple[Transform, ParamSpec]]:
+        return {f"{t.kind}.{p.name}": (t, p) for t in self.transforms for p in t.parameters()}
+
+    def init_params(self, dims: Dims, dtype=torch.float32, device=None) -> dict[str, torch.Tensor]:
+        return {key: torch.full(dims.resolve(p.shape), p.init, dtype=dtype, device=device)
+                for key, (_, p) in self.param_specs().items()}
+
+    def split_params(self, params: dict[str, torch.Tensor] | None, dims: Dims, like: torch.Tensor
+                     ) -> dict[str, dict[str, torch.Tensor]]:
+        """Check ``params`` against the declarations and group them per transform kind (short names)."""
+        specs = self.param_specs()
+        if params is None:
+            params = self.init_params(dims, dtype=like.dtype, device=like.device)
+        unknown = sorted(set(params) - set(specs))
+        if unknown:
+            raise ValueError(f"unknown parameter {unknown[0]!r} for spec '{self.spec.name}' "
+                             f"(expected: {', '.join(sorted(specs)) or 'none'})")
+        out: dict[str, dict[str, torch.Tensor]] = {t.kind: {} for t in self.transforms}
+        for key, (t, p) in specs.items():
+            if key not in params:
+                raise ValueError(f"missing parameter {key!r} for spec '{self.spec.name}'")
+            value = params[key]
+            want = dims.resolve(p.shape)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"parameter {key!r} must have shape {want}, got {got}")
+            out[t.kind][p.name] = value.to(like.dtype) if value.dtype != like.dtype else value
+        return out
+
+    def logit_scale(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length: bool = True) -> Dims:
+    """Validate shapes and dtypes of q (B, H, N, D), k and v (B, H_kv, N, D); return the dims."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (B, H, N, D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, h, n, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k/v shape {tuple(k.shape)} does not match q shape {tuple(q.shape)} (B and D must agree)")
+    if same_length and k.shape[2] != n:
+        raise ValueError(f"k/v have {k.shape[2]} tokens but q has {n}")
+    if k.shape[1] < 1 or h % k.shape[1] != 0:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({k.shape[1]})")
+    if n < 1 or d < 1:
+        raise ValueError(f"q has an empty dimension: shape {tuple(q.shape)}")
+    return Dims(num_heads=h, head_dim=d, num_kv_heads=k.shape[1])
+
+
+def check_positions(positions: Any, batch: int, n: int, device) -> torch.Tensor:
+    """Default 1..N; accept (N,) or (B, N) integer tensors of positions >= 1. Returns (B, N) int64."""
+    if positions is None:
+        return torch.arange(1, n + 1, device=device).expand(batch, n)
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError("positions must be an integer tensor of 1-based positions")
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0).expand(batch, -1)
+    if positions.shape != (batch, n):
+        raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
+    if bool((positions < 1).any()):
+        raise ValueError("positions are 1-based: every position must be >= 1")
+    return positions.to(device=device, dtype=torch.int64)
+
+
+def check_key_mask(key_mask: Any, batch: int, n: int, device) -> torch.Tensor | None:
+    if key_mask is None:
+        return None
+    if not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or key_mask.shape != (batch, n):
+        got = tuple(key_mask.shape) if isinstance(key_mask, torch.Tensor) else type(key_mask).__name__
+        raise ValueError(f"key_mask must be a bool tensor of shape ({batch}, {n}) (True = may attend), got {got}")
+    return key_mask.to(device)

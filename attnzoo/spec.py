@@ -1,0 +1,308 @@
+"""Spec files: a variant as validated, hashable data.
+
+Files are YAML, TOML or JSON and load the same way, safely: a size limit, a nesting limit, YAML without object
+tags or aliases (no alias bombs), duplicate keys rejected, invalid UTF-8 rejected, NaN/inf rejected. Every problem
+raises :class:`SpecError` with one line: ``file: field.path: reason``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, ClassVar, Optional, Union
+
+import yaml
+from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
+
+from .errors import SpecError
+from .transforms.base import COMPOSING_SLOTS, StrictModel
+
+MAX_BYTES = 1 << 20
+MAX_DEPTH = 32
+SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
+
+
+class AttentionOptions(StrictModel):
+    causal: bool = True
+    scale: Optional[float] = Field(None, gt=0, description="logit scale; default 1/sqrt(head_dim)")
+
+
+class SpecBase(StrictModel):
+    """A validated spec. The concrete class (with the registry's transform union) comes from the registry."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$", max_length=64)
+    summary: str = Field("", max_length=2000)
+    attention: AttentionOptions = AttentionOptions()
+    transforms: list[Any] = []
+    cache: Optional[Any] = None
+
+    _transform_classes: ClassVar[dict[str, type]] = {}
+    _evictor_classes: ClassVar[dict[str, type]] = {}
+    _source: str = PrivateAttr("<mapping>")
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        seen_slots: dict[str, int] = {}
+        seen_kinds: set[str] = set()
+        for index, entry in enumerate(self.transforms):
+            cls = self._transform_classes[entry.kind]
+            where = f"transforms[{index}]"
+            if entry.kind in seen_kinds:
+                raise ValueError(f"{where}: kind '{entry.kind}' appears twice")
+            seen_kinds.add(entry.kind)
+            if cls.slot not in COMPOSING_SLOTS and cls.slot.value in seen_slots:
+                raise ValueError(
+                    f"{where}: slot '{cls.slot.value}' already holds transforms[{seen_slots[cls.slot.value]}]"
+                    " (only logits and mask transforms compose)"
+                )
+            seen_slots.setdefault(cls.slot.value, index)
+            problem = cls(entry).check_spec(self)
+            if problem:
+                raise ValueError(f"{where}: {problem}")
+        if self.cache is not None:
+            problem = self._evictor_classes[self.cache.evictor](self.cache).check_spec(self)
+            if problem:
+                raise ValueError(f"cache: {problem}")
+        return self
+
+    # -- identity ---------------------------------------------------------------------------------------------
+    @property
+    def source(self) -> str:
+        return self._source
+
+    def canonical_json(self) -> str:
+        """The spec with every default filled in, keys sorted, no whitespace: the form that is hashed."""
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON without ``summary`` (documentation does not change the function)."""
+        data = self.model_dump(mode="json", exclude={"summary"})
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def slots(self) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for entry in self.transforms:
+            out.setdefault(self._transform_classes[entry.kind].slot.value, []).append(entry)
+        return out
+
+
+def build_spec_model(transforms: dict[str, type], evictors: dict[str, type]) -> type[SpecBase]:
+    """The spec model for a registry: ``transforms`` is a union on ``kind``, ``cache`` a union on ``evictor``."""
+    t_arms = tuple(cls.options_model() for cls in transforms.values())
+    e_arms = tuple(cls.options_model() for cls in evictors.values())
+    t_type = _union(t_arms, "kind")
+    e_type = _union(e_arms, "evictor")
+    model = create_model(
+        "Spec",
+        __base__=SpecBase,
+        transforms=(list[t_type], []) if t_type is not None else (list[Any], Field([], max_length=0)),
+        cache=(Optional[e_type], None) if e_type is not None else (None, None),
+    )
+    model._transform_classes = dict(transforms)
+    model._evictor_classes = dict(evictors)
+    return model
+
+
+def _union(arms: tuple[type, ...], tag: str):
+    if not arms:
+        return None
+    if len(arms) == 1:
+        return arms[0]
+    return Annotated[Union[arms], Field(discriminator=tag)]  # noqa: UP007 - a runtime tuple of arms
+
+
+# -- loading ----------------------------------------------------------------------------------------------------
+class _SpecYamlLoader(yaml.SafeLoader):
+    """SafeLoader without aliases (alias bombs), with a nesting limit and duplicate-key detection."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(problem="YAML aliases are not allowed in spec files",
+                                       problem_mark=event.start_mark)
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            raise yaml.MarkedYAMLError(problem=f"nesting deeper than {MAX_DEPTH} levels",
+                                       problem_mark=self.peek_event().start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:
+                raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
+                                           problem_mark=key_node.start_mark) from None
+            if duplicate:
+                raise yaml.MarkedYAMLError(problem=f"duplicate key '{key}'", problem_mark=key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_SpecYamlLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f"line {mark.line + 1}: " if mark is not None else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        if "constructor for the tag" in problem:
+            problem = f"tag {problem.split('tag', 1)[1].strip()} is not allowed (plain YAML only)"
+        raise SpecError(source, f"{where}{' '.join(problem.split())}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(source, f"invalid YAML: {' '.join(str(exc).split())}") from None
+    except RecursionError:
+        raise SpecError(source, f"nesting deeper than {MAX_DEPTH} levels") from None
+
+
+def _json(text: str, source: str) -> Any:
+    def pairs(items):
+        out = {}
+        for key, value in items:
+            if key in out:
+                raise SpecError(source, f"duplicate key '{key}'")
+            out[key] = value
+        return out
+
+    def constant(name):
+        raise SpecError(source, f"{name} is not allowed (numbers must be finite)")
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    except json.JSONDecodeError as exc:
+        raise SpecError(source, f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise SpecError(source, f"nesting deeper than {MAX_DEPTH} levels") from None
+
+
+def _toml(text: str, source: str) -> Any:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(source, f"invalid TOML: {exc}") from None
+    except RecursionError:
+        raise SpecError(source, f"nesting deeper than {MAX_DEPTH} levels") from None
+
+
+def _check_tree(node: Any, source: str, depth: int = 0, path: str = "") -> None:
+    if depth > MAX_DEPTH:
+        raise SpecError(source, f"nesting deeper than {MAX_DEPTH} levels")
+    if isinstance(node, dict):
+        for key, value in node.items():
+            _check_tree(value, source, depth + 1, f"{path}.{key}" if path else str(key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_tree(value, source, depth + 1, f"{path}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        raise SpecError(source, f"{node} is not allowed (numbers must be finite)", path)
+
+
+def read_spec_file(path: Path) -> dict[str, Any]:
+    """Read and parse a spec file into plain data (not yet validated against the registry)."""
+    source = str(path)
+    kind = SUFFIXES.get(path.suffix.lower())
+    if kind is None:
+        raise SpecError(source, f"unknown file type '{path.suffix}' (use .yaml, .yml, .toml or .json)")
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise SpecError(source, f"cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_BYTES:
+        raise SpecError(source, f"file is larger than the {MAX_BYTES // 1024} KiB limit for spec files")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SpecError(source, f"not valid UTF-8 (byte {exc.start})") from None
+    data = {"yaml": _yaml, "json": _json, "toml": _toml}[kind](text, source)
+    if data is None:
+        raise SpecError(source, "empty file (a spec is a mapping with at least 'name')")
+    if not isinstance(data, dict):
+        raise SpecError(source, f"the top level must be a mapping, not {type(data).__name__}")
+    _check_tree(data, source)
+    return data
+
+
+def validate_spec_data(data: dict[str, Any], source: str, registry=None) -> SpecBase:
+    """Validate plain data against the registry's spec model."""
+    from .registry import get_registry
+
+    model = (registry or get_registry()).spec_model()
+    try:
+        spec = model.model_validate(data)
+    except ValidationError as exc:
+        raise _spec_error(exc, data, source) from None
+    spec._source = source
+    return spec
+
+
+def load_spec(source: Any, registry=None) -> SpecBase:
+    """A spec from a path (YAML, TOML or JSON), the name of a registered spec, a mapping, or a spec itself.
+
+    Raises :class:`SpecError` with one line naming the file, the field and the reason.
+    """
+    from .registry import get_registry
+
+    if isinstance(source, SpecBase):
+        return source
+    if isinstance(source, dict):
+        return validate_spec_data(source, "<mapping>", registry)
+    if not isinstance(source, (str, Path)):
+        raise SpecError(repr(source), "expected a path, a spec name, a mapping or a Spec")
+    path = Path(source)
+    if path.suffix.lower() in SUFFIXES or path.exists():
+        if not path.is_file():
+            raise SpecError(str(source), "no such file")
+        return validate_spec_data(read_spec_file(path), str(source), registry)
+    reg = registry or get_registry()
+    if str(source) in reg.specs:
+        return reg.specs[str(source)]
+    known = ", ".join(sorted(reg.specs)) or "none"
+    raise SpecError(str(source), f"no such file and no registered spec of that name (registered: {known})")
+
+
+def _spec_error(exc: ValidationError, data: Any, source: str) -> SpecError:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    path = _format_loc(first["loc"], data)
+    kind = first["type"]
+    msg = first["msg"].removeprefix("Value error, ")
+    if kind == "extra_forbidden":
+        msg = "unknown key"
+    elif kind == "union_tag_invalid":
+        ctx = first.get("ctx", {})
+        msg = f"unknown {ctx.get('discriminator', 'kind').strip(chr(39))} {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
+    elif kind == "union_tag_not_found":
+        msg = f"missing {first.get('ctx', {}).get('discriminator', 'kind')}"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return SpecError(source, msg, path)
+
+
+def _format_loc(loc: tuple, data: Any) -> str:
+    parts: list[str] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+            node = node[item] if isinstance(node, list) and item < len(node) else None
+            continue
+        if isinstance(node, dict) and item not in node and item in (node.get("kind"), node.get("evictor")):
+            continue  # the union arm pydantic names after the tag value
+        parts.append(f".{item}" if parts else item)
+        node = node.get(item) if isinstance(node, dict) else None
+    return "".join(parts)

@@ -1,0 +1,174 @@
+"""The transform contract: a kind name, a slot, a pydantic options model, learnable parameters, reference maths.
+
+Shapes used throughout: B batch, H query heads, H_kv key/value heads (H % H_kv == 0), Nq query tokens, Nk key
+tokens, D head dim. Positions are 1-based absolute token positions (int64).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, create_model
+
+
+class Slot(str, enum.Enum):
+    """Where in the attention computation a transform acts (see DESIGN.md)."""
+
+    QUERY = "query"
+    KEY = "key"
+    VALUE = "value"
+    LOGITS = "logits"
+    ACCUMULATOR = "accumulator"
+    MASK = "mask"
+    OUTPUT = "output"
+
+
+#: Slots where a spec may list several transforms (applied in the order listed, masks intersected).
+COMPOSING_SLOTS = frozenset({Slot.LOGITS, Slot.MASK})
+
+
+class StrictModel(BaseModel):
+    """Base of every spec-file model: unknown keys, NaN/inf and type coercions are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class TransformOptions(StrictModel):
+    """Options of a transform as written in a spec file. Subclasses add fields; ``kind`` is filled in."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Sizes a parameter shape may refer to: ``H`` (query heads), ``H_kv`` (key/value heads), ``D`` (head dim)."""
+
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+
+    def resolve(self, shape: tuple[str | int, ...]) -> tuple[int, ...]:
+        table = {"H": self.num_heads, "H_kv": self.num_kv_heads, "D": self.head_dim}
+        return tuple(table[s] if isinstance(s, str) else int(s) for s in shape)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A learnable parameter: its short name (the params key is ``"<kind>.<name>"``), its shape in symbols of
+    :class:`Dims` (e.g. ``("H", "D")``; ``()`` is a scalar) and its initial value (filled everywhere)."""
+
+    name: str
+    shape: tuple[str | int, ...]
+    init: float
+
+
+@dataclass
+class Context:
+    """What logits, mask and accumulator transforms may look at, broadcastable against logits (B, H, Nq, Nk).
+
+    ``qpos``: (B, 1, Nq, 1) query positions; ``kpos``: (B, 1 or H, 1, Nk) key positions; ``heads``: (1, H, 1, 1)
+    query-head indices; ``dims``: the sizes of this call.
+    """
+
+    qpos: torch.Tensor
+    kpos: torch.Tensor
+    heads: torch.Tensor
+    dims: Dims
+
+
+class Transform:
+    """Base class of every transform. Subclass one of the slot bases below, set ``kind`` and ``Options``."""
+
+    kind: ClassVar[str]
+    slot: ClassVar[Slot]
+    Options: ClassVar[type[TransformOptions]] = TransformOptions
+    summary: ClassVar[str] = ""
+    _options_model: ClassVar[type[TransformOptions] | None] = None
+
+    def __init__(self, options: TransformOptions) -> None:
+        self.options = options
+
+    # -- declared by subclasses -------------------------------------------------------------------------------
+    def parameters(self) -> list[ParamSpec]:
+        """The learnable parameters this transform needs (may depend on its options)."""
+        return []
+
+    def check_spec(self, spec: Any) -> str | None:
+        """A reason this transform cannot appear in ``spec`` (cross-field rules), or None."""
+        return None
+
+    def check_dims(self, dims: Dims) -> None:
+        """Raise ValueError if the call's sizes do not fit the options (e.g. a head index out of range)."""
+
+    # -- registry helpers ---------------------------------------------------------------------------------------
+    @classmethod
+    def options_model(cls) -> type[TransformOptions]:
+        """``Options`` with ``kind`` narrowed to this transform's name: one arm of the spec's union."""
+        if cls.__dict__.get("_options_model") is None:
+            cls._options_model = create_model(
+                f"{cls.__name__}Options", __base__=cls.Options, kind=(Literal[cls.kind], ...)
+            )
+        return cls._options_model
+
+    @classmethod
+    def contract_problem(cls) -> str | None:
+        if not isinstance(getattr(cls, "slot", None), Slot):
+            return "slot must be an attnzoo.Slot"
+        if not (isinstance(cls.Options, type) and issubclass(cls.Options, TransformOptions)):
+            return "Options must subclass attnzoo.TransformOptions"
+        bases = {Slot.QUERY: RowScaleTransform, Slot.KEY: RowScaleTransform, Slot.VALUE: RowScaleTransform,
+                 Slot.OUTPUT: RowScaleTransform, Slot.LOGITS: LogitsTransform, Slot.MASK: MaskTransform,
+                 Slot.ACCUMULATOR: AccumulatorTransform}
+        if not issubclass(cls, bases[cls.slot]):
+            return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
+        return None
+
+
+class RowScaleTransform(Transform):
+    """Slots ``query``, ``key``, ``value``, ``output``: a scalar per token and head multiplies that row.
+
+    The row is the raw query, key or value row given to attention (after any RoPE the model applied), or for
+    ``output`` the attention output row.
+    """
+
+    def scale(self, rows: torch.Tensor, positions: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """rows (B, Hx, N, D), positions (B, 1 or Hx, N) → the scale t (B, Hx, N)."""
+        raise NotImplementedError
+
+
+class LogitsTransform(Transform):
+    """Slot ``logits``: a pointwise map of the scaled logits before the softmax."""
+
+    def apply(self, logits: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """logits (B, H, Nq, Nk) → new logits of the same shape."""
+        raise NotImplementedError
+
+
+class MaskTransform(Transform):
+    """Slot ``mask``: which (query, key) pairs may attend. Masks of a spec are intersected."""
+
+    def allowed(self, ctx: Context) -> torch.Tensor:
+        """A bool tensor broadcastable to (B, H, Nq, Nk): True where the query may attend to the key."""
+        raise NotImplementedError
+
+
+class AccumulatorTransform(Transform):
+    """Slot ``accumulator``: a non-negative selection ``S[b, k, j]`` (query k marks key j); backends subtract
+    ``F[b, i, j] = sum over earlier queries k < i of S[b, k, j]`` from every head's logits."""
+
+    def selection(
+        self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """logits (B, H, Nq, Nk) after the logits slot, allowed (bool, broadcastable) → S (B, 1, Nq, Nk) >= 0."""
+        raise NotImplementedError
+
+
+def gelu_dot_tanh(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """tanh(u · GELU(x)) per row: rows (B, Hx, N, D), weight (Hx, D) or (D,) → (B, Hx, N)."""
+    g = torch.nn.functional.gelu(rows)
+    if weight.dim() == 1:
+        return torch.tanh(g @ weight)
+    return torch.tanh(torch.einsum("bhnd,hd->bhn", g, weight))

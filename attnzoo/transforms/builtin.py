@@ -1,0 +1,22 @@
+"""Registers the built-in transforms through the same hook a third-party plugin uses."""
+
+from __future__ import annotations
+
+from ..hookspecs import hookimpl
+from .logits import Alibi, ConstantTemperature, Softcap, YarnScale
+from .masks import Causal, LocalGlobal, Prefix, SlidingWindow
+from .selective import SelectiveMask
+from .temperature import KeyTemperature, QueryTemperature, ValueTemperature
+
+BUILTIN_TRANSFORMS = (
+    QueryTemperature, KeyTemperature, ValueTemperature,
+    Softcap, Alibi, ConstantTemperature, YarnScale,
+    SelectiveMask,
+    Causal, SlidingWindow, LocalGlobal, Prefix,
+)
+
+
+@hookimpl
+def register_transforms(register):
+    for cls in BUILTIN_TRANSFORMS:
+        register(cls)

@@ -1,0 +1,98 @@
+"""Pointwise logits transforms, and the SSA paper's constant-temperature and YaRN baselines."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from pydantic import Field
+
+from .base import Context, LogitsTransform, ParamSpec, Slot, TransformOptions
+
+
+class SoftcapOptions(TransformOptions):
+    cap: float = Field(gt=0)
+
+
+class Softcap(LogitsTransform):
+    """``l' = cap * tanh(l / cap)`` (Gemma-2 style logit soft-capping)."""
+
+    kind = "softcap"
+    slot = Slot.LOGITS
+    Options = SoftcapOptions
+    summary = "l' = cap * tanh(l / cap)"
+
+    def apply(self, logits, ctx, params):
+        cap = self.options.cap
+        return cap * torch.tanh(logits / cap)
+
+
+def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list[float]:
+    """The ALiBi head slopes (Press et al.): ``2^(-max_bias * h / n)`` for n a power of two; otherwise the slopes
+    of the nearest lower power of two followed by every other slope of the next power of two."""
+
+    def power_of_two(n: int) -> list[float]:
+        return [2.0 ** (-max_bias * (h + 1) / n) for h in range(n)]
+
+    if num_heads & (num_heads - 1) == 0:
+        return power_of_two(num_heads)
+    lower = 2 ** int(math.floor(math.log2(num_heads)))
+    return power_of_two(lower) + power_of_two(2 * lower)[0::2][: num_heads - lower]
+
+
+class AlibiOptions(TransformOptions):
+    max_bias: float = Field(8.0, gt=0)
+
+
+class Alibi(LogitsTransform):
+    """``l' = l - slope_h * |i - j|`` with the standard per-head ALiBi slopes."""
+
+    kind = "alibi"
+    slot = Slot.LOGITS
+    Options = AlibiOptions
+    summary = "l' = l - slope_h * |i - j| (per-head geometric slopes)"
+
+    def apply(self, logits: torch.Tensor, ctx: Context, params):
+        slopes = torch.tensor(alibi_slopes(ctx.dims.num_heads, self.options.max_bias),
+                              dtype=logits.dtype, device=logits.device).view(1, -1, 1, 1)
+        distance = (ctx.qpos - ctx.kpos).abs().to(logits.dtype)
+        return logits - slopes * distance
+
+
+class ConstantTemperatureOptions(TransformOptions):
+    value: float = Field(1.0, gt=0, description="initial inverse temperature")
+    learnable: bool = True
+
+
+class ConstantTemperature(LogitsTransform):
+    """SSA's baseline: one inverse temperature per head, ``l' = tau_h * l`` (learnable by default, starting at
+    ``value``; fixed at ``value`` when ``learnable: false``)."""
+
+    kind = "constant_temperature"
+    slot = Slot.LOGITS
+    Options = ConstantTemperatureOptions
+    summary = "l' = tau_h * l, one (learnable) inverse temperature per head"
+
+    def parameters(self):
+        return [ParamSpec("temperature", ("H",), self.options.value)] if self.options.learnable else []
+
+    def apply(self, logits, ctx, params):
+        if not self.options.learnable:
+            return logits * self.options.value
+        return logits * params["temperature"].view(1, -1, 1, 1)
+
+
+class YarnScaleOptions(TransformOptions):
+    factor: float = Field(ge=1, description="context extension factor s")
+
+
+class YarnScale(LogitsTransform):
+    """YaRN's attention scaling, SSA's baseline: ``l' = (0.1 * ln(s) + 1) * l`` for extension factor s."""
+
+    kind = "yarn_scale"
+    slot = Slot.LOGITS
+    Options = YarnScaleOptions
+    summary = "l' = (0.1 ln s + 1) * l"
+
+    def apply(self, logits, ctx, params):
+        return logits * (0.1 * math.log(self.options.factor) + 1.0)

@@ -1,0 +1,81 @@
+"""Mask transforms: which (query, key) pairs may attend. All compare absolute positions, so they hold in the
+batch form, in chunks and in decoding alike."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Context, MaskTransform, Slot, TransformOptions
+
+
+class Causal(MaskTransform):
+    """A query attends to keys at its own or earlier positions (the same as ``attention: {causal: true}``)."""
+
+    kind = "causal"
+    slot = Slot.MASK
+    summary = "key position <= query position"
+
+    def allowed(self, ctx: Context):
+        return ctx.kpos <= ctx.qpos
+
+
+class SlidingWindowOptions(TransformOptions):
+    window: int = Field(ge=1, description="how many most recent tokens (the query's own included) are visible")
+
+
+class SlidingWindow(MaskTransform):
+    """Causal local attention: query i sees keys j with i - window < j <= i (the selective-attention paper's
+    "local" baseline)."""
+
+    kind = "sliding_window"
+    slot = Slot.MASK
+    Options = SlidingWindowOptions
+    summary = "causal, and at most `window` tokens back"
+
+    def allowed(self, ctx: Context):
+        gap = ctx.qpos - ctx.kpos
+        return (gap >= 0) & (gap < self.options.window)
+
+
+class LocalGlobalOptions(TransformOptions):
+    window: int = Field(ge=1)
+    global_heads: int = Field(ge=0, description="the first `global_heads` heads attend to the whole causal past")
+
+
+class LocalGlobal(MaskTransform):
+    """Local-global baseline within one layer: heads ``< global_heads`` are global (causal), the others local
+    (sliding window). The paper alternates local and global *layers*; a model gets that by giving its layers
+    specs with ``global_heads: 0`` or all heads global. The per-head split is attnzoo's choice ([open])."""
+
+    kind = "local_global"
+    slot = Slot.MASK
+    Options = LocalGlobalOptions
+    summary = "first `global_heads` heads causal, the rest a sliding window"
+
+    def allowed(self, ctx: Context):
+        gap = ctx.qpos - ctx.kpos
+        local = gap < self.options.window
+        return (gap >= 0) & (local | (ctx.heads < self.options.global_heads))
+
+
+class PrefixOptions(TransformOptions):
+    length: int = Field(ge=1, description="tokens 1..length attend to each other both ways")
+
+
+class Prefix(MaskTransform):
+    """Prefix-LM: causal, except that the first ``length`` positions see each other bidirectionally.
+    Use with ``attention: {causal: false}`` (the spec-level causal mask would otherwise cancel the prefix)."""
+
+    kind = "prefix"
+    slot = Slot.MASK
+    Options = PrefixOptions
+    summary = "bidirectional within the first `length` tokens, causal after"
+
+    def allowed(self, ctx: Context):
+        n = self.options.length
+        return (ctx.kpos <= ctx.qpos) | ((ctx.kpos <= n) & (ctx.qpos <= n))
+
+    def check_spec(self, spec):
+        if spec.attention.causal:
+            return "prefix needs attention.causal: false (the causal mask would hide the prefix's future)"
+        return None
