@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .backends.base import Backend
 from .cache import KVCache
 from .dispatch import Variant, attention, compile, explain
 from .errors import AttnzooError, PluginError, SpecError, UnsupportedError
@@ -12,7 +13,6 @@ from .hookspecs import hookimpl
 from .registry import Registry, get_registry, new_registry
 from .spec import SpecBase as Spec
 from .spec import load_spec
-from .backends.base import Backend
 from .transforms.base import (
     AccumulatorTransform,
     Context,

@@ -60,13 +60,16 @@ class KVCache:
 
     # -- mutation -------------------------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one token: key, value (B, H_kv, 1, D). New per-token scores start at 0."""
+        """Append T tokens: key, value (B, H_kv, T, D), at the next T positions. New per-token scores are 0."""
+        count = key.shape[2]
+        new_pos = torch.arange(self.next_position, self.next_position + count, device=key.device)
+        new_pos = new_pos.expand(*key.shape[:2], count)
         if self.keys is None:
             if key.shape[0] != self.batch:
                 raise ValueError(f"cache was made for batch {self.batch}, got k of batch {key.shape[0]}")
             self.keys, self.values = key, value
             shape = key.shape[:3]
-            self.positions = torch.full(shape, self.next_position, dtype=torch.int64, device=key.device)
+            self.positions = new_pos.clone()
             self.state = {n: torch.zeros(shape, dtype=key.dtype, device=key.device) for n in self.state_names}
         else:
             if key.shape[:2] != self.keys.shape[:2] or key.shape[3] != self.keys.shape[3]:
@@ -75,11 +78,10 @@ class KVCache:
                 raise ValueError(f"k has dtype {key.dtype} but the cache holds {self.keys.dtype}")
             self.keys = torch.cat([self.keys, key], dim=2)
             self.values = torch.cat([self.values, value], dim=2)
-            new_pos = torch.full(key.shape[:3], self.next_position, dtype=torch.int64, device=key.device)
             self.positions = torch.cat([self.positions, new_pos], dim=2)
             for name, t in self.state.items():
-                self.state[name] = torch.cat([t, torch.zeros_like(t[:, :, :1])], dim=2)
-        self.next_position += 1
+                self.state[name] = torch.cat([t, t.new_zeros(*t.shape[:2], count)], dim=2)
+        self.next_position += count
 
     def remove(self, victim: torch.Tensor) -> None:
         """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""

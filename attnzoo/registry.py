@@ -228,7 +228,8 @@ def _collect(reg: Registry, category: str, plugin: str, function: Callable) -> N
                 info.errors.append(str(exc))
                 continue
             if spec.name in reg.specs:
-                info.errors.append(f"spec '{spec.name}' is already registered (by '{reg.origin[('specs', spec.name)]}')")
+                owner = reg.origin[("specs", spec.name)]
+                info.errors.append(f"spec '{spec.name}' is already registered (by '{owner}')")
                 continue
             reg.specs[spec.name] = spec
             reg.origin[("specs", spec.name)] = plugin

@@ -10,10 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Optional, Union
 
+import tomllib
 import yaml
 from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
 
@@ -27,7 +27,7 @@ SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
 class AttentionOptions(StrictModel):
     causal: bool = True
-    scale: Optional[float] = Field(None, gt=0, description="logit scale; default 1/sqrt(head_dim)")
+    scale: float | None = Field(None, gt=0, description="logit scale; default 1/sqrt(head_dim)")
 
 
 class SpecBase(StrictModel):
@@ -37,7 +37,7 @@ class SpecBase(StrictModel):
     summary: str = Field("", max_length=2000)
     attention: AttentionOptions = AttentionOptions()
     transforms: list[Any] = []
-    cache: Optional[Any] = None
+    cache: Any | None = None
 
     _transform_classes: ClassVar[dict[str, type]] = {}
     _evictor_classes: ClassVar[dict[str, type]] = {}

@@ -31,57 +31,6 @@ def _row_scale(plan, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, pa
     return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
 
 
-def attend(plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
-    """The whole composition for queries at ``qpos`` against keys at ``kpos``.
-
-    q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
-    carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None.
-    Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None).
-    """
-    b, h, nq, d = q.shape
-    hkv = k.shape[1]
-    dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
-    for t in plan.transforms:
-        t.check_dims(dims)
-
-    qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
-    ks = _row_scale(plan, Slot.KEY, k, kpos, params)
-    vs = _row_scale(plan, Slot.VALUE, v, kpos, params)
-    group = h // hkv
-    ks = ks.repeat_interleave(group, dim=1)
-    vs = vs.repeat_interleave(group, dim=1)
-    kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
-    ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :],
-                  heads=torch.arange(h, device=q.device).view(1, h, 1, 1), dims=dims)
-
-    logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
-    for t in plan.many(Slot.LOGITS):
-        logits = t.apply(logits, ctx, params[t.kind])
-
-    allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
-    if plan.causal:
-        allowed = allowed & (ctx.kpos <= ctx.qpos)
-    for t in plan.many(Slot.MASK):
-        allowed = allowed & t.allowed(ctx)
-    if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :]
-
-    selection = accumulated = None
-    acc = plan.one(Slot.ACCUMULATOR)
-    if acc is not None:
-        selection = acc.selection(logits, allowed, ctx, params[acc.kind])
-        # F[i] = sum over strictly earlier queries: a shifted cumulative sum along the QUERY axis
-        accumulated = torch.nn.functional.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
-        if carry is not None:
-            accumulated = accumulated + carry[:, None, None, :]
-        logits = logits - accumulated
-
-    probs = masked_softmax(logits, allowed)
-    out = probs @ vs
-    out = _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
-    return out, probs, selection, accumulated
-
-
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
@@ -90,8 +39,71 @@ class ReferenceBackend(Backend):
     def supports(self, plan, device, dtype, requires_grad):
         return []
 
+    # The pieces below are methods so that tests can build deliberately broken backends by overriding one.
+    def accumulate(self, selection: torch.Tensor) -> torch.Tensor:
+        """F[i] = sum of S over strictly earlier queries: a shifted cumulative sum along the QUERY axis (dim 2)."""
+        return torch.nn.functional.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
+
+    def query_positions(self, cache, count: int, batch: int) -> torch.Tensor:
+        """Absolute positions of the ``count`` tokens just appended to ``cache``: (B, count)."""
+        first = cache.next_position - count
+        return torch.arange(first, cache.next_position, device=cache.keys.device).expand(batch, count)
+
+    def carry(self, cache) -> torch.Tensor | None:
+        """The running F of every cached token (B, M), or None without an accumulator."""
+        return cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
+
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
+        """The whole composition for queries at ``qpos`` against keys at ``kpos``.
+
+        q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
+        carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None.
+        Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None).
+        """
+        b, h, nq, d = q.shape
+        hkv = k.shape[1]
+        dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
+        for t in plan.transforms:
+            t.check_dims(dims)
+
+        qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = _row_scale(plan, Slot.KEY, k, kpos, params)
+        vs = _row_scale(plan, Slot.VALUE, v, kpos, params)
+        group = h // hkv
+        ks = ks.repeat_interleave(group, dim=1)
+        vs = vs.repeat_interleave(group, dim=1)
+        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
+        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :],
+                      heads=torch.arange(h, device=q.device).view(1, h, 1, 1), dims=dims)
+
+        logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
+        for t in plan.many(Slot.LOGITS):
+            logits = t.apply(logits, ctx, params[t.kind])
+
+        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
+        if plan.causal:
+            allowed = allowed & (ctx.kpos <= ctx.qpos)
+        for t in plan.many(Slot.MASK):
+            allowed = allowed & t.allowed(ctx)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+
+        selection = accumulated = None
+        acc = plan.one(Slot.ACCUMULATOR)
+        if acc is not None:
+            selection = acc.selection(logits, allowed, ctx, params[acc.kind])
+            accumulated = self.accumulate(selection)
+            if carry is not None:
+                accumulated = accumulated + carry[:, None, None, :]
+            logits = logits - accumulated
+
+        probs = masked_softmax(logits, allowed)
+        out = probs @ vs
+        out = _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        return out, probs, selection, accumulated
+
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
-        out, _, _, accumulated = attend(plan, q, k, v, positions, positions.unsqueeze(1), params, key_mask)
+        out, _, _, accumulated = self.attend(plan, q, k, v, positions, positions.unsqueeze(1), params, key_mask)
         if return_selection:
             return out, (accumulated[:, 0] if accumulated is not None else None)
         return out
@@ -103,11 +115,9 @@ class ReferenceBackend(Backend):
         if evict_first and evictor is not None and not evictor.evict_after_attention:
             while cache.over_budget():
                 cache.evict()
-        b = q.shape[0]
-        qpos = torch.arange(cache.next_position - t, cache.next_position, device=q.device).expand(b, t)
-        carry = cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
-        out, probs, selection, _ = attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
-                                          carry=carry)
+        qpos = self.query_positions(cache, t, q.shape[0])
+        out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
+                                               carry=self.carry(cache))
         if selection is not None:
             cache.state[SELECTION_STATE] = cache.state[SELECTION_STATE] + selection.sum(dim=2)
         if evictor is not None:

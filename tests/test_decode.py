@@ -1,0 +1,190 @@
+"""Decoding with a KV cache: equals the batch form, evictors choose as specified, known bugs are caught."""
+
+import pytest
+import torch
+from broken import EvictsBosOnTie, EvictsNewest, registry_replacing, registry_with_broken_backends
+
+import attnzoo
+from attnzoo.cache import KVCache
+from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
+
+SHIPPED = sorted(attnzoo.get_registry().specs)
+
+
+def perturbed_params(variant, h, d, hkv, scale=0.5):
+    params = variant.init_params(num_heads=h, head_dim=d, num_kv_heads=hkv, dtype=torch.float64)
+    return {key: value + scale * torch.randn_like(value) for key, value in params.items()}
+
+
+def decode_all(variant, q, k, v, cache, params=None):
+    return torch.cat([variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params)
+                      for i in range(q.shape[2])], dim=2)
+
+
+def check_decode_matches_batch(spec, n=63, h=4, hkv=2, d=8, backend="reference", registry=None, budget=None):
+    variant = attnzoo.compile(spec, backend=backend, registry=registry)
+    q = torch.randn(2, h, n, d, dtype=torch.float64)
+    k, v = torch.randn(2, 2, hkv, n, d, dtype=torch.float64)
+    params = perturbed_params(variant, h, d, hkv)
+    full = variant(q, k, v, params=params)
+    cache = variant.new_cache(batch=2, budget=budget)
+    steps = decode_all(variant, q, k, v, cache, params)
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-12)
+    return cache
+
+
+# -- evictor choices, hand cases ----------------------------------------------------------------------------------
+def cache_with(positions, **state):
+    m = len(positions)
+    cache = KVCache(batch=1, budget=m - 1)
+    cache.keys = cache.values = torch.zeros(1, 1, m, 1, dtype=torch.float64)
+    cache.positions = torch.tensor(positions).view(1, 1, m)
+    cache.state = {k: torch.tensor(v, dtype=torch.float64).view(1, 1, m) for k, v in state.items()}
+    return cache
+
+
+def opts(cls, **kw):
+    return cls(cls.options_model()(evictor=cls.kind, **kw))
+
+
+def test_selective_evicts_largest_f_never_bos_ties_to_oldest():
+    assert opts(Selective).victim(cache_with([1, 2, 3, 4, 5], selection=[5, 1, 3, 3, 0])).item() == 2
+    assert opts(Selective).victim(cache_with([1, 2, 3, 4], selection=[0, 0, 0, 0])).item() == 1  # not BOS
+    assert opts(Selective).victim(cache_with([1, 4, 7], selection=[9, 2, 2.5])).item() == 2
+
+
+def test_h2o_evicts_lowest_accumulated_attention_outside_the_recent_window():
+    cache = cache_with([1, 2, 3, 4, 5], attention=[0.9, 0.1, 0.5, 0.0, 0.0])
+    cache.budget = 4
+    assert opts(H2O, recent=2).victim(cache).item() == 1  # positions 4, 5 are recent
+    assert opts(H2O, recent=0).victim(cache).item() == 3  # tie 0.0 at positions 4 and 5 -> oldest
+
+
+def test_tova_evicts_lowest_current_attention():
+    assert opts(TOVA).victim(cache_with([1, 2, 3, 4], last_attention=[0.3, 0.1, 0.1, 0.5])).item() == 1
+
+
+def test_sink_window_evicts_oldest_after_the_sinks():
+    assert opts(SinkWindow, sink=2).victim(cache_with([1, 2, 3, 4, 5])).item() == 2
+    assert opts(SinkWindow, sink=2).victim(cache_with([1, 2, 4, 5, 6])).item() == 2
+    assert opts(SinkWindow, sink=0).victim(cache_with([3, 4, 5])).item() == 0
+
+
+def test_sink_window_keeps_sinks_and_recent_tokens():
+    x = torch.randn(1, 2, 9, 4, dtype=torch.float64)
+    variant = attnzoo.compile("streaming")
+    cache = variant.new_cache(batch=1, budget=6)
+    decode_all(variant, x, x, x, cache)
+    assert cache.positions[0, 0].tolist() == [1, 2, 3, 4, 8, 9]
+    assert cache.num_tokens == 6 and cache.evicted == 3
+    assert cache.nbytes == 2 * (1 * 2 * 6 * 4 * 8) + 1 * 2 * 6 * 8
+
+
+def test_h2o_keeps_per_head_sets():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(3, 1, 4, 20, 8, dtype=torch.float64)
+    variant = attnzoo.compile({"name": "h", "cache": {"evictor": "h2o"}})
+    cache = variant.new_cache(batch=1, budget=8)
+    decode_all(variant, q, k, v, cache)
+    kept = cache.positions[0]
+    assert kept.shape == (4, 8)
+    assert bool((kept.sort(-1).values[:, -4:] == torch.arange(17, 21)).all())  # recent = budget // 2
+    assert len({tuple(row.tolist()) for row in kept}) > 1  # heads keep different heavy hitters
+
+
+# -- properties -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_decode_equals_batch_without_budget(spec):
+    check_decode_matches_batch(spec)
+
+
+@pytest.mark.parametrize("n", [1, 2, 63])
+def test_decode_equals_batch_odd_lengths(n):
+    check_decode_matches_batch("selective-ssa", n=n)
+
+
+@pytest.mark.parametrize("spec", ["selective-pruned", "h2o", "tova", "streaming", "selective-ssa"])
+def test_budget_at_least_n_changes_nothing(spec):
+    cache = check_decode_matches_batch(spec, n=40, budget=40)
+    assert cache.evicted == 0 and cache.num_tokens == 40
+
+
+def test_prefill_then_decode_equals_batch():
+    variant = attnzoo.compile("selective-ssa")
+    q = torch.randn(1, 4, 30, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 2, 30, 8, dtype=torch.float64)
+    params = perturbed_params(variant, 4, 8, 2)
+    cache = variant.new_cache(batch=1, budget=None)
+    first = variant.prefill(q[:, :, :17], k[:, :, :17], v[:, :, :17], cache, params=params)
+    rest = decode_all(variant, q[:, :, 17:], k[:, :, 17:], v[:, :, 17:], cache, params)
+    torch.testing.assert_close(torch.cat([first, rest], 2), variant(q, k, v, params=params), rtol=0, atol=1e-12)
+
+
+def check_bos_kept(registry=None, n=40, budget=5):
+    variant = attnzoo.compile("selective-pruned", registry=registry)
+    q = torch.randn(2, 2, n, 4, dtype=torch.float64)
+    zeros = torch.zeros(2, 2, n, 4, dtype=torch.float64)  # all logits 0: every F is 0, every eviction a tie
+    for keys in (torch.randn(2, 2, n, 4, dtype=torch.float64), zeros):
+        cache = variant.new_cache(batch=2, budget=budget)
+        for i in range(n):
+            variant.decode(q[:, :, i:i + 1], keys[:, :, i:i + 1], keys[:, :, i:i + 1], cache)
+            assert bool((cache.positions[..., 0] == 1).all()), f"BOS evicted at step {i + 1}"
+        assert cache.num_tokens == budget
+
+
+def test_bos_is_never_evicted():
+    check_bos_kept()
+
+
+def test_bos_evicted_on_a_tie_is_caught():
+    with pytest.raises(AssertionError, match="BOS evicted"):
+        check_bos_kept(registry_replacing("selective", EvictsBosOnTie, "evictors"))
+
+
+def check_selective_eviction_is_max_f(registry=None):
+    """With a budget, the selective evictor must drop exactly the token a brute-force max-F rule drops."""
+    variant = attnzoo.compile("selective-pruned", registry=registry)
+    q, k, v = torch.randn(3, 1, 2, 24, 4, dtype=torch.float64)
+    cache = variant.new_cache(batch=1, budget=6)
+    for i in range(24):
+        before = cache.positions.clone() if cache.positions is not None else None
+        f_before = cache.state["selection"].clone() if cache.state else None
+        variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache)
+        if before is not None and before.shape[2] == 6:
+            pos, f = before[0, 0].tolist(), f_before[0, 0].tolist()
+            best = max(f[j] for j in range(6) if pos[j] != 1)
+            expected = min(pos[j] for j in range(6) if pos[j] != 1 and f[j] == best)
+            assert expected not in cache.positions[0, 0].tolist(), f"step {i + 1}: kept {expected} (max F)"
+
+
+def test_selective_evictor_drops_max_f():
+    check_selective_eviction_is_max_f()
+
+
+def test_evictor_dropping_newest_is_caught():
+    with pytest.raises(AssertionError, match="max F"):
+        check_selective_eviction_is_max_f(registry_replacing("selective", EvictsNewest, "evictors"))
+
+
+@pytest.mark.parametrize("backend, spec", [("broken_zero_f_decode", "selective"),
+                                           ("broken_position_collapse", "ssa-position"),
+                                           ("broken_position_collapse", "ssa")])
+def test_decoding_bugs_are_caught(backend, spec):
+    with pytest.raises(AssertionError):
+        check_decode_matches_batch(spec, n=20, backend=backend, registry=registry_with_broken_backends())
+
+
+def test_cache_errors_are_clear():
+    variant = attnzoo.compile("selective-pruned")
+    with pytest.raises(ValueError, match="needs budget >= 2"):
+        variant.new_cache(batch=1, budget=1)
+    with pytest.raises(ValueError, match="no cache evictor"):
+        attnzoo.compile("vanilla").new_cache(batch=1, budget=4)
+    cache = variant.new_cache(batch=2)
+    x = torch.randn(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="cache was made for batch 2"):
+        variant.decode(x, x, x, cache)
+    with pytest.raises(ValueError, match="decode takes one token"):
+        variant.decode(torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4), cache)
+    with pytest.raises(ValueError, match="not causal"):
+        attnzoo.compile({"name": "bi", "attention": {"causal": False}}).new_cache(batch=1)
