@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(BIN)/attnzoo list
 	$(BIN)/attnzoo validate specs/*
 	$(BIN)/python -m attnzoo.demo
+	$(BIN)/attnzoo conformance
 
 clean:
 	rm -rf $(VENV) build *.egg-info

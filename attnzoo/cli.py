@@ -91,6 +91,49 @@ def cmd_explain(args) -> int:
     return EXIT_OK
 
 
+def cmd_conformance(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.table import Table
+
+    from .conformance import runner
+    from .registry import get_registry
+
+    reg = get_registry()
+    dtypes = tuple(_dtype(d) for d in args.dtype) if args.dtype else runner.DEFAULT_DTYPES
+    specs, backends = runner.select(reg, args.specs, args.backend, args.plugin)
+    try:
+        expected = runner.read_expected_failures(args.expected_failures)
+    except OSError as exc:
+        raise BadInput(f"{args.expected_failures}: cannot read: {exc.strerror or exc}") from None
+    cases = runner.build_cases(reg, specs, backends, dtypes, seed=args.seed)
+    console = Console(width=150, stderr=False)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True, disable=not console.is_terminal) as progress:
+        task = progress.add_task("conformance", total=len(cases))
+        results = runner.run_suite(cases, expected, progress=lambda r: progress.advance(task))
+    head = runner.header(reg, specs, backends, dtypes)
+    table = Table(title=f"conformance (attnzoo {head['attnzoo']}, torch {head['torch']}, "
+                        f"{', '.join(head['dtypes'])})", title_justify="left")
+    table.add_column("spec")
+    for b in backends:
+        table.add_column(b, overflow="fold")
+    cells = runner.matrix(results)
+    for spec in specs:
+        table.add_row(spec, *(cells.get(spec, {}).get(b, "-") for b in backends))
+    console.print(table)
+    for r in results:
+        if r.status in ("fail", "xpass"):
+            console.print(f"[red]{r.status.upper()}[/red] {r.id}: {r.message}", markup=True, highlight=False)
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "unsupported", "xfail", "xpass")}
+    console.print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    for path in args.report or []:
+        text = runner.to_markdown(head, results) if path.endswith(".md") else runner.to_json(head, results)
+        with open(path, "w") as handle:
+            handle.write(text)
+    return EXIT_FAILED if runner.failed(results) else EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     from . import __version__
@@ -112,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--grad", action="store_true", help="the case needs gradients (training)")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("conformance", help="run the conformance suite (exit 1 if a check fails)")
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="registered spec names (default: all)")
+    p.add_argument("--backend", action="append", help="backend to test (repeatable; default: all registered)")
+    p.add_argument("--plugin", help="only what this plugin (distribution or entry-point name) registered")
+    p.add_argument("--dtype", action="append", help="dtype to test (repeatable; default float64 and float32)")
+    p.add_argument("--report", action="append", metavar="FILE", help="write a report: FILE.md markdown, else JSON")
+    p.add_argument("--expected-failures", metavar="FILE", help="test ids (or patterns) expected to fail")
+    p.add_argument("--seed", type=int, default=0, help="seed of the fresh random inputs")
+    p.set_defaults(func=cmd_conformance)
     return parser
 
 

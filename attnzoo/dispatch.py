@@ -84,10 +84,7 @@ class Variant:
         pos = check_positions(positions, b, n, q.device)
         mask = check_key_mask(key_mask, b, n, q.device)
         grouped = self.plan.split_params(params, dims, q)
-        requires_grad = torch.is_grad_enabled() and (
-            q.requires_grad or k.requires_grad or v.requires_grad
-            or any(p.requires_grad for group in grouped.values() for p in group.values()))
-        backend = self.backend_for(q.device, q.dtype, requires_grad)
+        backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_selection=return_selection)
 
     # -- decoding -------------------------------------------------------------------------------------------------
@@ -130,9 +127,13 @@ class Variant:
         if q.shape[0] != cache.batch:
             raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
         grouped = self.plan.split_params(params, dims, q)
-        requires_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        backend = self.backend_for(q.device, q.dtype, requires_grad)
+        backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
         return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first)
+
+
+def _needs_grad(q, k, v, grouped) -> bool:
+    tensors = [q, k, v, *(p for group in grouped.values() for p in group.values())]
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def compile(spec, backend: str = "auto", registry=None) -> Variant:  # noqa: A001 - the public name

@@ -63,9 +63,13 @@ class SpecBase(StrictModel):
             if problem:
                 raise ValueError(f"{where}: {problem}")
         if self.cache is not None:
-            problem = self._evictor_classes[self.cache.evictor](self.cache).check_spec(self)
+            evictor = self._evictor_classes[self.cache.evictor](self.cache)
+            problem = evictor.check_spec(self)
             if problem:
                 raise ValueError(f"cache: {problem}")
+            problem = evictor.check_budget(self.cache.budget) if self.cache.budget is not None else None
+            if problem:
+                raise ValueError(f"cache.budget: {problem}")
         return self
 
     # -- identity ---------------------------------------------------------------------------------------------
@@ -148,7 +152,7 @@ class _SpecYamlLoader(yaml.SafeLoader):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark) from None
             if duplicate:
-                raise yaml.MarkedYAMLError(problem=f"duplicate key '{key}'", problem_mark=key_node.start_mark)
+                raise yaml.MarkedYAMLError(problem=f"duplicate key {_show(key)}", problem_mark=key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -160,6 +164,8 @@ def _yaml(text: str, source: str) -> Any:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}: " if mark is not None else ""
         problem = exc.problem or exc.context or "invalid YAML"
+        if exc.problem and exc.context and "constructor for the tag" not in exc.context:
+            problem = f"{exc.context}, {exc.problem}"
         if "constructor for the tag" in problem:
             problem = f"tag {problem.split('tag', 1)[1].strip()} is not allowed (plain YAML only)"
         raise SpecError(source, f"{where}{' '.join(problem.split())}") from None
@@ -174,15 +180,12 @@ def _json(text: str, source: str) -> Any:
         out = {}
         for key, value in items:
             if key in out:
-                raise SpecError(source, f"duplicate key '{key}'")
+                raise SpecError(source, f"duplicate key {_show(key)}")
             out[key] = value
         return out
 
-    def constant(name):
-        raise SpecError(source, f"{name} is not allowed (numbers must be finite)")
-
-    try:
-        return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
+    try:  # NaN and Infinity parse to floats so that _check_tree rejects them with their field path
+        return json.loads(text, object_pairs_hook=pairs, parse_constant=float)
     except json.JSONDecodeError as exc:
         raise SpecError(source, f"invalid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
@@ -203,7 +206,9 @@ def _check_tree(node: Any, source: str, depth: int = 0, path: str = "") -> None:
         raise SpecError(source, f"nesting deeper than {MAX_DEPTH} levels")
     if isinstance(node, dict):
         for key, value in node.items():
-            _check_tree(value, source, depth + 1, f"{path}.{key}" if path else str(key))
+            if not isinstance(key, str):
+                raise SpecError(source, f"keys must be strings, not {type(key).__name__} {key!r}", path)
+            _check_tree(value, source, depth + 1, f"{path}.{_field(key)}" if path else _field(key))
     elif isinstance(node, list):
         for i, value in enumerate(node):
             _check_tree(value, source, depth + 1, f"{path}[{i}]")
@@ -211,9 +216,13 @@ def _check_tree(node: Any, source: str, depth: int = 0, path: str = "") -> None:
         raise SpecError(source, f"{node} is not allowed (numbers must be finite)", path)
 
 
-def read_spec_file(path: Path) -> dict[str, Any]:
-    """Read and parse a spec file into plain data (not yet validated against the registry)."""
-    source = str(path)
+def read_spec_file(path: Path, source: str | None = None) -> dict[str, Any]:
+    """Read and parse a spec file into plain data (not yet validated against the registry).
+
+    ``source`` is how messages name the file (default ``str(path)``; load_spec passes the path as given).
+    """
+    path = Path(path)
+    source = str(path) if source is None else source
     kind = SUFFIXES.get(path.suffix.lower())
     if kind is None:
         raise SpecError(source, f"unknown file type '{path.suffix}' (use .yaml, .yml, .toml or .json)")
@@ -228,7 +237,12 @@ def read_spec_file(path: Path) -> dict[str, Any]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise SpecError(source, f"not valid UTF-8 (byte {exc.start})") from None
-    data = {"yaml": _yaml, "json": _json, "toml": _toml}[kind](text, source)
+    try:
+        data = {"yaml": _yaml, "json": _json, "toml": _toml}[kind](text, source)
+    except SpecError:
+        raise
+    except ValueError as exc:  # e.g. an integer longer than int's 4300-digit limit
+        raise SpecError(source, f"invalid {kind.upper()}: {' '.join(str(exc).split())}") from None
     if data is None:
         raise SpecError(source, "empty file (a spec is a mapping with at least 'name')")
     if not isinstance(data, dict):
@@ -264,15 +278,22 @@ def load_spec(source: Any, registry=None) -> SpecBase:
     if not isinstance(source, (str, Path)):
         raise SpecError(repr(source), "expected a path, a spec name, a mapping or a Spec")
     path = Path(source)
-    if path.suffix.lower() in SUFFIXES or path.exists():
-        if not path.is_file():
-            raise SpecError(str(source), "no such file")
-        return validate_spec_data(read_spec_file(path), str(source), registry)
+    shown = _show(str(source)) if not str(source).isprintable() else str(source)
+    try:
+        exists, is_file = path.exists(), path.is_file()
+    except OSError as exc:  # e.g. a name longer than the file system allows
+        raise SpecError(shown, f"cannot read: {exc.strerror or exc}") from None
+    if path.suffix.lower() in SUFFIXES or exists:
+        if not exists:
+            raise SpecError(shown, "no such file")
+        if not is_file:
+            raise SpecError(shown, "not a regular file")
+        return validate_spec_data(read_spec_file(path, shown), shown, registry)
     reg = registry or get_registry()
     if str(source) in reg.specs:
         return reg.specs[str(source)]
     known = ", ".join(sorted(reg.specs)) or "none"
-    raise SpecError(str(source), f"no such file and no registered spec of that name (registered: {known})")
+    raise SpecError(shown, f"no such file and no registered spec of that name (registered: {known})")
 
 
 def _spec_error(exc: ValidationError, data: Any, source: str) -> SpecError:
@@ -280,12 +301,13 @@ def _spec_error(exc: ValidationError, data: Any, source: str) -> SpecError:
     first = errors[0]
     path = _format_loc(first["loc"], data)
     kind = first["type"]
-    msg = first["msg"].removeprefix("Value error, ")
+    msg = " ".join(first["msg"].removeprefix("Value error, ").split())
     if kind == "extra_forbidden":
         msg = "unknown key"
     elif kind == "union_tag_invalid":
         ctx = first.get("ctx", {})
-        msg = f"unknown {ctx.get('discriminator', 'kind').strip(chr(39))} {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
+        tag = ctx.get("discriminator", "kind").strip(chr(39))
+        msg = f"unknown {tag} {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
     elif kind == "union_tag_not_found":
         msg = f"missing {first.get('ctx', {}).get('discriminator', 'kind')}"
     if len(errors) > 1:
@@ -303,6 +325,17 @@ def _format_loc(loc: tuple, data: Any) -> str:
             continue
         if isinstance(node, dict) and item not in node and item in (node.get("kind"), node.get("evictor")):
             continue  # the union arm pydantic names after the tag value
-        parts.append(f".{item}" if parts else item)
+        parts.append(f".{_field(item)}" if parts else _field(item))
         node = node.get(item) if isinstance(node, dict) else None
     return "".join(parts)
+
+
+def _show(value: Any) -> str:
+    """A key or name quoted for a one-line message: ``'name'``, with escapes for newlines and control characters."""
+    return repr(value)
+
+
+def _field(key: Any) -> str:
+    """A mapping key as a segment of a field path: as written when printable, else quoted with escapes."""
+    key = str(key)
+    return key if key.isprintable() and key else repr(key)

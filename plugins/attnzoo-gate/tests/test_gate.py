@@ -46,3 +46,22 @@ def test_gate_computes_its_formula():
     gate = 2 * torch.sigmoid(torch.einsum("bhnd,hd->bhn", base, params["sigmoid_output_gate.weight"])
                              + params["sigmoid_output_gate.bias"].view(1, 3, 1))
     torch.testing.assert_close(gated(q, k, v, params=params), base * gate.unsqueeze(-1))
+
+
+def test_passes_the_conformance_suite_through_the_cli(tmp_path):
+    report = tmp_path / "conformance.md"
+    run = subprocess.run([sys.executable, "-m", "attnzoo.cli", "conformance", "--plugin", "attnzoo-gate",
+                          "--report", str(report)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    text = report.read_text()
+    assert "attnzoo-gate 0.1.0" in text
+    assert "| gated | pass (" in text
+
+
+def test_passes_the_conformance_suite_through_the_pytest_plugin(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v", "--attnzoo-conformance",
+                          "--attnzoo-plugin", "attnzoo-gate"], capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "attnzoo conformance: attnzoo" in run.stdout and "attnzoo-gate 0.1.0" in run.stdout
+    assert "reference::gated::gradients/gqa-n63[float32] PASSED" in run.stdout
+    assert " failed" not in run.stdout

@@ -1,0 +1,104 @@
+"""pytest plugin (entry point ``pytest11``): ``pytest --attnzoo-conformance`` adds one test per conformance case.
+
+Options: ``--attnzoo-spec``, ``--attnzoo-backend``, ``--attnzoo-dtype`` (repeatable), ``--attnzoo-plugin DIST``,
+``--attnzoo-expected-failures FILE``, ``--attnzoo-seed``. Without ``--attnzoo-conformance`` it does nothing and
+imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("attnzoo", "attnzoo conformance suite")
+    group.addoption("--attnzoo-conformance", action="store_true", help="run the attnzoo conformance suite")
+    group.addoption("--attnzoo-spec", action="append", default=None, help="spec name to test (repeatable)")
+    group.addoption("--attnzoo-backend", action="append", default=None, help="backend to test (repeatable)")
+    group.addoption("--attnzoo-dtype", action="append", default=None, help="dtype to test (repeatable)")
+    group.addoption("--attnzoo-plugin", default=None, help="only what this plugin registered")
+    group.addoption("--attnzoo-expected-failures", default=None, help="file of test ids expected to fail")
+    group.addoption("--attnzoo-seed", type=int, default=0, help="seed of the fresh random inputs")
+
+
+def _enabled(config) -> bool:
+    return bool(config.getoption("--attnzoo-conformance"))
+
+
+def _selection(config):
+    import torch
+
+    from ..registry import get_registry
+    from . import runner
+
+    reg = get_registry()
+    dtypes = tuple(getattr(torch, d) for d in config.getoption("--attnzoo-dtype") or ()) or runner.DEFAULT_DTYPES
+    specs, backends = runner.select(reg, config.getoption("--attnzoo-spec"), config.getoption("--attnzoo-backend"),
+                                    config.getoption("--attnzoo-plugin"))
+    return reg, specs, backends, dtypes
+
+
+def pytest_report_header(config):
+    if not _enabled(config):
+        return None
+    from . import runner
+
+    reg, specs, backends, dtypes = _selection(config)
+    head = runner.header(reg, specs, backends, dtypes)
+    plugins = ", ".join(f"{p['package']} {p['version']}" for p in head["plugins"] if p["package"] != "attnzoo")
+    return [f"attnzoo conformance: attnzoo {head['attnzoo']}, torch {head['torch']}, python {head['python']}",
+            f"  backends: {', '.join(backends)}; dtypes: {', '.join(head['dtypes'])}; plugins: {plugins or 'none'}",
+            f"  specs: {', '.join(specs)}"]
+
+
+class ConformanceItem(pytest.Item):
+    def __init__(self, *, case, **kwargs):
+        super().__init__(**kwargs)
+        self.case = case
+
+    def runtest(self):
+        from .checks import Unsupported
+
+        try:
+            self.case.run()
+        except Unsupported as exc:
+            pytest.skip(f"unsupported: {exc}")
+
+    def repr_failure(self, excinfo, style=None):
+        if isinstance(excinfo.value, AssertionError):
+            return f"{self.case.id}: {excinfo.value}"
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self):
+        return "attnzoo-conformance", None, self.case.id
+
+
+class ConformanceCollector(pytest.Collector):
+    def collect(self):
+        from . import runner
+
+        config = self.config
+        reg, specs, backends, dtypes = _selection(config)
+        cases = runner.build_cases(reg, specs, backends, dtypes, seed=config.getoption("--attnzoo-seed"))
+        expected = runner.read_expected_failures(config.getoption("--attnzoo-expected-failures"))
+        used: set[str] = set()
+        for case in cases:
+            item = ConformanceItem.from_parent(self, name=case.id, case=case)
+            hit = runner.matches(case.id, expected)
+            if hit:
+                used.update(hit)
+                item.add_marker(pytest.mark.xfail(strict=True, reason=f"expected failure: {hit[0]}"))
+            yield item
+        for entry in expected:
+            if entry not in used:
+                warnings.warn(f"attnzoo expected-failures entry matches no test: {entry}", UserWarning, stacklevel=1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(session, config, items):
+    if not _enabled(config):
+        return
+    collector = ConformanceCollector.from_parent(session, name="attnzoo-conformance")
+    items.extend(collector.collect())

@@ -1,0 +1,224 @@
+"""Enumerate conformance cases (spec × backend × dtype × check), run them, and report.
+
+Test ids look like ``reference::selective::vectors/decode-tie[float32]``. An expected-failures file lists ids (or
+fnmatch patterns), one per line, ``#`` starts a comment; entries that match no case produce a warning.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import json
+import platform
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checks
+from .vectors import VECTOR_DIR, cases_for
+
+DEFAULT_DTYPES = (torch.float64, torch.float32)
+
+
+@dataclass
+class Case:
+    id: str
+    spec: str
+    backend: str
+    dtype: str
+    check: str
+    flags: tuple[str, ...]
+    run: Callable[[], None] = field(repr=False, compare=False)
+
+
+@dataclass
+class Result:
+    id: str
+    spec: str
+    backend: str
+    dtype: str
+    check: str
+    status: str  # pass | fail | unsupported | xfail | xpass
+    message: str = ""
+    seconds: float = 0.0
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def select(registry, specs: Iterable[str] | None = None, backends: Iterable[str] | None = None,
+           plugin: str | None = None) -> tuple[list[str], list[str]]:
+    """The specs and backends a run covers. ``plugin`` (a distribution or plugin name) narrows to what that
+    plugin registered: its specs and the specs using its transforms, on its backends (or all backends)."""
+    spec_names = list(specs) if specs else sorted(registry.specs)
+    backend_names = list(backends) if backends else sorted(registry.backends)
+    if plugin:
+        owners = {p.name for p in registry.plugins.values() if plugin in (p.name, p.package)}
+        if not owners:
+            raise ValueError(f"no loaded plugin is named '{plugin}' (loaded: "
+                             f"{', '.join(sorted({p.package for p in registry.plugins.values()}))})")
+        kinds = {k for k in registry.transforms if registry.origin[("transforms", k)] in owners}
+        if not specs:
+            spec_names = [s for s in spec_names if registry.origin[("specs", s)] in owners
+                          or any(t.kind in kinds for t in registry.specs[s].transforms)]
+        owned = [b for b in backend_names if registry.origin[("backends", b)] in owners]
+        if owned and not backends:
+            backend_names = owned
+    for name in spec_names:
+        if name not in registry.specs:
+            raise ValueError(f"unknown spec '{name}' (registered: {', '.join(sorted(registry.specs))})")
+    for name in backend_names:
+        if name not in registry.backends:
+            raise ValueError(f"unknown backend '{name}' (registered: {', '.join(sorted(registry.backends))})")
+    return spec_names, backend_names
+
+
+def _add_case(cases: list[Case], target: checks.Target, check: str, flags: tuple[str, ...], fn: Callable,
+              *args) -> None:
+    dtype = _dtype_name(target.dtype)
+    cases.append(Case(f"{target.backend}::{target.spec.name}::{check}[{dtype}]", target.spec.name, target.backend,
+                      dtype, check, flags, functools.partial(fn, target, *args)))
+
+
+def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0) -> list[Case]:
+    spec_names, backend_names = select(registry, specs, backends, plugin)
+    cases = []
+    for backend in backend_names:
+        for spec_name in spec_names:
+            spec = registry.specs[spec_name]
+            for dtype in dtypes:
+                target = checks.Target(spec, backend, dtype, registry, seed)
+                add = functools.partial(_add_case, cases, target)
+                if (VECTOR_DIR / f"{spec_name}.json").exists():
+                    for vc in cases_for(spec):
+                        add(f"vectors/{vc.id}", vc.flags, checks.check_vector, vc)
+                for shape in checks.DIFFERENTIAL_SHAPES:
+                    flags = ("masked-row",) if shape.masked_rows else ("odd-length",)
+                    add(f"outputs/{shape.id}", flags, checks.check_differential, shape, False)
+                    add(f"gradients/{shape.id}", flags, checks.check_differential, shape, True)
+                add("causality", ("causality",), checks.check_causality)
+                add("batch-invariance", ("batch",), checks.check_batch_invariance)
+                add("decode", ("decode",), checks.check_decode)
+                add("evictor", ("eviction", "bos"), checks.check_evictor)
+                add("determinism", ("determinism",), checks.check_determinism)
+    return cases
+
+
+def read_expected_failures(path: str | Path | None) -> list[str]:
+    if path is None:
+        return []
+    entries = []
+    for line in Path(path).read_text().splitlines():
+        entry = line.split("#", 1)[0].strip()
+        if entry:
+            entries.append(entry)
+    return entries
+
+
+def run_case(case: Case, expected_failure: bool = False) -> Result:
+    start = time.perf_counter()
+    status, message = "pass", ""
+    try:
+        case.run()
+    except checks.Unsupported as exc:
+        status, message = "unsupported", str(exc)
+    except AssertionError as exc:
+        status, message = "fail", " ".join(str(exc).split()) or "assertion failed"
+    except Exception as exc:  # a crash inside a backend is a failure of that backend, reported in one line
+        status, message = "fail", f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if expected_failure:
+        status = {"fail": "xfail", "pass": "xpass"}.get(status, status)
+        if status == "xpass":
+            message = "unexpectedly passed: remove it from the expected-failures file"
+    return Result(case.id, case.spec, case.backend, case.dtype, case.check, status, message,
+                  time.perf_counter() - start)
+
+
+def matches(case_id: str, entries: list[str]) -> list[str]:
+    return [e for e in entries if case_id == e or fnmatch.fnmatchcase(case_id, e)]
+
+
+def run_suite(cases: list[Case], expected_failures: list[str] = (), progress=None) -> list[Result]:
+    used: set[str] = set()
+    results = []
+    for case in cases:
+        hit = matches(case.id, list(expected_failures))
+        used.update(hit)
+        results.append(run_case(case, bool(hit)))
+        if progress is not None:
+            progress(results[-1])
+    for entry in expected_failures:
+        if entry not in used:
+            warnings.warn(f"expected-failures entry matches no test: {entry}", UserWarning, stacklevel=2)
+    return results
+
+
+def header(registry, specs, backends, dtypes) -> dict:
+    import attnzoo
+
+    return {
+        "attnzoo": attnzoo.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "backends": {b: registry.origin[("backends", b)] for b in backends},
+        "specs": {s: registry.specs[s].hash[:12] for s in specs},
+        "dtypes": [_dtype_name(d) for d in dtypes],
+        "plugins": [{"name": p.name, "package": p.package, "version": p.version, "errors": p.errors}
+                    for p in registry.plugins.values()],
+    }
+
+
+def failed(results: list[Result]) -> bool:
+    return any(r.status in ("fail", "xpass") for r in results)
+
+
+def matrix(results: list[Result]) -> dict[str, dict[str, str]]:
+    """spec -> backend -> 'pass (n)' / 'FAIL k/n: first failure' / 'unsupported: reason'."""
+    cells: dict[str, dict[str, list[Result]]] = {}
+    for r in results:
+        cells.setdefault(r.spec, {}).setdefault(r.backend, []).append(r)
+    out: dict[str, dict[str, str]] = {}
+    for spec, row in cells.items():
+        for backend, rs in row.items():
+            bad = [r for r in rs if r.status in ("fail", "xpass")]
+            ran = [r for r in rs if r.status != "unsupported"]
+            xfail = sum(r.status == "xfail" for r in rs)
+            if bad:
+                text = f"FAIL {len(bad)}/{len(ran)}: {bad[0].check}[{bad[0].dtype}]: {bad[0].message}"
+            elif not ran:
+                reasons = sorted({r.message for r in rs})
+                text = f"unsupported: {reasons[0]}"
+            else:
+                text = f"pass ({len(ran) - xfail}" + (f", {xfail} xfail" if xfail else "") + ")"
+                skipped = len(rs) - len(ran)
+                if skipped:
+                    text += f", {skipped} n/a"
+            out.setdefault(spec, {})[backend] = text
+    return out
+
+
+def to_markdown(head: dict, results: list[Result]) -> str:
+    table = matrix(results)
+    backends = list(head["backends"])
+    lines = [f"# attnzoo conformance: attnzoo {head['attnzoo']}, torch {head['torch']}, python {head['python']}", "",
+             f"dtypes: {', '.join(head['dtypes'])}; plugins: "
+             + ", ".join(f"{p['package']} {p['version']}" for p in head["plugins"] if p["package"] != "attnzoo"), "",
+             "| spec | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for spec in head["specs"]:
+        row = table.get(spec, {})
+        lines.append(f"| {spec} | " + " | ".join(row.get(b, "-").replace("|", "\\|") for b in backends) + " |")
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "unsupported", "xfail", "xpass")}
+    lines += ["", ", ".join(f"{v} {k}" for k, v in counts.items())]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(head: dict, results: list[Result]) -> str:
+    return json.dumps({"header": head, "matrix": matrix(results), "results": [asdict(r) for r in results]},
+                      indent=1)

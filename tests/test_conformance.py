@@ -1,0 +1,146 @@
+"""The conformance suite: vectors regenerate byte-identically, the reference passes, every broken
+implementation fails, reports and expected-failure files behave."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from broken import (
+    BosUnprotected,
+    EvictsNewest,
+    registry_replacing,
+    registry_with_broken_backends,
+)
+
+import attnzoo
+from attnzoo.cli import main
+from attnzoo.conformance import runner
+from attnzoo.conformance.tolerance import check_close
+from attnzoo.conformance.vectors import VECTOR_DIR, write_all
+
+
+def run(registry, specs, backends, dtypes=(torch.float64, torch.float32), expected=()):
+    cases = runner.build_cases(registry, specs, backends, dtypes)
+    return runner.run_suite(cases, list(expected))
+
+
+def test_vectors_regenerate_byte_identically(tmp_path):
+    written = write_all(tmp_path)
+    shipped = sorted(p.name for p in VECTOR_DIR.iterdir())
+    assert sorted(p.name for p in written) == shipped
+    for path in written:
+        assert path.read_bytes() == (VECTOR_DIR / path.name).read_bytes(), path.name
+
+
+def test_vector_metadata_names_cases_and_flags():
+    meta = json.loads((VECTOR_DIR / "selective-pruned.json").read_text())
+    ids = {c["id"]: c for c in meta["cases"]}
+    assert {"single-token", "gqa-17", "odd-length-63", "masked-row", "decode-budget", "decode-tie"} == set(ids)
+    assert "eviction-tie" in ids["decode-tie"]["flags"] and "masked-row" in ids["masked-row"]["flags"]
+    assert ids["gqa-17"]["comment"] and ids["gqa-17"]["seed"] and meta["spec_hash"]
+
+
+def test_reference_passes_the_whole_suite():
+    results = run(attnzoo.get_registry(), None, ["reference"])
+    assert not runner.failed(results), [r for r in results if r.status == "fail"][:3]
+    assert sum(r.status == "pass" for r in results) > 500
+    unsupported = {r.message for r in results if r.status == "unsupported"}
+    assert unsupported <= {"spec has no cache evictor"}
+
+
+BROKEN = [
+    ("broken_cumsum_keys", "selective", "cumulative sum over keys"),
+    ("broken_no_shift", "selective", "one-off shift in the accumulator"),
+    ("broken_zero_f_decode", "selective", "F = 0 during cached decoding"),
+    ("broken_position_collapse", "ssa-position", "position collapsing to 1 in decoding"),
+    ("broken_missing_scale", "vanilla", "missing 1/sqrt(D)"),
+    ("broken_last_block", "vanilla", "last block of a row not written"),
+    ("broken_temperature_on_keys", "ssa-query", "temperature applied to keys instead of queries"),
+]
+
+
+@pytest.mark.parametrize("backend, spec, bug", BROKEN, ids=[b[2] for b in BROKEN])
+def test_suite_catches_broken_backend(backend, spec, bug):
+    reg = registry_with_broken_backends()
+    results = run(reg, [spec], [backend, "reference"])
+    by_backend = {name: [r for r in results if r.backend == name] for name in (backend, "reference")}
+    assert not runner.failed(by_backend["reference"])
+    assert runner.failed(by_backend[backend]), f"{bug} was not caught"
+
+
+def test_suite_catches_unprotected_bos():
+    results = run(registry_replacing("selective_mask", BosUnprotected), ["selective"], ["reference"])
+    failures = [r for r in results if r.status == "fail"]
+    assert failures and all(r.check.startswith("vectors/") for r in failures)
+
+
+def test_suite_catches_evictor_dropping_newest():
+    results = run(registry_replacing("selective", EvictsNewest, "evictors"), ["selective-pruned"], ["reference"])
+    failures = {r.check for r in results if r.status == "fail"}
+    assert "vectors/decode-budget" in failures
+
+
+def test_nan_poisoned_output_is_reported_as_unwritten():
+    results = run(registry_with_broken_backends(), ["vanilla"], ["broken_last_block"], dtypes=(torch.float32,))
+    messages = [r.message for r in results if r.status == "fail"]
+    assert any("non-finite value" in m for m in messages)
+
+
+def test_tolerance_rule():
+    truth = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    check_close("x", truth.float(), truth, truth.float(), torch.float32)
+    with pytest.raises(AssertionError, match=r"x: max error 0.001 > allowed"):
+        check_close("x", truth + 1e-3, truth, truth.float(), torch.float32)
+    # twice the reference's own low-precision error is allowed
+    check_close("x", truth + 1.9e-3, truth, truth + 1e-3, torch.float16)
+
+
+def test_expected_failures_xfail_xpass_and_unmatched(tmp_path):
+    reg = registry_with_broken_backends()
+    cases = runner.build_cases(reg, ["vanilla"], ["broken_missing_scale", "reference"], (torch.float64,))
+    entries = ["broken_missing_scale::vanilla::outputs/*", "reference::vanilla::causality[float64]",
+               "nothing::matches::this"]
+    with pytest.warns(UserWarning, match="matches no test: nothing::matches::this"):
+        results = runner.run_suite(cases, entries)
+    status = {r.id: r.status for r in results}
+    assert status["broken_missing_scale::vanilla::outputs/n127[float64]"] == "xfail"
+    assert status["broken_missing_scale::vanilla::gradients/n127[float64]"] == "fail"
+    assert status["reference::vanilla::causality[float64]"] == "xpass"
+    assert runner.failed(results)
+
+
+def test_reports(tmp_path):
+    reg = registry_with_broken_backends()
+    specs, backends = ["vanilla", "h2o"], ["reference", "broken_missing_scale"]
+    results = run(reg, specs, backends, dtypes=(torch.float64,))
+    head = runner.header(reg, specs, backends, (torch.float64,))
+    md = runner.to_markdown(head, results)
+    assert "| spec | reference | broken_missing_scale |" in md
+    assert "| vanilla | pass (" in md and "FAIL " in md
+    data = json.loads(runner.to_json(head, results))
+    assert data["header"]["torch"] == torch.__version__ and data["header"]["backends"]["reference"]
+    assert data["matrix"]["h2o"]["reference"].startswith("pass")
+    assert {r["status"] for r in data["results"]} >= {"pass", "fail", "unsupported"}
+
+
+def test_cli_conformance(tmp_path, capsys):
+    report = tmp_path / "report.md"
+    assert main(["conformance", "vanilla", "selective-pruned", "--backend", "reference", "--dtype", "float64",
+                 "--report", str(report), "--report", str(tmp_path / "report.json")]) == 0
+    assert "| selective-pruned | pass" in report.read_text()
+    assert json.loads((tmp_path / "report.json").read_text())["header"]["specs"]["vanilla"]
+    out = capsys.readouterr().out
+    assert "0 fail" in out
+    assert main(["conformance", "nope"]) == 2
+    assert "unknown spec 'nope'" in capsys.readouterr().err
+
+
+def test_unmatched_expected_failure_warns_in_cli(tmp_path):
+    xfail = tmp_path / "xfail.txt"
+    xfail.write_text("# comment\nreference::vanilla::nothing[float64]\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["conformance", "vanilla", "--backend", "reference", "--dtype", "float64",
+                     "--expected-failures", str(xfail)]) == 0
+    assert any("matches no test" in str(w.message) for w in caught)

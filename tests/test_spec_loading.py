@@ -1,0 +1,418 @@
+"""Spec loading against hostile and malformed files, and the identity (canonical JSON, hash) of good ones.
+
+Every file in ``tests/data/hostile/`` must be rejected by ``attnzoo validate`` with exit code 2 and exactly one line
+on stderr naming the file and the problem, never a traceback, and none of them may run code.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+import attnzoo
+from attnzoo.cli import main
+from attnzoo.registry import new_registry
+
+HERE = Path(__file__).resolve().parent
+CORPUS = HERE / "data" / "hostile"
+SPECS = HERE.parent / "specs"
+
+#: corpus file -> a fragment its one-line error must contain (the field path and/or the reason)
+EXPECTED = {
+    "alias-bomb.yaml": "line 2: YAML aliases are not allowed",
+    "bad-name.yaml": "name: String should match pattern",
+    "broken.json": "invalid JSON: Expecting ',' delimiter (line 2",
+    "broken.toml": "invalid TOML",
+    "deep-nesting.json": "nesting deeper than 32 levels",
+    "deep-nesting.toml": "nesting deeper than 32 levels",
+    "deep-nesting.yaml": "nesting deeper than 32 levels",
+    "duplicate-key.json": "duplicate key 'name'",
+    "duplicate-key.yaml": "line 3: duplicate key 'name'",
+    "empty.yaml": "empty file",
+    "h2o-recent-not-below-budget.yaml": "cache.budget: h2o.recent (32) must be smaller than the budget (32)",
+    "h2o-selective-mask.yaml": "cache: evictor 'h2o' keeps a set per head",
+    "huge-integer.json": "invalid JSON: Exceeds the limit (4300 digits)",
+    "infinity.json": "attention.scale: inf is not allowed",
+    "invalid-utf8.yaml": "not valid UTF-8 (byte 20)",
+    "key-with-newline.yaml": r"'col\nour': unknown key",
+    "missing-kind.yaml": "transforms[0]: missing 'kind'",
+    "missing-name.yaml": "name: Field required",
+    "multi-document.yaml": "expected a single document in the stream, but found another document",
+    "nan.json": "transforms[0].cap: nan is not allowed",
+    "nan.toml": "transforms[0].cap: nan is not allowed",
+    "nan.yaml": "transforms[0].cap: nan is not allowed",
+    "non-string-key.yaml": "keys must be strings, not bool True",
+    "prefix-causal.yaml": "transforms[0]: prefix needs attention.causal: false",
+    "python-name.yaml": "tag 'tag:yaml.org,2002:python/name:os.system' is not allowed",
+    "python-object-apply-open.yaml": "line 5: tag 'tag:yaml.org,2002:python/object/apply:builtins.open' is not",
+    "python-object-apply.yaml": "line 3: tag 'tag:yaml.org,2002:python/object/apply:os.system' is not allowed",
+    "selective-budget-one.yaml": "cache.budget: evictor 'selective' needs budget >= 2",
+    "selector-head-negative.yaml": "transforms[0].selector_head: Input should be greater than or equal to 0",
+    "sliding-window-zero.yaml": "transforms[0].window: Input should be greater than or equal to 1",
+    "softcap-cap-zero.yaml": "transforms[0].cap: Input should be greater than 0",
+    "top-level-list.yaml": "the top level must be a mapping, not list",
+    "top-level-string.json": "the top level must be a mapping, not str",
+    "two-query-temperatures.yaml": "transforms[1]: kind 'query_temperature' appears twice",
+    "unknown-evictor.yaml": "cache: unknown evictor 'lru'",
+    "unknown-extension.txt": "unknown file type '.txt'",
+    "unknown-key-top.yaml": "colour: unknown key",
+    "unknown-key-transform.yaml": "transforms[0].capp: unknown key",
+    "unknown-kind.yaml": "transforms[0]: unknown kind 'flash_softmax'",
+    "unterminated.yaml": "line 3: while scanning a quoted scalar, found unexpected end of stream",
+    "wrong-type-cap.yaml": "transforms[0].cap: Input should be a valid number",
+    "wrong-type-causal.yaml": "attention.causal: Input should be a valid boolean",
+    "wrong-type-transforms-mapping.yaml": "transforms: Input should be a valid list",
+    "wrong-type-window-float.yaml": "transforms[0].window: Input should be a valid integer",
+}
+
+#: files the corpus's YAML tags would create in the working directory if they ever ran
+MARKERS = ("attnzoo-pwned-system", "attnzoo-pwned-open")
+
+NAMES = sorted(EXPECTED)
+
+
+def corpus_files() -> list[Path]:
+    return sorted(p for p in CORPUS.iterdir() if p.is_file())
+
+
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {err!r}"
+    assert lines[0].strip(), "the one line is empty"
+    return lines[0]
+
+
+def reject(args: list[str], capsys) -> str:
+    """Run ``attnzoo validate`` in-process; return its single stderr line after checking exit 2 and no output."""
+    code = main(["validate", *args])
+    out, err = capsys.readouterr()
+    assert code == 2, f"exit {code}; stderr {err!r}"
+    assert out == ""
+    assert "Traceback" not in err
+    return one_line(err)
+
+
+# -- the hostile corpus ---------------------------------------------------------------------------------------------
+def test_corpus_matches_its_table():
+    on_disk = {p.name for p in corpus_files()}
+    assert on_disk == set(EXPECTED), f"untabled: {on_disk - set(EXPECTED)}; missing: {set(EXPECTED) - on_disk}"
+    assert len(on_disk) >= 15
+    assert sum(p.stat().st_size for p in corpus_files()) < 64 * 1024, "keep big inputs generated, not committed"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_validate_rejects_in_process(name, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the corpus's tags would write their markers
+    path = CORPUS / name
+    line = reject([str(path)], capsys)
+    assert line.startswith(f"attnzoo: {path}: ")
+    assert EXPECTED[name] in line
+    assert list(tmp_path.iterdir()) == [], "loading a spec file created files: code ran"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_load_spec_raises_spec_error(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = CORPUS / name
+    with pytest.raises(attnzoo.SpecError) as info:
+        attnzoo.load_spec(path)
+    message = str(info.value)
+    assert info.value.source == str(path)
+    assert EXPECTED[name] in message
+    assert len(message.splitlines()) == 1
+    assert not any((tmp_path / m).exists() for m in MARKERS)
+
+
+def test_validate_all_in_a_subprocess(tmp_path):
+    big = tmp_path / "big.yaml"
+    big.write_bytes(b"name: big\nsummary: " + b"a" * (20 * 1024 * 1024) + b"\n")
+    files = [str(p) for p in corpus_files()] + [str(big)]
+    result = subprocess.run(
+        [sys.executable, "-m", "attnzoo.cli", "validate", *files],
+        cwd=tmp_path, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=120,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == len(files), result.stderr[-2000:]
+    for line, path in zip(lines, files, strict=True):
+        assert line.startswith(f"attnzoo: {path}: "), line
+    assert "file is larger than the 1024 KiB limit" in lines[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.yaml"], "a spec file ran code"
+
+
+def test_marker_files_would_detect_code_execution(tmp_path, monkeypatch):
+    """The corpus's markers are a working detector: an unsafe loader does create one (so its absence means no code
+    ran). Only the ``builtins.open`` payload is used here: it creates an empty file in tmp_path and nothing else."""
+    monkeypatch.chdir(tmp_path)
+    data = yaml.unsafe_load((CORPUS / "python-object-apply-open.yaml").read_text())
+    data["transforms"][0]["cap"].close()
+    assert (tmp_path / "attnzoo-pwned-open").exists()
+
+
+# -- hostile inputs generated at test time ---------------------------------------------------------------------
+def test_twenty_megabyte_file_is_refused_without_reading_it_all(tmp_path, capsys):
+    big = tmp_path / "big.json"
+    with open(big, "wb") as handle:
+        handle.write(b'{"name": "big", "summary": "')
+        handle.write(b"x" * (20 * 1024 * 1024))
+        handle.write(b'"}')
+    line = reject([str(big)], capsys)
+    assert f"{big}: file is larger than the 1024 KiB limit" in line
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".json", '{"name": "x", "summary": ' + "[" * 100_000 + "]" * 100_000 + "}"),
+    (".toml", 'name = "x"\nsummary = ' + "[" * 5_000 + "]" * 5_000 + "\n"),
+    (".yaml", "name: x\nsummary: " + "{a: " * 5_000 + "1" + "}" * 5_000 + "\n"),
+])
+def test_nesting_far_past_the_recursion_limit(suffix, text, tmp_path, capsys):
+    path = tmp_path / f"deeper{suffix}"
+    path.write_text(text)
+    line = reject([str(path)], capsys)
+    assert "nesting deeper than 32 levels" in line
+
+
+@pytest.mark.parametrize("name", ["nan.toml", "softcap-cap-zero.yaml"])  # found while reading / validating
+def test_path_is_named_as_given_not_normalised(name, capsys):
+    given = f"{CORPUS}//./{name}"
+    line = reject([given], capsys)
+    assert line.startswith(f"attnzoo: {given}: transforms[0].cap")
+
+
+def test_unprintable_file_name_stays_on_one_line(tmp_path, capsys):
+    path = tmp_path / "two\nlines.yaml"
+    path.write_text("name: [\n")
+    line = reject([str(path)], capsys)
+    assert repr(str(path)) in line
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda d: d / ("x" * 300 + ".yaml"), "cannot read"),  # longer than a file name may be
+    (lambda d: d / "missing.yaml", "missing.yaml: no such file"),
+    (lambda d: (d / "dir.yaml").mkdir() or d / "dir.yaml", "dir.yaml: not a regular file"),
+])
+def test_unreadable_paths(make, fragment, tmp_path, capsys):
+    line = reject([str(make(tmp_path))], capsys)
+    assert fragment in line
+
+
+def test_one_bad_file_among_good_ones(capsys):
+    good = [str(SPECS / "selective-ssa.yaml"), str(SPECS / "softcap.json")]
+    bad = str(CORPUS / "nan.toml")
+    code = main(["validate", good[0], bad, good[1]])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert [line.split()[1] for line in out.splitlines()] == good
+    assert one_line(err).startswith(f"attnzoo: {bad}: transforms[0].cap")
+
+
+def test_random_mutations_never_leak_other_errors(tmp_path):
+    """Seeded byte-level fuzzing of good specs: each mutant either loads or raises a one-line SpecError."""
+    rng = random.Random(0)
+    sources = [SPECS / "selective-ssa.yaml", SPECS / "alibi.toml", SPECS / "softcap.json"]
+    alphabet = b'\x00\xff\n\t :-[]{},"\'!&*#%@`|>?=.0123456789enaNI'
+    outcomes = {"ok": 0, "error": 0}
+    for source in sources:
+        original = source.read_bytes()
+        for i in range(150):
+            data = bytearray(original)
+            for _ in range(rng.randint(1, 4)):
+                pos = rng.randrange(len(data))
+                op = rng.random()
+                if op < 0.4:
+                    data[pos] = rng.choice(alphabet)
+                elif op < 0.7:
+                    del data[pos]
+                else:
+                    data.insert(pos, rng.choice(alphabet))
+            path = tmp_path / f"m{i}{source.suffix}"
+            path.write_bytes(bytes(data))
+            try:
+                attnzoo.load_spec(path)
+                outcomes["ok"] += 1
+            except attnzoo.SpecError as exc:
+                assert len(str(exc).splitlines()) == 1, (bytes(data), str(exc))
+                assert str(exc).startswith(f"{path}: ")
+                outcomes["error"] += 1
+    assert outcomes["error"] > 100 and outcomes["ok"] > 10, outcomes
+
+
+# -- good specs ----------------------------------------------------------------------------------------------------
+def shipped() -> list[Path]:
+    return sorted(p for p in SPECS.iterdir() if p.suffix in (".yaml", ".yml", ".toml", ".json"))
+
+
+def test_every_shipped_spec_validates(capsys):
+    files = [str(p) for p in shipped()]
+    assert len(files) >= 15
+    assert {Path(f).suffix for f in files} == {".yaml", ".toml", ".json"}
+    code = main(["validate", *files])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert err == ""
+    lines = out.splitlines()
+    assert len(lines) == len(files)
+    for line, path in zip(lines, files, strict=True):
+        assert line.startswith(f"ok  {path}  ({Path(path).stem}, "), line
+
+
+@pytest.mark.parametrize("path", shipped(), ids=lambda p: p.name)
+def test_shipped_file_matches_its_registered_spec(path):
+    spec = attnzoo.load_spec(path)
+    registered = attnzoo.load_spec(path.stem)
+    assert spec.name == path.stem
+    assert spec.hash == registered.hash
+    assert spec.canonical_json() == registered.canonical_json()
+
+
+SELECTIVE_SSA = {
+    ".yaml": """\
+name: selective-ssa
+summary: selective attention with SSA query and value temperatures
+attention: {causal: true}
+transforms:
+  - {kind: query_temperature, token_aware: true, position_aware: true}
+  - {kind: value_temperature, token_aware: true, position_aware: true}
+  - {kind: selective_mask, selector_head: 0, protect_bos: true}
+cache: {evictor: selective, budget: 256}
+""",
+    ".toml": """\
+name = "selective-ssa"
+summary = "selective attention with SSA query and value temperatures"
+
+[attention]
+causal = true
+
+[[transforms]]
+kind = "query_temperature"
+token_aware = true
+position_aware = true
+
+[[transforms]]
+kind = "value_temperature"
+token_aware = true
+position_aware = true
+
+[[transforms]]
+kind = "selective_mask"
+selector_head = 0
+protect_bos = true
+
+[cache]
+evictor = "selective"
+budget = 256
+""",
+    ".json": """\
+{
+  "name": "selective-ssa",
+  "summary": "selective attention with SSA query and value temperatures",
+  "attention": {"causal": true},
+  "transforms": [
+    {"kind": "query_temperature", "token_aware": true, "position_aware": true},
+    {"kind": "value_temperature", "token_aware": true, "position_aware": true},
+    {"kind": "selective_mask", "selector_head": 0, "protect_bos": true}
+  ],
+  "cache": {"evictor": "selective", "budget": 256}
+}
+""",
+}
+
+
+def test_yaml_toml_and_json_give_the_same_spec(tmp_path):
+    specs = {}
+    for suffix, text in SELECTIVE_SSA.items():
+        path = tmp_path / f"selective-ssa{suffix}"
+        path.write_text(text)
+        specs[suffix] = attnzoo.load_spec(path)
+        assert specs[suffix].source == str(path)
+    hashes = {s.hash for s in specs.values()}
+    canon = {s.canonical_json() for s in specs.values()}
+    assert len(hashes) == 1 and len(canon) == 1
+    assert hashes == {attnzoo.load_spec("selective-ssa").hash}
+    assert len(hashes.pop()) == 64
+
+
+def test_hash_ignores_summary_but_not_options():
+    base = yaml.safe_load(SELECTIVE_SSA[".yaml"])
+    spec = attnzoo.load_spec(base)
+    resummarised = attnzoo.load_spec({**base, "summary": "something else entirely"})
+    assert resummarised.hash == spec.hash
+    assert resummarised.canonical_json() != spec.canonical_json()
+    changed_budget = attnzoo.load_spec({**base, "cache": {"evictor": "selective", "budget": 128}})
+    assert changed_budget.hash != spec.hash
+    transforms = [dict(t) for t in base["transforms"]]
+    transforms[2]["selector_head"] = 1
+    changed_head = attnzoo.load_spec({**base, "transforms": transforms})
+    assert changed_head.hash != spec.hash
+    # writing a default out explicitly is the same function, so the same hash
+    transforms = [dict(t) for t in base["transforms"]]
+    transforms[2]["self_mask"] = False
+    assert attnzoo.load_spec({**base, "transforms": transforms}).hash == spec.hash
+
+
+def test_canonical_json_fills_defaults():
+    spec = attnzoo.load_spec({"name": "minimal", "transforms": [{"kind": "selective_mask"}],
+                              "cache": {"evictor": "selective"}})
+    text = spec.canonical_json()
+    assert json.loads(text) == {
+        "name": "minimal",
+        "summary": "",
+        "attention": {"causal": True, "scale": None},
+        "transforms": [{"kind": "selective_mask", "selector_head": 0, "protect_bos": True, "self_mask": False}],
+        "cache": {"evictor": "selective", "budget": None},
+    }
+    assert text == json.dumps(json.loads(text), sort_keys=True, separators=(",", ":"))
+
+
+def test_load_by_registered_name():
+    spec = attnzoo.load_spec("selective-ssa")
+    assert spec.name == "selective-ssa"
+    assert [t.kind for t in spec.transforms] == ["query_temperature", "value_temperature", "selective_mask"]
+    assert spec.cache.evictor == "selective" and spec.cache.budget == 256
+    assert spec.hash == attnzoo.load_spec(SPECS / "selective-ssa.yaml").hash
+
+
+def test_validate_accepts_a_registered_name(capsys):
+    assert main(["validate", "selective-ssa"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("ok  selective-ssa  (selective-ssa, ") and err == ""
+
+
+def test_unknown_name_lists_the_registered_ones(capsys):
+    with pytest.raises(attnzoo.SpecError) as info:
+        attnzoo.load_spec("selective-sssa")
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("selective-sssa: no such file and no registered spec of that name (registered: ")
+    for name in ("selective-ssa", "vanilla", "softcap", "alibi"):
+        assert name in message
+    line = reject(["selective-sssa"], capsys)
+    assert "registered: " in line and "selective-ssa" in line
+
+
+def test_two_transforms_in_one_non_composing_slot():
+    """Two *different* kinds in the query slot (only logits and mask compose): a plugin adds a second one."""
+
+    class OtherQueryScale(attnzoo.RowScaleTransform):
+        kind = "other_query_scale"
+        slot = attnzoo.Slot.QUERY
+
+    module = types.ModuleType("other_query_plugin")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(OtherQueryScale))
+    reg = new_registry(entry_points=False, extra_plugins=(("other_query_plugin", module),))
+    data = {"name": "x", "transforms": [{"kind": "query_temperature"}, {"kind": "other_query_scale"}]}
+    with pytest.raises(attnzoo.SpecError, match=r"^<mapping>: transforms\[1\]: slot 'query' already holds "
+                                                r"transforms\[0\] \(only logits and mask transforms compose\)$"):
+        attnzoo.load_spec(data, registry=reg)
+    # logits compose: two different logits transforms are fine
+    ok = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "softcap", "cap": 30.0}, {"kind": "alibi"}]})
+    assert [t.kind for t in ok.transforms] == ["softcap", "alibi"]
