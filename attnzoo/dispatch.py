@@ -83,6 +83,7 @@ class Variant:
         b, _, n, _ = q.shape
         pos = check_positions(positions, b, n, q.device)
         mask = check_key_mask(key_mask, b, n, q.device)
+        self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
         backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_selection=return_selection)
@@ -126,6 +127,7 @@ class Variant:
         dims = check_qkv(q, k, v)
         if q.shape[0] != cache.batch:
             raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
+        self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
         backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
         return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first)

@@ -69,6 +69,11 @@ class Plan:
             out[t.kind][p.name] = value.to(like.dtype) if value.dtype != like.dtype else value
         return out
 
+    def check_dims(self, dims: Dims) -> None:
+        """Raise ValueError if a transform's options do not fit the sizes of a call."""
+        for t in self.transforms:
+            t.check_dims(dims)
+
     def logit_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 

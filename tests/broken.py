@@ -96,10 +96,8 @@ class BosUnprotected(SelectiveMask):
     """selective_mask that lets BOS be masked whatever protect_bos says."""
 
     def selection(self, logits, allowed, ctx, params):
-        sel = logits[:, self.options.selector_head:self.options.selector_head + 1]
-        keep = (allowed[:, :1] if allowed.shape[1] == 1 else allowed[:, self.options.selector_head:][:, :1])
-        keep = keep & (ctx.kpos[:, :1] != ctx.qpos)
-        return torch.where(keep, torch.relu(sel), torch.zeros((), dtype=sel.dtype))
+        keep = allowed & (ctx.kpos != ctx.qpos)
+        return torch.where(keep, torch.relu(logits), torch.zeros((), dtype=logits.dtype))
 
 
 class EvictsBosOnTie(Selective):

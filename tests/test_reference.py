@@ -125,7 +125,7 @@ def test_gqa_shares_kv_heads():
     q = torch.randn(2, 4, 5, 3, dtype=torch.float64)
     k, v = torch.randn(2, 2, 5, 3, dtype=torch.float64), torch.randn(2, 2, 5, 3, dtype=torch.float64)
     out = attnzoo.attention(q, k, v, "vanilla", backend="reference")
-    full = attnzoo.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), "vanilla")
+    full = attnzoo.attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), "vanilla", backend="reference")
     torch.testing.assert_close(out, full, rtol=0, atol=0)
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
                                                             is_causal=True)
@@ -172,4 +172,5 @@ def test_unknown_backend_is_a_clear_error():
 
 def test_explain_lists_every_backend():
     text = attnzoo.explain("selective", device="cpu", dtype=torch.float32, requires_grad=True)
-    assert "reference" in text and "auto -> reference" in text and "forward+backward" in text
+    assert "reference  yes" in text and "blocked    yes" in text and "auto -> blocked" in text
+    assert "forward+backward" in text

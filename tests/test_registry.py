@@ -77,7 +77,7 @@ def test_hook_register_evictors():
 def test_hook_register_backends():
     class Echo(attnzoo.Backend):
         name = "echo"
-        priority = 5
+        priority = 50
 
         def supports(self, plan, device, dtype, requires_grad):
             return [] if not requires_grad else ["echo has no backward"]

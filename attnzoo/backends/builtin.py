@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
+from .blocked import BlockedBackend
 from .reference import ReferenceBackend
 
 
 @hookimpl
 def register_backends(register):
     register(ReferenceBackend())
+    register(BlockedBackend())

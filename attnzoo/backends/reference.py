@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import SELECTION_STATE
-from ..transforms.base import Context, Dims, Slot
+from ..transforms.base import Context, Dims, Slot, restrict_heads
 from .base import Backend
 
 
@@ -63,8 +63,6 @@ class ReferenceBackend(Backend):
         b, h, nq, d = q.shape
         hkv = k.shape[1]
         dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
-        for t in plan.transforms:
-            t.check_dims(dims)
 
         qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
         ks = _row_scale(plan, Slot.KEY, k, kpos, params)
@@ -91,7 +89,11 @@ class ReferenceBackend(Backend):
         selection = accumulated = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            selection = acc.selection(logits, allowed, ctx, params[acc.kind])
+            heads = acc.heads()
+            index = torch.tensor(heads, device=q.device)
+            allowed_sel = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
+            selection = acc.selection(logits.index_select(1, index), allowed_sel, restrict_heads(ctx, heads),
+                                      params[acc.kind])
             accumulated = self.accumulate(selection)
             if carry is not None:
                 accumulated = accumulated + carry[:, None, None, :]

@@ -35,6 +35,7 @@ DIFFERENTIAL_SHAPES = (
     Shape("gqa-n63", 2, 4, 2, 63, 8),
     Shape("n127", 1, 2, 2, 127, 16),
     Shape("masked-rows-n33", 2, 2, 1, 33, 8, masked_rows=True),
+    Shape("gqa-n300", 1, 4, 2, 300, 8),  # more than one 256-query block
 )
 
 

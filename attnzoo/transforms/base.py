@@ -7,7 +7,7 @@ tokens, D head dim. Positions are 1-based absolute token positions (int64).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -69,14 +69,21 @@ class ParamSpec:
 class Context:
     """What logits, mask and accumulator transforms may look at, broadcastable against logits (B, H, Nq, Nk).
 
-    ``qpos``: (B, 1, Nq, 1) query positions; ``kpos``: (B, 1 or H, 1, Nk) key positions; ``heads``: (1, H, 1, 1)
-    query-head indices; ``dims``: the sizes of this call.
+    ``qpos``: (B, 1, Nq, 1) query positions; ``kpos``: (B, 1 or H', 1, Nk) key positions; ``heads``: (1, H', 1, 1)
+    indices of the query heads the logits hold (all H of them, or a subset); ``dims``: the sizes of this call.
     """
 
     qpos: torch.Tensor
     kpos: torch.Tensor
     heads: torch.Tensor
     dims: Dims
+
+
+def restrict_heads(ctx: Context, heads: list[int]) -> Context:
+    """The context of a subset of query heads (kpos and heads narrowed; per-head masks follow ctx.heads)."""
+    index = torch.tensor(heads, device=ctx.heads.device)
+    kpos = ctx.kpos.index_select(1, index) if ctx.kpos.shape[1] > 1 else ctx.kpos
+    return replace(ctx, kpos=kpos, heads=index.view(1, -1, 1, 1))
 
 
 class Transform:
@@ -140,7 +147,11 @@ class RowScaleTransform(Transform):
 
 
 class LogitsTransform(Transform):
-    """Slot ``logits``: a pointwise map of the scaled logits before the softmax."""
+    """Slot ``logits``: a pointwise map of the scaled logits before the softmax.
+
+    The logits may hold a subset of the heads (a backend computing the selector head alone, say): index any
+    per-head quantity with ``ctx.heads``, never by position.
+    """
 
     def apply(self, logits: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """logits (B, H, Nq, Nk) → new logits of the same shape."""
@@ -157,12 +168,20 @@ class MaskTransform(Transform):
 
 class AccumulatorTransform(Transform):
     """Slot ``accumulator``: a non-negative selection ``S[b, k, j]`` (query k marks key j); backends subtract
-    ``F[b, i, j] = sum over earlier queries k < i of S[b, k, j]`` from every head's logits."""
+    ``F[b, i, j] = sum over earlier queries k < i of S[b, k, j]`` from every head's logits.
+
+    The selection reads the logits of a few query heads only (:meth:`heads`), so a backend computes just those.
+    """
+
+    def heads(self) -> list[int]:
+        """The query heads whose logits :meth:`selection` reads, in the order they are passed."""
+        raise NotImplementedError
 
     def selection(
         self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]
     ) -> torch.Tensor:
-        """logits (B, H, Nq, Nk) after the logits slot, allowed (bool, broadcastable) → S (B, 1, Nq, Nk) >= 0."""
+        """logits (B, len(heads()), Nq, Nk) of :meth:`heads` after the logits slot; ``allowed`` and ``ctx``
+        restricted to those heads (``ctx.heads`` holds their indices) → S (B, 1, Nq, Nk) >= 0."""
         raise NotImplementedError
 
 

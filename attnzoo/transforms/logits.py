@@ -54,7 +54,7 @@ class Alibi(LogitsTransform):
 
     def apply(self, logits: torch.Tensor, ctx: Context, params):
         slopes = torch.tensor(alibi_slopes(ctx.dims.num_heads, self.options.max_bias),
-                              dtype=logits.dtype, device=logits.device).view(1, -1, 1, 1)
+                              dtype=logits.dtype, device=logits.device)[ctx.heads]
         distance = (ctx.qpos - ctx.kpos).abs().to(logits.dtype)
         return logits - slopes * distance
 
@@ -79,7 +79,7 @@ class ConstantTemperature(LogitsTransform):
     def apply(self, logits, ctx, params):
         if not self.options.learnable:
             return logits * self.options.value
-        return logits * params["temperature"].view(1, -1, 1, 1)
+        return logits * params["temperature"][ctx.heads]
 
 
 class YarnScaleOptions(TransformOptions):

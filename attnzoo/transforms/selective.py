@@ -36,18 +36,16 @@ class SelectiveMask(AccumulatorTransform):
                 f"selective_mask.selector_head={self.options.selector_head} but the call has {dims.num_heads} heads"
             )
 
+    def heads(self) -> list[int]:
+        return [self.options.selector_head]
+
     def selection(self, logits, allowed, ctx, params):
-        h = self.options.selector_head
-        pick = slice(h, h + 1)
-        sel = logits[:, pick]
-        ok = allowed[:, pick] if allowed.shape[1] > 1 else allowed
-        kpos = ctx.kpos[:, pick] if ctx.kpos.shape[1] > 1 else ctx.kpos
-        keep = ok
+        keep = allowed
         if self.options.protect_bos:
-            keep = keep & (kpos != 1)
+            keep = keep & (ctx.kpos != 1)
         if not self.options.self_mask:
-            keep = keep & (kpos != ctx.qpos)
-        return torch.where(keep, torch.relu(sel), torch.zeros((), dtype=sel.dtype, device=sel.device))
+            keep = keep & (ctx.kpos != ctx.qpos)
+        return torch.where(keep, torch.relu(logits), torch.zeros((), dtype=logits.dtype, device=logits.device))
 
 
 def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tensor:

@@ -1,0 +1,197 @@
+"""The blocked backend: portable, memory-efficient torch for CPU and GPU, with autograd.
+
+Queries are processed in blocks of ``block_size``; keys beyond the last causally visible one are skipped; no
+N×N tensor per head is ever held. The accumulator (selective attention) keeps a running carry: the column sums
+of the selection over earlier query blocks, O(N) per batch row, plus the within-block cumulative sum. With
+gradients, each block is checkpointed (recomputed in the backward pass), so training memory stays
+O(H · block · N); the carry chain carries the gradient back into earlier blocks' selector logits.
+
+Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
+``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; blocks without logits transforms hand
+their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
+
+This module never imports the reference backend (it computes the same function independently).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..cache import SELECTION_STATE
+from ..transforms.base import Context, Dims, Slot, restrict_heads
+from .base import Backend
+
+
+def _row_scale(plan, slot, rows, positions, params):
+    t = plan.one(slot)
+    if t is None:
+        return rows
+    return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    n = positions.shape[-1]
+    steps = torch.arange(n, device=positions.device)
+    return bool((positions == positions[..., :1] + steps).all())
+
+
+class BlockedBackend(Backend):
+    name = "blocked"
+    priority = 10
+    summary = "query blocks, causal block skipping, O(N) accumulator carry, checkpointed backward"
+    block_size = 256
+
+    def __init__(self, block_size: int = 256, name: str = "blocked") -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.name = name
+
+    def supports(self, plan, device, dtype, requires_grad):
+        return []
+
+    # -- batch form ---------------------------------------------------------------------------------------------
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        d = q.shape[-1]
+        qs = _row_scale(plan, Slot.QUERY, q, positions.unsqueeze(1), params)
+        ks = _row_scale(plan, Slot.KEY, k, positions.unsqueeze(1), params)
+        vs = _row_scale(plan, Slot.VALUE, v, positions.unsqueeze(1), params)
+        if self._sdpa_whole(plan, key_mask, positions) and not return_selection:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=plan.causal, scale=plan.logit_scale(d),
+                                                 enable_gqa=q.shape[1] != k.shape[1])
+            selection = None
+        else:
+            out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
+                                               key_mask, None, return_selection)
+        out = _row_scale(plan, Slot.OUTPUT, out, positions.unsqueeze(1), params)
+        return (out, selection) if return_selection else out
+
+    def _sdpa_whole(self, plan, key_mask, positions) -> bool:
+        return (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
+                and plan.one(Slot.ACCUMULATOR) is None and _consecutive(positions))
+
+    def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
+               want_probs=False, use_sdpa=True):
+        """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
+        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None. Returns (out, F or None, carry, probs or None)."""
+        b, h, nq, d = qs.shape
+        nk = ks.shape[2]
+        acc = plan.one(Slot.ACCUMULATOR)
+        if acc is not None and carry is None:
+            carry = qs.new_zeros(b, nk)
+        out = torch.full_like(qs, float("nan"))  # every element must be written: a missed one stays NaN
+        selection = qs.new_zeros(b, nq, nk) if return_selection and acc is not None else None
+        probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params)))
+        step = self.block_size
+        for start in range(0, nq, step):
+            stop = min(start + step, nq)
+            qpos_blk = qpos[:, start:stop]
+            # keys after the last position this block can see are skipped (kpos ascending along Nk)
+            visible = int((kpos <= qpos_blk.max()).sum(-1).max()) if plan.causal else nk
+            visible = max(visible, 1)
+            args = (qs[:, :, start:stop], ks[:, :, :visible], vs[:, :, :visible], qpos_blk,
+                    kpos[..., :visible], key_mask[:, :visible] if key_mask is not None else None,
+                    carry[:, :visible] if carry is not None else None)
+
+            def block(*a, _plan=plan, _params=params):
+                return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
+
+            if grad:
+                o, f_blk, colsum, p = checkpoint(block, *args, use_reentrant=False)
+            else:
+                o, f_blk, colsum, p = block(*args)
+            out[:, :, start:stop] = o
+            if carry is not None:
+                carry = torch.cat([carry[:, :visible] + colsum, carry[:, visible:]], dim=1)
+            if selection is not None:
+                selection[:, start:stop, :visible] = f_blk
+            if probs is not None:
+                probs[:, :, start:stop, :visible] = p
+        return out, selection, carry, probs
+
+    def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, want_probs=False, use_sdpa=True):
+        """One query block against its visible keys. Returns (out, F, column sums of S, probs or None)."""
+        b, h, nq, d = q.shape
+        hkv = k.shape[1]
+        group = h // hkv
+        scale = plan.logit_scale(d)
+        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
+        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :],
+                      heads=torch.arange(h, device=q.device).view(1, h, 1, 1), dims=Dims(h, d, hkv))
+        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
+        if plan.causal:
+            allowed = allowed & (ctx.kpos <= ctx.qpos)
+        for t in plan.many(Slot.MASK):
+            allowed = allowed & t.allowed(ctx)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+
+        f_blk = colsum = None
+        acc = plan.one(Slot.ACCUMULATOR)
+        if acc is not None:
+            heads = acc.heads()
+            index = torch.tensor(heads, device=q.device)
+            kv_index = torch.div(index, group, rounding_mode="floor")
+            sel_logits = (q.index_select(1, index) @ k.index_select(1, kv_index).transpose(-1, -2)) * scale
+            sel_ctx = restrict_heads(ctx, heads)
+            for t in plan.many(Slot.LOGITS):
+                sel_logits = t.apply(sel_logits, sel_ctx, params[t.kind])
+            sel_allowed = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
+            s = acc.selection(sel_logits, sel_allowed, sel_ctx, params[acc.kind])  # (B, 1, Bq, Nk)
+            within = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
+            f_blk = (within + carry[:, None, None, :])[:, 0]
+            colsum = s.sum(dim=2)[:, 0]
+
+        allowed = allowed.expand(b, allowed.shape[1], nq, allowed.shape[-1])
+        has_key = allowed.any(-1, keepdim=True)
+        if use_sdpa and not want_probs and not plan.many(Slot.LOGITS) and allowed.shape[1] == 1:
+            bias = torch.zeros((), dtype=q.dtype, device=q.device)
+            mask = torch.where(allowed, bias if f_blk is None else -f_blk[:, None], float("-inf"))
+            mask = torch.where(has_key, mask, bias)  # a row with no key: any finite row, zeroed below
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            return torch.where(has_key, out, bias), f_blk, colsum, None
+
+        # eager: logits of all heads, grouped so that each key/value head is read once
+        logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
+        for t in plan.many(Slot.LOGITS):
+            logits = t.apply(logits, ctx, params[t.kind])
+        if f_blk is not None:
+            logits = logits - f_blk[:, None]
+        logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
+        p = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
+        out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, d)
+        return out, f_blk, colsum, (p if want_probs else None)
+
+    # -- decoding -------------------------------------------------------------------------------------------------
+    def extend(self, plan, q, k, v, cache, params, *, evict_first):
+        t = q.shape[2]
+        cache.append(k, v)
+        evictor = cache.evictor
+        if evict_first and evictor is not None and not evictor.evict_after_attention:
+            while cache.over_budget():
+                cache.evict()
+        b = q.shape[0]
+        first = cache.next_position - t
+        qpos = torch.arange(first, cache.next_position, device=q.device).expand(b, t)
+        qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = _row_scale(plan, Slot.KEY, cache.keys, cache.positions, params)
+        vs = _row_scale(plan, Slot.VALUE, cache.values, cache.positions, params)
+        carry = cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
+        want_probs = evictor is not None and bool(evictor.state_names)
+        out, _, new_carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, None, carry,
+                                               want_probs=want_probs, use_sdpa=cache.positions.shape[1] == 1)
+        out = _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        if carry is not None:
+            cache.state[SELECTION_STATE] = new_carry.unsqueeze(1).expand_as(cache.positions).clone()
+        if evictor is not None:
+            evictor.update(cache, probs)
+            while cache.over_budget():
+                cache.evict()
+        return out
+
+
+def _flat(params):
+    return [t for group in params.values() for t in group.values()]

@@ -1,0 +1,53 @@
+"""The blocked backend: the conformance suite at a small block size (so every path crosses blocks), memory."""
+
+import types
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.backends.blocked import BlockedBackend
+from attnzoo.conformance import runner
+from attnzoo.registry import new_registry
+
+
+@pytest.fixture(scope="module")
+def registry():
+    module = types.ModuleType("small_blocks")
+    module.register_backends = attnzoo.hookimpl(lambda register: register(BlockedBackend(16, "blocked16")))
+    return new_registry(entry_points=False, extra_plugins=[("small_blocks", module)])
+
+
+def test_conformance_with_16_query_blocks(registry):
+    cases = runner.build_cases(registry, None, ["blocked16"], (torch.float64, torch.float32))
+    results = runner.run_suite(cases)
+    failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
+    assert not failures, failures[:5]
+
+
+@pytest.mark.parametrize("spec", ["selective-ssa", "local", "softcap"])
+def test_gradients_match_reference_across_blocks(registry, spec):
+    ref = attnzoo.compile(spec, backend="reference", registry=registry)
+    fast = attnzoo.compile(spec, backend="blocked16", registry=registry)
+    params = {k: (v + 0.3 * torch.randn_like(v)).requires_grad_() for k, v in
+              ref.init_params(num_heads=4, head_dim=8, num_kv_heads=2, dtype=torch.float64).items()}
+    q = torch.randn(2, 4, 53, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 53, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    inputs = [q, k, v, *params.values()]
+    cot = torch.randn(2, 4, 53, 8, dtype=torch.float64)
+    want = torch.autograd.grad(ref(q, k, v, params=params), inputs, cot)
+    got = torch.autograd.grad(fast(q, k, v, params=params), inputs, cot)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
+
+
+def test_selection_returned_blockwise_equals_reference(registry):
+    q, k, v = torch.randn(3, 1, 2, 40, 8, dtype=torch.float64)
+    _, f_ref = attnzoo.compile("selective", backend="reference", registry=registry)(q, k, v, return_selection=True)
+    _, f = attnzoo.compile("selective", backend="blocked16", registry=registry)(q, k, v, return_selection=True)
+    torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-12)
+
+
+def test_auto_prefers_blocked():
+    variant = attnzoo.compile("selective")
+    assert variant.backend_for("cpu", torch.float32, True).name == "blocked"
