@@ -51,3 +51,49 @@ def test_selection_returned_blockwise_equals_reference(registry):
 def test_auto_prefers_blocked():
     variant = attnzoo.compile("selective")
     assert variant.backend_for("cpu", torch.float32, True).name == "blocked"
+
+
+@pytest.mark.parametrize("options", [{"selector_head": 1}, {"protect_bos": False}, {"self_mask": True}])
+@pytest.mark.parametrize("first_position", [1, 5])
+def test_fused_selective_path_matches_reference(registry, options, first_position):
+    spec = {"name": "s", "transforms": [{"kind": "selective_mask", **options}]}
+    ref = attnzoo.compile(spec, backend="reference", registry=registry)
+    fast = attnzoo.compile(spec, backend="blocked16", registry=registry)
+    q = torch.randn(2, 4, 45, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 45, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    positions = torch.arange(first_position, first_position + 45)
+    cot = torch.randn(2, 4, 45, 8, dtype=torch.float64)
+    want = ref(q, k, v, positions=positions)
+    got = fast(q, k, v, positions=positions)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    for w, g in zip(torch.autograd.grad(want, (q, k, v), cot), torch.autograd.grad(got, (q, k, v), cot), strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
+
+
+def test_private_flash_op_still_matches_its_contract():
+    """torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is private: notice if an upgrade changes it."""
+    from attnzoo.backends import selective_kernel
+
+    q, k, v = (torch.randn(1, 2, 20, 8) for _ in range(3))
+    mask = torch.randn(1, 1, 20, 20)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                          scale=0.3)[:2]
+    logits = q @ k.transpose(-1, -2) * 0.3 + mask
+    torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+    selective_kernel.flash_block(q, k, v, mask, 0.3)
+    assert selective_kernel._FLASH_OK is True
+
+
+def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch):
+    from attnzoo.backends import selective_kernel
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("op changed")
+
+    monkeypatch.setattr(selective_kernel, "_FLASH_OK", None)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", broken, raising=False)
+    q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="private flash-attention CPU op is unusable"):
+        out = attnzoo.compile("selective", backend="blocked")(q, k, v)
+    torch.testing.assert_close(out, attnzoo.compile("selective", backend="reference")(q, k, v))

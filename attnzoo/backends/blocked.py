@@ -21,7 +21,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..cache import SELECTION_STATE
 from ..transforms.base import Context, Dims, Slot, restrict_heads
+from ..transforms.selective import SelectiveMask
 from .base import Backend
+from .selective_kernel import SelectiveCausal
 
 
 def _row_scale(plan, slot, rows, positions, params):
@@ -32,9 +34,10 @@ def _row_scale(plan, slot, rows, positions, params):
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
+    """Positions p0, p0 + 1, ... with the same p0 in every batch row (index causality == position causality)."""
     n = positions.shape[-1]
     steps = torch.arange(n, device=positions.device)
-    return bool((positions == positions[..., :1] + steps).all())
+    return bool((positions == positions[:1, :1] + steps).all())
 
 
 class BlockedBackend(Backend):
@@ -58,19 +61,23 @@ class BlockedBackend(Backend):
         qs = _row_scale(plan, Slot.QUERY, q, positions.unsqueeze(1), params)
         ks = _row_scale(plan, Slot.KEY, k, positions.unsqueeze(1), params)
         vs = _row_scale(plan, Slot.VALUE, v, positions.unsqueeze(1), params)
-        if self._sdpa_whole(plan, key_mask, positions) and not return_selection:
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=plan.causal, scale=plan.logit_scale(d),
+        simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
+                  and plan.causal and _consecutive(positions) and not return_selection)
+        acc = plan.one(Slot.ACCUMULATOR)
+        if simple and acc is None:
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
                                                  enable_gqa=q.shape[1] != k.shape[1])
+            selection = None
+        elif simple and type(acc) is SelectiveMask and qs.device.type == "cpu":
+            o = acc.options
+            out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), o.selector_head, o.protect_bos,
+                                        o.self_mask, int(positions[0, 0]), self.block_size)
             selection = None
         else:
             out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_selection)
         out = _row_scale(plan, Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, selection) if return_selection else out
-
-    def _sdpa_whole(self, plan, key_mask, positions) -> bool:
-        return (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
-                and plan.one(Slot.ACCUMULATOR) is None and _consecutive(positions))
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
                want_probs=False, use_sdpa=True):

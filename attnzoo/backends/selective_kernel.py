@@ -1,0 +1,142 @@
+"""A fused CPU path for selective attention under a plain causal mask: forward and backward by query blocks.
+
+The forward hands each block to torch's flash-attention CPU op with the additive mask ``-F`` (and ``-inf`` above
+the diagonal) and keeps its log-sum-exp; only the selector head's logits are computed besides. The backward walks
+the blocks in reverse, recomputes each block's probabilities from the saved log-sum-exp, and carries the gradient
+of the running column sums (the "reverse carry") back into earlier blocks' selector logits. Extra state: the
+carry before each block, O(N · N / block) per batch row, and the log-sum-exp, O(H · N).
+
+The flash op is private (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``); when it is missing or
+its signature changed, :func:`flash_block` computes the same two results eagerly and says so once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+_FLASH_OK: bool | None = None
+
+
+def flash_block(q, k, v, mask, scale):
+    """(out, lse) of softmax(q k^T * scale + mask) v; q (B, H, Bq, D), k/v (B, H, Nk, D), mask (B, 1, Bq, Nk)."""
+    global _FLASH_OK
+    if _FLASH_OK is not False:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
+            _FLASH_OK = True
+            return out, lse
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            if _FLASH_OK:  # it worked before: a genuine error, not a missing op
+                raise
+            _FLASH_OK = False
+            warnings.warn(f"attnzoo blocked backend: torch's private flash-attention CPU op is unusable "
+                          f"({type(exc).__name__}); using the eager equivalent (slower)", RuntimeWarning,
+                          stacklevel=2)
+    logits = (q @ k.transpose(-1, -2)) * scale + mask
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.exp(logits - lse.unsqueeze(-1)) @ v, lse
+
+
+class SelectiveCausal(torch.autograd.Function):
+    """out = softmax(q k^T * scale - F, causal) v with F from selector head ``sel`` (selective attention).
+
+    Inputs are the already row-scaled q (B, H, N, D) and k, v (B, H_kv, N, D); positions are 1..N shifted by
+    ``first_position - 1`` (BOS is column 0 only when ``first_position == 1``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, sel, protect_bos, self_mask, first_position, block):
+        b, h, n, d = q.shape
+        group = h // k.shape[1]
+        ke = k.repeat_interleave(group, dim=1) if group > 1 else k
+        ve = v.repeat_interleave(group, dim=1) if group > 1 else v
+        bos = protect_bos and first_position == 1
+        out = torch.full_like(q, float("nan"))
+        lse = q.new_empty(b, h, n)
+        carry = q.new_zeros(b, n)
+        carries = []
+        for start in range(0, n, block):
+            stop = min(start + block, n)
+            carries.append(carry[:, :stop].clone())
+            s = _selection(q, ke, sel, start, stop, scale, bos, self_mask)
+            mask = _mask(s, carry[:, :stop], start)
+            out[:, :, start:stop], lse[:, :, start:stop] = flash_block(q[:, :, start:stop], ke[:, :, :stop],
+                                                                       ve[:, :, :stop], mask, scale)
+            carry[:, :stop] += s.sum(dim=2)
+        ctx.save_for_backward(q, ke, ve, out, lse, *carries)
+        ctx.meta = (scale, sel, bos, self_mask, block, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, ke, ve, out, lse, *carries = ctx.saved_tensors
+        scale, sel, bos, self_mask, block, group = ctx.meta
+        b, h, n, d = q.shape
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
+        dcarry = q.new_zeros(b, n)
+        starts = list(range(0, n, block))
+        floor = math.log(torch.finfo(q.dtype).tiny) + 7.0  # keeps exp away from its slow subnormal range
+        for index in reversed(range(len(starts))):
+            start = starts[index]
+            stop = min(start + block, n)
+            carry = carries[index]
+            q_blk, g_blk = q[:, :, start:stop], grad_out[:, :, start:stop]
+            past = torch.ones(stop - start, stop - start, dtype=q.dtype, device=q.device).tril_()
+            k_vis, v_vis = ke[:, :, :stop], ve[:, :, :stop]
+            s = _selection(q, ke, sel, start, stop, scale, bos, self_mask)
+            mask = _mask(s, carry, start)
+            # probabilities from the saved log-sum-exp, then the usual softmax backward
+            p = (q_blk * scale) @ k_vis.transpose(-1, -2)
+            p.add_(mask).sub_(lse[:, :, start:stop, None])
+            # clamp before exp: a large F makes exp underflow through denormals, which is slow on CPU
+            p.clamp_min_(floor).exp_()
+            p[..., start:].mul_(past)  # exactly 0 above the diagonal
+            dv[:, :, :stop] += p.transpose(-1, -2) @ g_blk
+            dp = g_blk @ v_vis.transpose(-1, -2)
+            delta = (g_blk * out[:, :, start:stop]).sum(-1, keepdim=True)
+            dl = p.mul_(dp.sub_(delta))  # dL/dlogits, in place: p and dp are not needed afterwards
+            dq[:, :, start:stop] += (dl @ k_vis) * scale
+            dk[:, :, :stop] += (dl.transpose(-1, -2) @ q_blk) * scale
+            # F enters every head's logits with a minus sign; work transposed, (B, Nk, Bq), like the forward
+            d_f = dl.sum(dim=1).transpose(1, 2).neg()
+            # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
+            total = d_f.sum(dim=2, keepdim=True)
+            d_s = total - torch.cumsum(d_f, dim=2) + dcarry[:, :stop, None]
+            dcarry = torch.cat([dcarry[:, :stop] + total[:, :, 0], dcarry[:, stop:]], dim=1)
+            d_sel = d_s.mul_(s > 0)  # ReLU and the selection mask: zero where S was forced to 0
+            dk[:, sel, :stop] += (d_sel @ q_blk[:, sel]) * scale
+            dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ ke[:, sel, :stop]) * scale
+        if group > 1:
+            dk = dk.view(b, h // group, group, n, d).sum(2)
+            dv = dv.view(b, h // group, group, n, d).sum(2)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _selection(q, ke, sel, start, stop, scale, bos, self_mask):
+    """The block's selection, transposed: S^T (B, Nk, Bq) = ReLU of the selector logits where a query may
+    select a key (strictly earlier, or itself with self_mask; never BOS).
+
+    Keys run along rows so that the cumulative sum over queries is along the contiguous last dim (much faster
+    on CPU than a cumulative sum across rows)."""
+    l_sel = (ke[:, sel, :stop] @ q[:, sel, start:stop].transpose(-1, -2)) * scale
+    s = torch.relu(l_sel)
+    # the diagonal block: key j may be selected by query i only if j < i (j <= i with self_mask)
+    s[:, start:stop].triu_(0 if self_mask else 1)
+    if bos:
+        s[:, 0] = 0
+    return s
+
+
+def _mask(s, carry, start):
+    """The additive mask (B, 1, Bq, Nk): -F (carry + exclusive cumsum of S over the block's queries) and -inf
+    above the diagonal."""
+    f = torch.cumsum(s, dim=2).sub_(s).add_(carry[:, :, None])  # F^T (B, Nk, Bq)
+    mask = f.transpose(1, 2).neg()
+    bq = s.shape[2]
+    future = torch.ones(bq, bq, dtype=torch.bool, device=s.device).triu_(1)
+    mask[:, :, start:start + bq].masked_fill_(future, float("-inf"))
+    return mask.unsqueeze(1)
