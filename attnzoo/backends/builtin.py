@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..hookspecs import hookimpl
 from .blocked import BlockedBackend
+from .flex import FlexBackend
 from .reference import ReferenceBackend
 
 
@@ -11,3 +12,4 @@ from .reference import ReferenceBackend
 def register_backends(register):
     register(ReferenceBackend())
     register(BlockedBackend())
+    register(FlexBackend())

@@ -53,10 +53,20 @@ class Alibi(LogitsTransform):
     summary = "l' = l - slope_h * |i - j| (per-head geometric slopes)"
 
     def apply(self, logits: torch.Tensor, ctx: Context, params):
-        slopes = torch.tensor(alibi_slopes(ctx.dims.num_heads, self.options.max_bias),
-                              dtype=logits.dtype, device=logits.device)[ctx.heads]
         distance = (ctx.qpos - ctx.kpos).abs().to(logits.dtype)
-        return logits - slopes * distance
+        head = ctx.heads.to(logits.dtype)
+        return logits - head_slope(head, ctx.dims.num_heads, self.options.max_bias) * distance
+
+
+def head_slope(head: torch.Tensor, num_heads: int, max_bias: float) -> torch.Tensor:
+    """:func:`alibi_slopes` as a pointwise function of the head index, a float tensor (so that it also lowers to a
+    FlexAttention score_mod, and keeps the precision of the logits)."""
+    lower = 2 ** int(math.floor(math.log2(num_heads)))
+    first = torch.exp2(-max_bias * (head + 1) / lower)
+    if lower == num_heads:
+        return first
+    interleaved = torch.exp2(-max_bias * (2 * (head - lower) + 1) / (2 * lower))
+    return torch.where(head < lower, first, interleaved)
 
 
 class ConstantTemperatureOptions(TransformOptions):

@@ -1,0 +1,102 @@
+"""The flex backend: lowers what fits to ``torch.nn.attention.flex_attention`` under ``torch.compile``.
+
+Query/key/value temperatures become a pre-scale of q, k and v (a per-row scalar commutes with the dot product),
+logits transforms become the ``score_mod`` (the transforms' own pointwise maths, traced with scalar positions),
+masks become a block mask (``mask_mod``), the output scale is applied after. The accumulator is declined: F is not
+a pointwise function of (b, h, q, kv) and FlexAttention could only take it as a captured N×N tensor. On CPU,
+FlexAttention has no backward, so cases that need gradients are declined there.
+
+The compiled kernel is cached per process and reused across calls; torch.compile recompiles per shape family
+(and per distinct score_mod), which is the first-call latency ``attnzoo bench`` reports.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ..transforms.base import Context, Dims, Slot
+from .base import Backend
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+PAD = 128  # FlexAttention's default block size
+
+
+@functools.lru_cache(maxsize=1)
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    return torch.compile(flex_attention, dynamic=False), create_block_mask
+
+
+def _row_scale(plan, slot, rows, positions, params):
+    t = plan.one(slot)
+    if t is None:
+        return rows
+    return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
+
+
+class FlexBackend(Backend):
+    name = "flex"
+    priority = 5  # measured on CPU (2 threads, N=4096): ~4x SDPA forward, slower than blocked on shipped specs
+    summary = "torch FlexAttention (score_mod + block mask) under torch.compile; forward only on CPU"
+
+    def supports(self, plan, device, dtype, requires_grad):
+        reasons = []
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError:
+            return ["this torch has no torch.nn.attention.flex_attention"]
+        if plan.one(Slot.ACCUMULATOR) is not None:
+            reasons.append(f"'{plan.one(Slot.ACCUMULATOR).kind}' accumulates over queries: not a pointwise "
+                           "score_mod (FlexAttention would need F as a captured N×N tensor)")
+        if requires_grad and torch.device(device).type == "cpu":
+            reasons.append("FlexAttention has no backward on CPU")
+        if dtype not in SUPPORTED_DTYPES:
+            reasons.append(f"FlexAttention does not compile {str(dtype).removeprefix('torch.')} here")
+        return reasons
+
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        flex_attention, create_block_mask = _flex()
+        b, h, n, d = q.shape
+        hkv = k.shape[1]
+        pos = positions.unsqueeze(1)
+        qs = _row_scale(plan, Slot.QUERY, q, pos, params)
+        ks = _row_scale(plan, Slot.KEY, k, pos, params)
+        vs = _row_scale(plan, Slot.VALUE, v, pos, params)
+        # Pad N to a multiple of FlexAttention's block: torch's compiled CPU kernel was seen returning garbage or
+        # NaN for lengths that are not (caught by the conformance suite); padded keys are masked, padded query
+        # rows dropped. It also means one compiled kernel per 128 tokens of length, not per length.
+        m = -(-n // PAD) * PAD
+        qs, ks, vs = (F.pad(t, (0, 0, 0, m - n)) for t in (qs, ks, vs))
+        padded_pos = F.pad(positions, (0, m - n), value=1)
+        valid = F.pad(torch.ones_like(positions, dtype=torch.bool) if key_mask is None else key_mask, (0, m - n))
+        dims = Dims(h, d, hkv)
+        logits_transforms = plan.many(Slot.LOGITS)
+        masks = plan.many(Slot.MASK)
+
+        def context(batch, head, q_idx, kv_idx):
+            return Context(qpos=padded_pos[batch, q_idx], kpos=padded_pos[batch, kv_idx], heads=head, dims=dims)
+
+        def score_mod(score, batch, head, q_idx, kv_idx):
+            ctx = context(batch, head, q_idx, kv_idx)
+            for t in logits_transforms:
+                score = t.apply(score, ctx, params[t.kind])
+            return score
+
+        def mask_mod(batch, head, q_idx, kv_idx):
+            ctx = context(batch, head, q_idx, kv_idx)
+            allowed = valid[batch, kv_idx]
+            if plan.causal:
+                allowed = allowed & (ctx.kpos <= ctx.qpos)
+            for t in masks:
+                allowed = allowed & t.allowed(ctx)
+            return allowed
+
+        block_mask = create_block_mask(mask_mod, b, h, m, m, device=q.device)
+        out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None, block_mask=block_mask,
+                             scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
+        out = _row_scale(plan, Slot.OUTPUT, out, pos, params)
+        return (out, None) if return_selection else out
