@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean bench
 
 $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ demo: $(STAMP)
 	$(BIN)/attnzoo validate specs/*
 	$(BIN)/python -m attnzoo.demo
 	$(BIN)/attnzoo conformance
+
+bench: $(STAMP)
+	$(BIN)/attnzoo bench --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) build *.egg-info

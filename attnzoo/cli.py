@@ -165,10 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expected-failures", metavar="FILE", help="test ids (or patterns) expected to fail")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh random inputs")
     p.set_defaults(func=cmd_conformance)
+
+    # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
+    sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .transforms.base import Dims, ParamSpec, Slot, Transform
+from .transforms.base import Context, Dims, ParamSpec, Slot, Transform
 
 
 @dataclass
@@ -73,6 +73,32 @@ class Plan:
         """Raise ValueError if a transform's options do not fit the sizes of a call."""
         for t in self.transforms:
             t.check_dims(dims)
+
+    # -- the pieces every backend computes the same way ----------------------------------------------------------
+    def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params) -> torch.Tensor:
+        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty)."""
+        t = self.one(slot)
+        if t is None:
+            return rows
+        return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
+
+    def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims) -> Context:
+        """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk)."""
+        group = dims.num_heads // dims.num_kv_heads
+        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
+        heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
+        return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims)
+
+    def allowed(self, ctx: Context, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Which (query, key) pairs may attend: the spec's causal flag, every mask transform, the key mask."""
+        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=ctx.qpos.device)
+        if self.causal:
+            allowed = allowed & (ctx.kpos <= ctx.qpos)
+        for t in self.many(Slot.MASK):
+            allowed = allowed & t.allowed(ctx)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+        return allowed
 
     def logit_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)

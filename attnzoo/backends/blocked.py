@@ -20,17 +20,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..cache import SELECTION_STATE
-from ..transforms.base import Context, Dims, Slot, restrict_heads
+from ..transforms.base import Dims, Slot, restrict_heads
 from ..transforms.selective import SelectiveMask
 from .base import Backend
 from .selective_kernel import SelectiveCausal
-
-
-def _row_scale(plan, slot, rows, positions, params):
-    t = plan.one(slot)
-    if t is None:
-        return rows
-    return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
@@ -58,9 +51,9 @@ class BlockedBackend(Backend):
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
         d = q.shape[-1]
-        qs = _row_scale(plan, Slot.QUERY, q, positions.unsqueeze(1), params)
-        ks = _row_scale(plan, Slot.KEY, k, positions.unsqueeze(1), params)
-        vs = _row_scale(plan, Slot.VALUE, v, positions.unsqueeze(1), params)
+        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params)
+        ks = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
+        vs = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
         simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
                   and plan.causal and _consecutive(positions) and not return_selection)
         acc = plan.one(Slot.ACCUMULATOR)
@@ -76,7 +69,7 @@ class BlockedBackend(Backend):
         else:
             out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_selection)
-        out = _row_scale(plan, Slot.OUTPUT, out, positions.unsqueeze(1), params)
+        out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, selection) if return_selection else out
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
@@ -125,16 +118,8 @@ class BlockedBackend(Backend):
         hkv = k.shape[1]
         group = h // hkv
         scale = plan.logit_scale(d)
-        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
-        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :],
-                      heads=torch.arange(h, device=q.device).view(1, h, 1, 1), dims=Dims(h, d, hkv))
-        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
-        if plan.causal:
-            allowed = allowed & (ctx.kpos <= ctx.qpos)
-        for t in plan.many(Slot.MASK):
-            allowed = allowed & t.allowed(ctx)
-        if key_mask is not None:
-            allowed = allowed & key_mask[:, None, None, :]
+        ctx = plan.context(qpos, kpos, Dims(h, d, hkv))
+        allowed = plan.allowed(ctx, key_mask)
 
         f_blk = colsum = None
         acc = plan.one(Slot.ACCUMULATOR)
@@ -183,14 +168,14 @@ class BlockedBackend(Backend):
         b = q.shape[0]
         first = cache.next_position - t
         qpos = torch.arange(first, cache.next_position, device=q.device).expand(b, t)
-        qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = _row_scale(plan, Slot.KEY, cache.keys, cache.positions, params)
-        vs = _row_scale(plan, Slot.VALUE, cache.values, cache.positions, params)
+        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params)
+        vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params)
         carry = cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
         want_probs = evictor is not None and bool(evictor.state_names)
         out, _, new_carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, None, carry,
                                                want_probs=want_probs, use_sdpa=cache.positions.shape[1] == 1)
-        out = _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         if carry is not None:
             cache.state[SELECTION_STATE] = new_carry.unsqueeze(1).expand_as(cache.positions).clone()
         if evictor is not None:

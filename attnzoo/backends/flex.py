@@ -22,6 +22,7 @@ from .base import Backend
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAD = 128  # FlexAttention's default block size
+RECOMPILE_LIMIT = 256
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,13 +30,6 @@ def _flex():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     return torch.compile(flex_attention, dynamic=False), create_block_mask
-
-
-def _row_scale(plan, slot, rows, positions, params):
-    t = plan.one(slot)
-    if t is None:
-        return rows
-    return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
 
 
 class FlexBackend(Backend):
@@ -63,9 +57,9 @@ class FlexBackend(Backend):
         b, h, n, d = q.shape
         hkv = k.shape[1]
         pos = positions.unsqueeze(1)
-        qs = _row_scale(plan, Slot.QUERY, q, pos, params)
-        ks = _row_scale(plan, Slot.KEY, k, pos, params)
-        vs = _row_scale(plan, Slot.VALUE, v, pos, params)
+        qs = plan.row_scale(Slot.QUERY, q, pos, params)
+        ks = plan.row_scale(Slot.KEY, k, pos, params)
+        vs = plan.row_scale(Slot.VALUE, v, pos, params)
         # Pad N to a multiple of FlexAttention's block: torch's compiled CPU kernel was seen returning garbage or
         # NaN for lengths that are not (caught by the conformance suite); padded keys are masked, padded query
         # rows dropped. It also means one compiled kernel per 128 tokens of length, not per length.
@@ -96,7 +90,10 @@ class FlexBackend(Backend):
             return allowed
 
         block_mask = create_block_mask(mask_mod, b, h, m, m, device=q.device)
-        out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None, block_mask=block_mask,
-                             scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
-        out = _row_scale(plan, Slot.OUTPUT, out, pos, params)
+        # Past torch.compile's recompile limit dynamo would silently run flex_attention eagerly (unfused, N×N):
+        # raise the limit for this call and make hitting it an error instead.
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None,
+                                 block_mask=block_mask, scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
+        out = plan.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_selection else out

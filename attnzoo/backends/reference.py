@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import SELECTION_STATE
-from ..transforms.base import Context, Dims, Slot, restrict_heads
+from ..transforms.base import Dims, Slot, restrict_heads
 from .base import Backend
 
 
@@ -22,13 +22,6 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     safe = torch.where(has_any, safe, torch.zeros((), dtype=logits.dtype, device=logits.device))
     probs = torch.softmax(safe, dim=-1)
     return torch.where(allowed, probs, torch.zeros((), dtype=logits.dtype, device=logits.device))
-
-
-def _row_scale(plan, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params) -> torch.Tensor:
-    t = plan.one(slot)
-    if t is None:
-        return rows
-    return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
 
 
 class ReferenceBackend(Backend):
@@ -64,27 +57,18 @@ class ReferenceBackend(Backend):
         hkv = k.shape[1]
         dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
 
-        qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = _row_scale(plan, Slot.KEY, k, kpos, params)
-        vs = _row_scale(plan, Slot.VALUE, v, kpos, params)
+        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = plan.row_scale(Slot.KEY, k, kpos, params)
+        vs = plan.row_scale(Slot.VALUE, v, kpos, params)
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
-        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
-        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :],
-                      heads=torch.arange(h, device=q.device).view(1, h, 1, 1), dims=dims)
+        ctx = plan.context(qpos, kpos, dims)
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):
             logits = t.apply(logits, ctx, params[t.kind])
-
-        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=q.device)
-        if plan.causal:
-            allowed = allowed & (ctx.kpos <= ctx.qpos)
-        for t in plan.many(Slot.MASK):
-            allowed = allowed & t.allowed(ctx)
-        if key_mask is not None:
-            allowed = allowed & key_mask[:, None, None, :]
+        allowed = plan.allowed(ctx, key_mask)
 
         selection = accumulated = None
         acc = plan.one(Slot.ACCUMULATOR)
@@ -101,7 +85,7 @@ class ReferenceBackend(Backend):
 
         probs = masked_softmax(logits, allowed)
         out = probs @ vs
-        out = _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):

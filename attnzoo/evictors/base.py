@@ -40,6 +40,9 @@ class Evictor:
 
     def check_spec(self, spec: Any) -> str | None:
         """A reason this evictor cannot serve ``spec``, or None."""
+        if self.per_head and "accumulator" in spec.slots():
+            return (f"evictor '{self.kind}' keeps a set per head; an accumulator needs one kept set per layer "
+                    "(its F is per token)")
         return None
 
     def check_budget(self, budget: int | None) -> str | None:
@@ -47,7 +50,8 @@ class Evictor:
         return None
 
     def update(self, cache, probs: torch.Tensor) -> None:
-        """Update scores after a step; ``probs`` (B, H, 1, M) is the new query's attention over the cache."""
+        """Update scores after a step; ``probs`` (B, H, T, M) is the new queries' attention over the cache
+        (T = 1 when decoding, the chunk length in a prefill)."""
 
     def victim(self, cache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64."""

@@ -49,11 +49,6 @@ class H2O(Evictor):
     def recent(self, budget: int) -> int:
         return self.options.recent if self.options.recent is not None else budget // 2
 
-    def check_spec(self, spec):
-        if "accumulator" in spec.slots():
-            return "evictor 'h2o' keeps a set per head; an accumulator needs one kept set per layer"
-        return None
-
     def check_budget(self, budget):
         if budget is not None and self.recent(budget) >= budget:
             return f"h2o.recent ({self.recent(budget)}) must be smaller than the budget ({budget})"
