@@ -33,6 +33,7 @@ demo: $(STAMP)
 	$(BIN)/attnzoo conformance
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/attnzoo bench --out benchmarks/results
 
 clean:
