@@ -28,13 +28,14 @@ class Config:
     specs: tuple[str, ...] = ("vanilla", "ssa", "selective", "selective-ssa")
     lengths: tuple[int, ...] = (1024, 4096)
     memory_lengths: tuple[int, ...] = (8192,)
-    backends: tuple[str, ...] = ("blocked", "reference")
+    backends: tuple[str, ...] = ("blocked", "flex", "reference")
     batch: int = 1
     heads: int = 8
     head_dim: int = 64
     threads: int = 2
     repeats: int = 5
     reference_max_length: int = 4096  # the reference materialises H·N² logits: keep it to lengths that fit
+    fresh_process_measurements: bool = True  # peak memory and first call, one subprocess each
 
 
 def _inputs(cfg: Config, n: int, grad: bool, seed: int = 0):
@@ -73,9 +74,22 @@ def _callable(name: str, spec: str, cfg: Config, grad: bool):
     return forward_backward
 
 
+def _runs(cfg: Config, backend: str, spec: str, n: int, grad: bool) -> bool:
+    """Whether ``backend`` takes this case (it may decline: flex has no CPU backward and no accumulator)."""
+    import attnzoo
+
+    if backend == "reference" and n > cfg.reference_max_length:
+        return False
+    try:
+        attnzoo.compile(spec, backend=backend).backend_for("cpu", torch.float32, grad)
+    except attnzoo.UnsupportedError:
+        return False
+    return True
+
+
 def time_case(cfg: Config, spec: str, n: int, grad: bool) -> dict[str, float]:
     """Median seconds per candidate, interleaved: round r times every candidate once."""
-    names = ["sdpa", *(b for b in cfg.backends if b != "reference" or n <= cfg.reference_max_length)]
+    names = ["sdpa", *(b for b in cfg.backends if _runs(cfg, b, spec, n, grad))]
     fns = {name: _callable(name, spec, cfg, grad) for name in names}
     q, k, v = _inputs(cfg, n, grad)
     for fn in fns.values():  # warm up (allocator, first-call work)
@@ -136,7 +150,7 @@ def run_benchmark(cfg: Config, log=print) -> dict:
                         if backend != "reference" and backend in times:
                             row[f"{backend}_vs_reference"] = times[backend] / times["reference"]
                 for backend in ("sdpa", *cfg.backends):
-                    if backend in times or backend == "sdpa":
+                    if cfg.fresh_process_measurements and backend in times:
                         extra = measure_in_subprocess(cfg, backend, spec, n, grad)
                         if extra:
                             row[f"{backend}_peak_mib"] = extra["peak_mib"]
@@ -151,6 +165,8 @@ def run_benchmark(cfg: Config, log=print) -> dict:
                 for backend in ("sdpa", *cfg.backends):
                     if backend == "reference" and grad and n > cfg.reference_max_length:
                         continue  # H·N² saved activations of every op: more than this machine holds
+                    if backend != "sdpa" and backend != "reference" and not _runs(cfg, backend, spec, 0, grad):
+                        continue
                     extra = measure_in_subprocess(cfg, backend, spec, n, grad)
                     entry[f"{backend}_peak_mib"] = extra["peak_mib"] if extra else None
                 memory.append(entry)
@@ -175,14 +191,14 @@ def to_markdown(result: dict) -> str:
              f"torch {result['torch']}; median of {cfg['repeats']} interleaved repeats; ratios to "
              "`scaled_dot_product_attention(is_causal=True)` in the same run.", "",
              "| spec | N | mode | SDPA ms | " + " | ".join(f"{b} / SDPA" for b in backends)
-             + " | blocked / reference | peak MiB (SDPA, " + ", ".join(backends) + ") | first call s (blocked) |",
+             + " | blocked / reference | peak MiB (SDPA, " + ", ".join(backends) + ") | first call s ("
+             + ", ".join(b for b in backends if b != "reference") + ") |",
              "|---|---|---|---|" + "---|" * len(backends) + "---|---|---|"]
     for row in result["rows"]:
         ratios = " | ".join(f"{row[f'{b}_vs_sdpa']:.2f}x" if f"{b}_vs_sdpa" in row else "-" for b in backends)
         vs_ref = f"{row['blocked_vs_reference']:.3f}x" if "blocked_vs_reference" in row else "-"
-        peaks = ", ".join(f"{row.get(f'{b}_peak_mib', float('nan')):.0f}" for b in ("sdpa", *backends))
-        first = row.get("blocked_first_call_s")
-        first_text = f"{first:.3f}" if first is not None else "-"
+        peaks = ", ".join(_fmt(row.get(f"{b}_peak_mib"), ".0f") for b in ("sdpa", *backends))
+        first_text = ", ".join(_fmt(row.get(f"{b}_first_call_s"), ".2f") for b in backends if b != "reference")
         lines.append(f"| {row['spec']} | {row['n']} | {row['mode']} | {row['sdpa_s'] * 1e3:.1f} | {ratios} | "
                      f"{vs_ref} | {peaks} | {first_text} |")
     lines += ["", "Peak memory (MiB above the inputs, fresh process per measurement):", "",
@@ -195,6 +211,10 @@ def to_markdown(result: dict) -> str:
             cells.append(f"{value:.0f}" if value is not None else "not run")
         lines.append(f"| {entry['spec']} | {entry['n']} | {entry['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def plot(result: dict, path: Path) -> bool:

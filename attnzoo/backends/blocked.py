@@ -7,8 +7,9 @@ gradients, each block is checkpointed (recomputed in the backward pass), so trai
 O(H · block · N); the carry chain carries the gradient back into earlier blocks' selector logits.
 
 Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
-``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; blocks without logits transforms hand
-their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
+``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; ``selective_mask`` under a plain causal
+mask runs the fused kernel of ``selective_kernel.py`` (CPU); other blocks without logits transforms hand their mask
+(−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
 This module never imports the reference backend (it computes the same function independently).
 """
