@@ -159,7 +159,11 @@ class _SpecYamlLoader(yaml.SafeLoader):
 
 def _yaml(text: str, source: str) -> Any:
     try:
-        return yaml.load(text, Loader=_SpecYamlLoader)  # noqa: S506 - a SafeLoader subclass
+        loader = _SpecYamlLoader(text)  # a SafeLoader subclass: no object tags, no aliases
+        try:
+            return loader.get_single_data()
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         where = f"line {mark.line + 1}: " if mark is not None else ""
