@@ -1,0 +1,38 @@
+"""attnzoo.nn.Attention owns the transforms' parameters and trains them."""
+
+import torch
+
+import attnzoo
+from attnzoo.nn import Attention
+
+
+def test_module_matches_functional_form_and_trains_its_parameters():
+    layer = Attention("selective-ssa", num_heads=4, head_dim=8, num_kv_heads=2, dtype=torch.float64)
+    names = dict(layer.named_parameters())
+    assert "transform_params.query_temperature__token_weight" in names
+    assert names["transform_params.value_temperature__token_weight"].shape == (2, 8)
+    q = torch.randn(2, 4, 19, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 19, 8, dtype=torch.float64)
+    want = attnzoo.compile("selective-ssa", backend="reference")(q, k, v, params=layer.params())
+    out = layer(q, k, v)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    out.square().sum().backward()
+    assert all(p.grad is not None and p.grad.abs().max() > 0 for p in layer.parameters())
+    groups = layer.parameter_groups(lr_scale=10.0)
+    assert groups[0]["weight_decay"] == 0.0 and len(groups[0]["params"]) == 4
+
+
+def test_module_decodes_and_round_trips_state_dict():
+    layer = Attention("selective-ssa", num_heads=2, head_dim=4)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    clone = Attention("selective-ssa", num_heads=2, head_dim=4)
+    assert not torch.equal(clone.params()["query_temperature.token_weight"],
+                           layer.params()["query_temperature.token_weight"])
+    clone.load_state_dict(layer.state_dict())
+    x = torch.randn(1, 2, 10, 4)
+    cache = clone.new_cache(batch=1, budget=None)
+    steps = torch.cat([clone.decode(x[:, :, i:i + 1], x[:, :, i:i + 1], x[:, :, i:i + 1], cache)
+                       for i in range(10)], dim=2)
+    torch.testing.assert_close(steps, layer(x, x, x), rtol=1e-5, atol=1e-6)
