@@ -97,3 +97,12 @@ def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch):
     with pytest.warns(RuntimeWarning, match="private flash-attention CPU op is unusable"):
         out = attnzoo.compile("selective", backend="blocked")(q, k, v)
     torch.testing.assert_close(out, attnzoo.compile("selective", backend="reference")(q, k, v))
+
+
+def test_fused_selective_backward_in_half_precision(registry):
+    """float16 / bfloat16: the backward recomputes in float32 (a float16 exp clamp once wrecked the gradients)."""
+    cases = runner.build_cases(registry, ["selective", "selective-ssa"], ["blocked16"],
+                               (torch.float16, torch.bfloat16))
+    results = runner.run_suite([c for c in cases if c.check.startswith(("gradients/", "vectors/"))])
+    failures = [f"{r.id}: {r.message}" for r in results if r.status != "pass"]
+    assert not failures, failures[:3]

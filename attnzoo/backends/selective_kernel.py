@@ -75,6 +75,10 @@ class SelectiveCausal(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, ke, ve, out, lse, *carries = ctx.saved_tensors
         scale, sel, bos, self_mask, block, group = ctx.meta
+        dtype = q.dtype
+        if dtype in (torch.float16, torch.bfloat16):  # recompute and accumulate in float32
+            q, ke, ve, out, lse, grad_out = (t.float() for t in (q, ke, ve, out, lse, grad_out))
+            carries = [c.float() for c in carries]
         b, h, n, d = q.shape
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
         dcarry = q.new_zeros(b, n)
@@ -113,7 +117,7 @@ class SelectiveCausal(torch.autograd.Function):
         if group > 1:
             dk = dk.view(b, h // group, group, n, d).sum(2)
             dv = dv.view(b, h // group, group, n, d).sum(2)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None
 
 
 def _selection(q, ke, sel, start, stop, scale, bos, self_mask):
