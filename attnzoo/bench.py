@@ -269,6 +269,18 @@ def main(argv=None) -> int:
         cfg.memory_lengths = tuple(args.memory_lengths)
     if args.repeats:
         cfg.repeats = args.repeats
+    from .errors import SpecError
+    from .spec import load_spec
+
+    try:
+        for spec in cfg.specs:
+            load_spec(spec)
+    except SpecError as exc:
+        print(f"attnzoo bench: {exc}", file=sys.stderr)
+        return 2
+    if min((*cfg.lengths, *cfg.memory_lengths), default=1) < 1 or cfg.repeats < 1:
+        print("attnzoo bench: lengths and repeats must be >= 1", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg.threads))

@@ -27,3 +27,10 @@ def test_cli_writes_json_markdown(tmp_path):
     assert main(["selective", "--lengths", "32", "--memory-lengths", "--repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
     assert data["rows"] and (tmp_path / "bench.md").read_text().startswith("CPU, float32")
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["nope", "--out", str(tmp_path)]) == 2
+    assert main(["vanilla", "--lengths", "0", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and err[0].startswith("attnzoo bench: nope: no such file")
