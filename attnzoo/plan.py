@@ -100,6 +100,12 @@ class Plan:
             allowed = allowed & key_mask[:, None, None, :]
         return allowed
 
+    def earliest_key(self, query_position: int) -> int | None:
+        """The smallest key position that queries at ``query_position`` or later may see under every mask (keys
+        before it can be skipped), or None when no mask bounds it."""
+        bounds = [b for t in self.many(Slot.MASK) if (b := t.earliest_key(query_position)) is not None]
+        return max(bounds) if bounds else None
+
     def logit_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 

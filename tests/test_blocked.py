@@ -106,3 +106,21 @@ def test_fused_selective_backward_in_half_precision(registry):
     results = runner.run_suite([c for c in cases if c.check.startswith(("gradients/", "vectors/"))])
     failures = [f"{r.id}: {r.message}" for r in results if r.status != "pass"]
     assert not failures, failures[:3]
+
+
+@pytest.mark.parametrize("mask", [{"kind": "sliding_window", "window": 5},
+                                  {"kind": "local_global", "window": 3, "global_heads": 0},
+                                  {"kind": "local_global", "window": 3, "global_heads": 1},
+                                  {"kind": "causal"}, {"kind": "prefix", "length": 4}])
+def test_earliest_key_is_a_promise_the_mask_keeps(mask):
+    """Keys the blocked backend skips must be keys the mask forbids for every later query."""
+    spec = attnzoo.load_spec({"name": "m", "attention": {"causal": mask["kind"] != "prefix"}, "transforms": [mask]})
+    plan = attnzoo.compile(spec).plan
+    transform = plan.many(attnzoo.Slot.MASK)[0]
+    pos = torch.arange(1, 30)
+    ctx = plan.context(pos.view(1, -1), pos.view(1, 1, -1), attnzoo.Dims(2, 4, 2))
+    allowed = transform.allowed(ctx).expand(1, 2, 29, 29)
+    for i in range(29):
+        earliest = transform.earliest_key(int(pos[i]))
+        if earliest is not None:
+            assert not bool(allowed[:, :, i:, pos < earliest].any()), (mask, i)

@@ -90,12 +90,16 @@ class BlockedBackend(Backend):
         for start in range(0, nq, step):
             stop = min(start + step, nq)
             qpos_blk = qpos[:, start:stop]
-            # keys after the last position this block can see are skipped (kpos ascending along Nk)
+            # keys after the last position this block can see, and before the first one any mask lets it see,
+            # are skipped (kpos ascending along Nk)
             visible = int((kpos <= qpos_blk.max()).sum(-1).max()) if plan.causal else nk
             visible = max(visible, 1)
-            args = (qs[:, :, start:stop], ks[:, :, :visible], vs[:, :, :visible], qpos_blk,
-                    kpos[..., :visible], key_mask[:, :visible] if key_mask is not None else None,
-                    carry[:, :visible] if carry is not None else None)
+            earliest = plan.earliest_key(int(qpos_blk.min()))
+            first = min(int((kpos < earliest).sum(-1).min()), visible - 1) if earliest is not None else 0
+            keys = slice(first, visible)
+            args = (qs[:, :, start:stop], ks[:, :, keys], vs[:, :, keys], qpos_blk,
+                    kpos[..., keys], key_mask[:, keys] if key_mask is not None else None,
+                    carry[:, keys] if carry is not None else None)
 
             def block(*a, _plan=plan, _params=params):
                 return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
@@ -106,11 +110,11 @@ class BlockedBackend(Backend):
                 o, f_blk, colsum, p = block(*args)
             out[:, :, start:stop] = o
             if carry is not None:
-                carry = torch.cat([carry[:, :visible] + colsum, carry[:, visible:]], dim=1)
+                carry = torch.cat([carry[:, :first], carry[:, keys] + colsum, carry[:, visible:]], dim=1)
             if selection is not None:
-                selection[:, start:stop, :visible] = f_blk
+                selection[:, start:stop, keys] = f_blk
             if probs is not None:
-                probs[:, :, start:stop, :visible] = p
+                probs[:, :, start:stop, keys] = p
         return out, selection, carry, probs
 
     def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, want_probs=False, use_sdpa=True):

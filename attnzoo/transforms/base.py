@@ -165,6 +165,11 @@ class MaskTransform(Transform):
         """A bool tensor broadcastable to (B, H, Nq, Nk): True where the query may attend to the key."""
         raise NotImplementedError
 
+    def earliest_key(self, query_position: int) -> int | None:
+        """Optional: the smallest key position this mask lets any query at ``query_position`` or later see (a
+        backend skips earlier keys); None (the default) promises nothing."""
+        return None
+
 
 class AccumulatorTransform(Transform):
     """Slot ``accumulator``: a non-negative selection ``S[b, k, j]`` (query k marks key j); backends subtract

@@ -36,6 +36,9 @@ class SlidingWindow(MaskTransform):
         gap = ctx.qpos - ctx.kpos
         return (gap >= 0) & (gap < self.options.window)
 
+    def earliest_key(self, query_position):
+        return query_position - self.options.window + 1
+
 
 class LocalGlobalOptions(TransformOptions):
     window: int = Field(ge=1)
@@ -56,6 +59,9 @@ class LocalGlobal(MaskTransform):
         gap = ctx.qpos - ctx.kpos
         local = gap < self.options.window
         return (gap >= 0) & (local | (ctx.heads < self.options.global_heads))
+
+    def earliest_key(self, query_position):
+        return None if self.options.global_heads > 0 else query_position - self.options.window + 1
 
 
 class PrefixOptions(TransformOptions):
