@@ -144,12 +144,15 @@ class BlockedBackend(Backend):
 
         allowed = allowed.expand(b, allowed.shape[1], nq, allowed.shape[-1])
         has_key = allowed.any(-1, keepdim=True)
-        if use_sdpa and not want_probs and not plan.many(Slot.LOGITS) and allowed.shape[1] == 1:
-            bias = torch.zeros((), dtype=q.dtype, device=q.device)
-            mask = torch.where(allowed, bias if f_blk is None else -f_blk[:, None], float("-inf"))
-            mask = torch.where(has_key, mask, bias)  # a row with no key: any finite row, zeroed below
+        biases = [t.bias(ctx, params[t.kind], q.dtype) for t in plan.many(Slot.LOGITS)]
+        if use_sdpa and not want_probs and all(bias is not None for bias in biases):
+            # every logits transform is additive: the whole block is SDPA with a float mask
+            zero = torch.zeros((), dtype=q.dtype, device=q.device)
+            total = sum(biases, zero) if f_blk is None else sum(biases, -f_blk[:, None])
+            mask = torch.where(allowed, total.to(q.dtype), float("-inf"))
+            mask = torch.where(has_key, mask, zero)  # a row with no key: any finite row, zeroed below
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-            return torch.where(has_key, out, bias), f_blk, colsum, None
+            return torch.where(has_key, out, zero), f_blk, colsum, None
 
         # eager: logits of all heads, grouped so that each key/value head is read once
         logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale

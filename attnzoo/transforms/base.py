@@ -157,6 +157,12 @@ class LogitsTransform(Transform):
         """logits (B, H, Nq, Nk) → new logits of the same shape."""
         raise NotImplementedError
 
+    def bias(self, ctx: Context, params: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+        """Optional: when the transform is ``l' = l + bias`` with a bias independent of l, return that bias in
+        ``dtype`` (broadcastable to (B, H, Nq, Nk)) so that backends can hand it to fused kernels as an additive
+        mask. None (the default) means the transform is not additive."""
+        return None
+
 
 class MaskTransform(Transform):
     """Slot ``mask``: which (query, key) pairs may attend. Masks of a spec are intersected."""

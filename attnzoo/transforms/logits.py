@@ -53,9 +53,12 @@ class Alibi(LogitsTransform):
     summary = "l' = l - slope_h * |i - j| (per-head geometric slopes)"
 
     def apply(self, logits: torch.Tensor, ctx: Context, params):
-        distance = (ctx.qpos - ctx.kpos).abs().to(logits.dtype)
-        head = ctx.heads.to(logits.dtype)
-        return logits - head_slope(head, ctx.dims.num_heads, self.options.max_bias) * distance
+        return logits + self.bias(ctx, params, logits.dtype)
+
+    def bias(self, ctx: Context, params, dtype: torch.dtype) -> torch.Tensor:
+        distance = (ctx.qpos - ctx.kpos).abs().to(dtype)
+        head = ctx.heads.to(dtype)
+        return -head_slope(head, ctx.dims.num_heads, self.options.max_bias) * distance
 
 
 def head_slope(head: torch.Tensor, num_heads: int, max_bias: float) -> torch.Tensor:
