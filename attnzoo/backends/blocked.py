@@ -38,7 +38,6 @@ class BlockedBackend(Backend):
     name = "blocked"
     priority = 10  # measured (benchmarks/, CPU): 1.0-1.6x SDPA forward on the shipped specs, the fastest here
     summary = "query blocks, causal block skipping, O(N) accumulator carry, checkpointed backward"
-    block_size = 256
 
     def __init__(self, block_size: int = 256, name: str = "blocked") -> None:
         if block_size < 1:
