@@ -97,3 +97,30 @@ class KVCache:
     def evict(self) -> None:
         """Ask the evictor for one victim per row and drop it."""
         self.remove(self.evictor.victim(self))
+
+    # -- one decoding step, the part every backend shares ------------------------------------------------------
+    def admit(self, key: torch.Tensor, value: torch.Tensor, evict_first: bool) -> None:
+        """Append T tokens; an evictor that works before attention (selective, sink + window) evicts now."""
+        self.append(key, value)
+        if evict_first and self.evictor is not None and not self.evictor.evict_after_attention:
+            while self.over_budget():
+                self.evict()
+
+    def query_positions(self, count: int, batch: int) -> torch.Tensor:
+        """Absolute positions of the ``count`` tokens just appended: (B, count)."""
+        first = self.next_position - count
+        return torch.arange(first, self.next_position, device=self.keys.device).expand(batch, count)
+
+    def selection(self) -> torch.Tensor | None:
+        """The running F of every cached token (B, M), or None without an accumulator."""
+        return self.state[SELECTION_STATE][:, 0] if SELECTION_STATE in self.state else None
+
+    def settle(self, selection: torch.Tensor | None, probs: torch.Tensor | None) -> None:
+        """After attending: store the new running F (B, M), update the evictor's scores from the new queries'
+        attention ``probs`` (B, H, T, M), and evict down to the budget."""
+        if selection is not None:
+            self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
+        if self.evictor is not None:
+            self.evictor.update(self, probs)
+            while self.over_budget():
+                self.evict()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .transforms.base import Context, Dims, ParamSpec, Slot, Transform
+from .transforms.base import Context, Dims, ParamSpec, Slot, Transform, restrict_heads
 
 
 @dataclass
@@ -99,6 +99,13 @@ class Plan:
         if key_mask is not None:
             allowed = allowed & key_mask[:, None, None, :]
         return allowed
+
+    def selector_view(self, acc, allowed: torch.Tensor, ctx: Context):
+        """The accumulator's heads as an index tensor, with ``allowed`` and ``ctx`` narrowed to them."""
+        heads = acc.heads()
+        index = torch.tensor(heads, device=ctx.qpos.device)
+        narrowed = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
+        return index, narrowed, restrict_heads(ctx, heads)
 
     def earliest_key(self, query_position: int) -> int | None:
         """The smallest key position that queries at ``query_position`` or later may see under every mask (keys

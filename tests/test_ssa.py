@@ -39,6 +39,12 @@ def out_hand(logits, values):
     return [softmax_out(causal(logits), [v[d] for v in values]) for d in range(2)]
 
 
+def assert_matches(out, logits, values):
+    want = out_hand(logits, values)
+    for d in range(2):
+        assert out[0, 0, :, d].tolist() == pytest.approx(want[d], abs=1e-14)
+
+
 def test_initial_parameters_are_the_authors_start():
     variant = attnzoo.compile("ssa")
     p = variant.init_params(num_heads=4, head_dim=8, num_kv_heads=2)
@@ -56,9 +62,7 @@ def test_query_temperature_hand_case():
     q, k, v = tensors()
     out = attnzoo.compile("ssa-query")(q, k, v, params=params("query_temperature"))
     logits = [[t_hand(Q[i], i + 1) * dot(Q[i], K[j]) / SQRT2 for j in range(3)] for i in range(3)]
-    want = out_hand(logits, V)
-    for d in range(2):
-        assert out[0, 0, :, d].tolist() == pytest.approx(want[d], abs=1e-14)
+    assert_matches(out, logits, V)
 
 
 def test_value_temperature_hand_case():
@@ -66,18 +70,14 @@ def test_value_temperature_hand_case():
     out = attnzoo.compile("ssa-value")(q, k, v, params=params("value_temperature"))
     logits = [[dot(Q[i], K[j]) / SQRT2 for j in range(3)] for i in range(3)]
     scaled = [[t_hand(V[j], j + 1) * x for x in V[j]] for j in range(3)]
-    want = out_hand(logits, scaled)
-    for d in range(2):
-        assert out[0, 0, :, d].tolist() == pytest.approx(want[d], abs=1e-14)
+    assert_matches(out, logits, scaled)
 
 
 def test_key_temperature_scales_keys_not_queries():
     q, k, v = tensors()
     out = attnzoo.compile("ssa-key")(q, k, v, params=params("key_temperature"))
     logits = [[t_hand(K[j], j + 1) * dot(Q[i], K[j]) / SQRT2 for j in range(3)] for i in range(3)]
-    want = out_hand(logits, V)
-    for d in range(2):
-        assert out[0, 0, :, d].tolist() == pytest.approx(want[d], abs=1e-14)
+    assert_matches(out, logits, V)
 
 
 @pytest.mark.parametrize("coefficient, fn", [

@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..cache import SELECTION_STATE
-from ..transforms.base import Dims, Slot, restrict_heads
+from ..transforms.base import Dims, Slot
 from ..transforms.selective import SelectiveMask
 from .base import Backend
 from .selective_kernel import SelectiveCausal
@@ -128,14 +127,11 @@ class BlockedBackend(Backend):
         f_blk = colsum = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            heads = acc.heads()
-            index = torch.tensor(heads, device=q.device)
+            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
             kv_index = torch.div(index, group, rounding_mode="floor")
             sel_logits = (q.index_select(1, index) @ k.index_select(1, kv_index).transpose(-1, -2)) * scale
-            sel_ctx = restrict_heads(ctx, heads)
             for t in plan.many(Slot.LOGITS):
                 sel_logits = t.apply(sel_logits, sel_ctx, params[t.kind])
-            sel_allowed = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
             s = acc.selection(sel_logits, sel_allowed, sel_ctx, params[acc.kind])  # (B, 1, Bq, Nk)
             within = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
             f_blk = (within + carry[:, None, None, :])[:, 0]
@@ -166,30 +162,16 @@ class BlockedBackend(Backend):
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def extend(self, plan, q, k, v, cache, params, *, evict_first):
-        t = q.shape[2]
-        cache.append(k, v)
-        evictor = cache.evictor
-        if evict_first and evictor is not None and not evictor.evict_after_attention:
-            while cache.over_budget():
-                cache.evict()
-        b = q.shape[0]
-        first = cache.next_position - t
-        qpos = torch.arange(first, cache.next_position, device=q.device).expand(b, t)
+        cache.admit(k, v, evict_first)
+        qpos = cache.query_positions(q.shape[2], q.shape[0])
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
         ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params)
         vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params)
-        carry = cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
-        want_probs = evictor is not None and bool(evictor.state_names)
-        out, _, new_carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, None, carry,
-                                               want_probs=want_probs, use_sdpa=cache.positions.shape[1] == 1)
-        out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
-        if carry is not None:
-            cache.state[SELECTION_STATE] = new_carry.unsqueeze(1).expand_as(cache.positions).clone()
-        if evictor is not None:
-            evictor.update(cache, probs)
-            while cache.over_budget():
-                cache.evict()
-        return out
+        want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
+        out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, None, cache.selection(),
+                                           want_probs=want_probs, use_sdpa=cache.positions.shape[1] == 1)
+        cache.settle(carry, probs)
+        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
 
 def _flat(params):

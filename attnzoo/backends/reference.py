@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import SELECTION_STATE
-from ..transforms.base import Dims, Slot, restrict_heads
+from ..transforms.base import Dims, Slot
 from .base import Backend
 
 
@@ -39,12 +38,11 @@ class ReferenceBackend(Backend):
 
     def query_positions(self, cache, count: int, batch: int) -> torch.Tensor:
         """Absolute positions of the ``count`` tokens just appended to ``cache``: (B, count)."""
-        first = cache.next_position - count
-        return torch.arange(first, cache.next_position, device=cache.keys.device).expand(batch, count)
+        return cache.query_positions(count, batch)
 
     def carry(self, cache) -> torch.Tensor | None:
         """The running F of every cached token (B, M), or None without an accumulator."""
-        return cache.state[SELECTION_STATE][:, 0] if SELECTION_STATE in cache.state else None
+        return cache.selection()
 
     def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
         """The whole composition for queries at ``qpos`` against keys at ``kpos``.
@@ -73,11 +71,8 @@ class ReferenceBackend(Backend):
         selection = accumulated = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            heads = acc.heads()
-            index = torch.tensor(heads, device=q.device)
-            allowed_sel = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
-            selection = acc.selection(logits.index_select(1, index), allowed_sel, restrict_heads(ctx, heads),
-                                      params[acc.kind])
+            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
+            selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
             accumulated = self.accumulate(selection)
             if carry is not None:
                 accumulated = accumulated + carry[:, None, None, :]
@@ -95,19 +90,9 @@ class ReferenceBackend(Backend):
         return out
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first):
-        t = q.shape[2]
-        cache.append(k, v)
-        evictor = cache.evictor
-        if evict_first and evictor is not None and not evictor.evict_after_attention:
-            while cache.over_budget():
-                cache.evict()
-        qpos = self.query_positions(cache, t, q.shape[0])
+        cache.admit(k, v, evict_first)
+        qpos = self.query_positions(cache, q.shape[2], q.shape[0])
         out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
                                                carry=self.carry(cache))
-        if selection is not None:
-            cache.state[SELECTION_STATE] = cache.state[SELECTION_STATE] + selection.sum(dim=2)
-        if evictor is not None:
-            evictor.update(cache, probs)
-            while cache.over_budget():
-                cache.evict()
+        cache.settle(cache.selection() + selection.sum(dim=2)[:, 0] if selection is not None else None, probs)
         return out
