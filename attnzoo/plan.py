@@ -107,6 +107,17 @@ class Plan:
         narrowed = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
         return index, narrowed, restrict_heads(ctx, heads)
 
+    def selection(self, acc, qs: torch.Tensor, ks: torch.Tensor, allowed: torch.Tensor, ctx: Context, params,
+                  scale: float) -> torch.Tensor:
+        """The accumulator's selection S (B, 1, Nq, Nk) from the scaled rows qs (B, H, Nq, D) and ks (B, H_kv,
+        Nk, D): the logits of its heads alone, through the logits slot."""
+        index, sel_allowed, sel_ctx = self.selector_view(acc, allowed, ctx)
+        kv_index = torch.div(index, ctx.dims.num_heads // ctx.dims.num_kv_heads, rounding_mode="floor")
+        logits = (qs.index_select(1, index) @ ks.index_select(1, kv_index).transpose(-1, -2)) * scale
+        for t in self.many(Slot.LOGITS):
+            logits = t.apply(logits, sel_ctx, params[t.kind])
+        return acc.selection(logits, sel_allowed, sel_ctx, params[acc.kind])
+
     def earliest_key(self, query_position: int) -> int | None:
         """The smallest key position that queries at ``query_position`` or later may see under every mask (keys
         before it can be skipped), or None when no mask bounds it."""

@@ -127,12 +127,7 @@ class BlockedBackend(Backend):
         f_blk = colsum = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
-            kv_index = torch.div(index, group, rounding_mode="floor")
-            sel_logits = (q.index_select(1, index) @ k.index_select(1, kv_index).transpose(-1, -2)) * scale
-            for t in plan.many(Slot.LOGITS):
-                sel_logits = t.apply(sel_logits, sel_ctx, params[t.kind])
-            s = acc.selection(sel_logits, sel_allowed, sel_ctx, params[acc.kind])  # (B, 1, Bq, Nk)
+            s = plan.selection(acc, q, k, allowed, ctx, params, scale)  # (B, 1, Bq, Nk)
             within = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
             f_blk = (within + carry[:, None, None, :])[:, 0]
             colsum = s.sum(dim=2)[:, 0]

@@ -6,6 +6,7 @@ from ..hookspecs import hookimpl
 from .blocked import BlockedBackend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
+from .triton import TritonBackend
 
 
 @hookimpl
@@ -13,3 +14,4 @@ def register_backends(register):
     register(ReferenceBackend())
     register(BlockedBackend())
     register(FlexBackend())
+    register(TritonBackend())

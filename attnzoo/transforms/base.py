@@ -110,6 +110,11 @@ class Transform:
     def check_dims(self, dims: Dims) -> None:
         """Raise ValueError if the call's sizes do not fit the options (e.g. a head index out of range)."""
 
+    def triton(self) -> Any:
+        """This transform's Triton fragment (:mod:`attnzoo.transforms.lowering`), or None: the triton backend
+        then declines specs that use it, naming it. Row-scale transforms need none."""
+        return None
+
     # -- registry helpers ---------------------------------------------------------------------------------------
     @classmethod
     def options_model(cls) -> type[TransformOptions]:

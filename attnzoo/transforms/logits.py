@@ -8,6 +8,7 @@ import torch
 from pydantic import Field
 
 from .base import Context, LogitsTransform, ParamSpec, Slot, TransformOptions
+from .lowering import TritonLogits, tanh
 
 
 class SoftcapOptions(TransformOptions):
@@ -25,6 +26,11 @@ class Softcap(LogitsTransform):
     def apply(self, logits, ctx, params):
         cap = self.options.cap
         return cap * torch.tanh(logits / cap)
+
+    def triton(self):
+        cap = float(self.options.cap)
+        return TritonLogits(forward=f"{cap!r} * {tanh(f'{{x}} / {cap!r}')}",
+                            derivative=f"1.0 - ({{y}} / {cap!r}) * ({{y}} / {cap!r})")
 
 
 def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> list[float]:
@@ -60,6 +66,16 @@ class Alibi(LogitsTransform):
         head = ctx.heads.to(dtype)
         return -head_slope(head, ctx.dims.num_heads, self.options.max_bias) * distance
 
+    def triton(self):
+        # head_slope in Triton; the largest power of two <= H is exp2(floor(log2(H)))
+        mb = float(self.options.max_bias)
+        lower = "tl.exp2(tl.floor(tl.log2(H + 0.0)))"
+        first = f"tl.exp2(-{mb!r} * (head + 1.0) / {lower})"
+        interleaved = f"tl.exp2(-{mb!r} * (2.0 * (head - {lower}) + 1.0) / (2.0 * {lower}))"
+        forward = (f"{{x}} - tl.where(head < {lower}, {first}, {interleaved}) "
+                   f"* tl.abs(qp - kp).to(tl.float32)")
+        return TritonLogits(forward=forward, derivative="1.0")
+
 
 def head_slope(head: torch.Tensor, num_heads: int, max_bias: float) -> torch.Tensor:
     """:func:`alibi_slopes` as a pointwise function of the head index, a float tensor (so that it also lowers to a
@@ -94,6 +110,13 @@ class ConstantTemperature(LogitsTransform):
             return logits * self.options.value
         return logits * params["temperature"][ctx.heads]
 
+    def triton(self):
+        if not self.options.learnable:
+            value = float(self.options.value)
+            return TritonLogits(forward=f"{{x}} * {value!r}", derivative=f"{value!r}")
+        return TritonLogits(forward="{x} * {p_temperature}", derivative="{p_temperature}",
+                            params=("temperature",), param_derivatives=("{x}",))
+
 
 class YarnScaleOptions(TransformOptions):
     factor: float = Field(ge=1, description="context extension factor s")
@@ -109,3 +132,7 @@ class YarnScale(LogitsTransform):
 
     def apply(self, logits, ctx, params):
         return logits * (0.1 * math.log(self.options.factor) + 1.0)
+
+    def triton(self):
+        c = 0.1 * math.log(self.options.factor) + 1.0
+        return TritonLogits(forward=f"{{x}} * {c!r}", derivative=f"{c!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from .base import Context, MaskTransform, Slot, TransformOptions
+from .lowering import TritonMask
 
 
 class Causal(MaskTransform):
@@ -17,6 +18,9 @@ class Causal(MaskTransform):
 
     def allowed(self, ctx: Context):
         return ctx.kpos <= ctx.qpos
+
+    def triton(self):
+        return TritonMask("kp <= qp")
 
 
 class SlidingWindowOptions(TransformOptions):
@@ -35,6 +39,9 @@ class SlidingWindow(MaskTransform):
     def allowed(self, ctx: Context):
         gap = ctx.qpos - ctx.kpos
         return (gap >= 0) & (gap < self.options.window)
+
+    def triton(self):
+        return TritonMask(f"(qp - kp >= 0) & (qp - kp < {self.options.window})")
 
     def earliest_key(self, query_position):
         return query_position - self.options.window + 1
@@ -60,6 +67,10 @@ class LocalGlobal(MaskTransform):
         local = gap < self.options.window
         return (gap >= 0) & (local | (ctx.heads < self.options.global_heads))
 
+    def triton(self):
+        o = self.options
+        return TritonMask(f"(qp - kp >= 0) & ((qp - kp < {o.window}) | (head < {o.global_heads}))")
+
     def earliest_key(self, query_position):
         return None if self.options.global_heads > 0 else query_position - self.options.window + 1
 
@@ -80,6 +91,10 @@ class Prefix(MaskTransform):
     def allowed(self, ctx: Context):
         n = self.options.length
         return (ctx.kpos <= ctx.qpos) | ((ctx.kpos <= n) & (ctx.qpos <= n))
+
+    def triton(self):
+        n = self.options.length
+        return TritonMask(f"(kp <= qp) | ((kp <= {n}) & (qp <= {n}))")
 
     def check_spec(self, spec):
         if spec.attention.causal:

@@ -11,6 +11,7 @@ import torch
 from pydantic import Field
 
 from .base import AccumulatorTransform, Dims, Slot, TransformOptions
+from .lowering import TritonSelection
 
 
 class SelectiveMaskOptions(TransformOptions):
@@ -46,6 +47,13 @@ class SelectiveMask(AccumulatorTransform):
         if not self.options.self_mask:
             keep = keep & (ctx.kpos != ctx.qpos)
         return torch.where(keep, torch.relu(logits), torch.zeros((), dtype=logits.dtype, device=logits.device))
+
+    def triton(self):
+        keep = ["(kp != 1)"] if self.options.protect_bos else []
+        if not self.options.self_mask:
+            keep.append("(kp != qp)")
+        return TritonSelection(keep=" & ".join(keep) or "True", value="tl.maximum({x}, 0.0)",
+                               derivative="tl.where({x} > 0.0, 1.0, 0.0)")
 
 
 def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tensor:

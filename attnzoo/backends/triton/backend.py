@@ -1,0 +1,285 @@
+"""The triton backend: runs the kernels generated from a spec (``codegen.py``), built and cached by
+:mod:`attnzoo.build`.
+
+Row-scale slots (query/key/value/output temperatures, gates) run as a torch prologue/epilogue with the
+transforms' own maths (O(N·D); autograd gives their parameter gradients); everything per tile (logits, masks,
+the selective accumulator, softmax, P·V) runs in the generated kernels, forward and backward, with the
+logits-parameter gradients reduced deterministically (per-program partial sums, no atomics).
+
+On CPU the kernels run only in Triton's interpreter (``TRITON_INTERPRET=1``), a checking mode: correct, slow,
+and ranked below every other backend by ``auto``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ...build import interpreting, load_kernels, triton_version
+from ...transforms.base import Dims, Slot
+from ..base import Backend
+from . import codegen
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _increasing(positions: torch.Tensor) -> bool:
+    return positions.shape[-1] < 2 or bool((positions[:, 1:] > positions[:, :-1]).all())
+
+
+@dataclass
+class _Run:
+    """One call's launch configuration: everything but q, k, v and the packed parameters."""
+
+    kernels: object
+    layout: codegen.Layout
+    qpos: torch.Tensor          # (B, NQ) int64
+    kpos: torch.Tensor          # (B, KPH, NK) int64
+    key_mask: torch.Tensor | None  # (B, NK) int8
+    init_carry: torch.Tensor | None  # (B, NK) float32: F of earlier queries (decoding)
+    causal_skip: bool
+    scale: float
+    block_m: int
+    block_n: int
+    write_logits: bool = False
+    carry: torch.Tensor | None = None  # filled by forward, read by backward
+
+    def _common(self, q, k):
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        kph = self.kpos.shape[1]
+        return dict(H=h, HKV=hkv, NQ=nq, NK=nk, D=d, KPB=kph * nk, KPHS=nk if kph > 1 else 0)
+
+    def _meta(self, q):
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=max(16, _pow2(q.shape[-1])))
+
+    @property
+    def sel(self) -> int:
+        return self.layout.selector if self.layout.selector is not None else 0
+
+    def forward(self, q, k, v, prm):
+        """Returns (out, lse (B, H, NQ) float32, total F per key (B, NK) or None, logits or None)."""
+        b, h, nq, _ = q.shape
+        nk = k.shape[2]
+        dims, meta = self._common(q, k), self._meta(q)
+        nmb = triton_cdiv(nq, self.block_m)
+        dummy = q.new_empty(1, dtype=torch.float32)
+        kmask = self.key_mask if self.key_mask is not None else dummy
+        has_acc = self.layout.selector is not None
+        carry = total = None
+        if has_acc:
+            carry = torch.full((b, nmb, nk), float("nan"), dtype=torch.float32, device=q.device)
+            total = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device)
+            init = self.init_carry if self.init_carry is not None else dummy
+            self.kernels._sel_carry[(triton_cdiv(nk, self.block_n), b)](
+                q, k, self.qpos, self.kpos, kmask, init, carry, total, prm, **dims, NMB=nmb, scale=self.scale,
+                SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None,
+                HAS_INIT=self.init_carry is not None)
+        self.carry = carry
+        out = torch.full_like(q, float("nan"))  # every element must be written: a missed one stays NaN
+        lse = torch.full((b, h, nq), float("nan"), dtype=torch.float32, device=q.device)
+        logits = (torch.full((b, h, nq, nk), float("nan"), dtype=torch.float32, device=q.device)
+                  if self.write_logits else dummy)
+        self.kernels._fwd[(nmb, b * h)](
+            q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, **dims,
+            NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
+            HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits)
+        return out, lse, total, (logits if self.write_logits else None)
+
+    def backward(self, q, k, v, prm, out, lse, dout):
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        dims, meta = self._common(q, k), self._meta(q)
+        nmb, nnb = triton_cdiv(nq, self.block_m), triton_cdiv(nk, self.block_n)
+        n_params = len(self.layout.params)
+        npp = _pow2(max(1, n_params))
+        dummy = q.new_empty(1, dtype=torch.float32)
+        kmask = self.key_mask if self.key_mask is not None else dummy
+        has_acc = self.layout.selector is not None
+        carry = self.carry if has_acc else dummy
+        dout = dout.contiguous()
+        delta = (dout.float() * out.float()).sum(-1).contiguous()
+        f32 = dict(dtype=torch.float32, device=q.device)
+        dq = torch.full((b, h, nq, d), float("nan"), **f32)
+        dk = torch.full((b, hkv, nk, d), float("nan"), **f32)
+        dv = torch.full((b, hkv, nk, d), float("nan"), **f32)
+        pg = torch.full((b, h, nnb, npp), float("nan"), **f32)
+        flags = dict(CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None)
+        self.kernels._bwd_dkdv[(nnb, b * hkv)](
+            q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
+            NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
+        self.kernels._bwd_dq[(nmb, b * h)](
+            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
+            scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
+        dprm = pg.sum(dim=(0, 2))[:, :n_params].t()  # (NP, H)
+        if has_acc:
+            sel, skvh = self.sel, self.sel // (h // hkv)
+            rcarry = torch.full((b, nmb, nk), float("nan"), **f32)
+            dks = torch.full((b, nk, d), float("nan"), **f32)
+            dqs = torch.full((b, nq, d), float("nan"), **f32)
+            pgs = torch.full((b, nnb, npp), float("nan"), **f32)
+            self.kernels._sel_bwd_dk[(nnb, b)](
+                q, k, v, dout, lse, delta, dks, pgs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
+                NMB=nmb, NNB=nnb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)
+            self.kernels._sel_bwd_dq[(nmb, b)](
+                q, k, v, dout, lse, delta, dqs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
+                NMB=nmb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)
+            dq[:, sel] += dqs
+            dk[:, skvh] += dks
+            if n_params:
+                dprm = dprm.clone()
+                dprm[:, sel] += pgs.sum(dim=(0, 1))[:n_params]
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dprm if n_params else None)
+
+    def decode(self, q, k, v, prm):
+        """One query per batch row (q (B, H, 1, D)) against the cache. Returns (out, lse, the selector's S row
+        (B, NK) or None, logits or None)."""
+        b, h, _, _ = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        dims, meta = self._common(q, k), self._meta(q)
+        dims.pop("NQ")
+        meta["BLOCK_M"] = max(16, _pow2(h // hkv))
+        dummy = q.new_empty(1, dtype=torch.float32)
+        has_acc = self.layout.selector is not None
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((b, h, 1), float("nan"), dtype=torch.float32, device=q.device)
+        srow = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device) if has_acc else None
+        logits = (torch.full((b, h, 1, nk), float("nan"), dtype=torch.float32, device=q.device)
+                  if self.write_logits else None)
+        self.kernels._decode[(b * hkv,)](
+            q, k, v, out, lse, self.qpos, self.kpos, self.init_carry if has_acc else dummy,
+            srow if has_acc else dummy, logits if logits is not None else dummy, prm, **dims, scale=self.scale,
+            SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits)
+        return out, lse, srow, logits
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Attention(torch.autograd.Function):
+    """The generated forward and backward kernels as one autograd node over the scaled q, k, v and the packed
+    per-head logits parameters."""
+
+    @staticmethod
+    def forward(ctx, run: _Run, q, k, v, prm):
+        out, lse, _, _ = run.forward(q, k, v, prm)
+        ctx.run = run
+        ctx.save_for_backward(q, k, v, prm, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, prm, out, lse = ctx.saved_tensors
+        dq, dk, dv, dprm = ctx.run.backward(q, k, v, prm, out, lse, dout)
+        return None, dq, dk, dv, dprm
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    summary = "kernels generated from the spec: forward, backward, decode, fused selective accumulator"
+    deterministic = True
+
+    def __init__(self, root=None) -> None:
+        self.root = root  # artifact cache directory (None: attnzoo.build.cache_dir())
+        self._kernels: dict[tuple[str, bool], object] = {}
+
+    @property
+    def priority(self) -> int:  # type: ignore[override]
+        # fastest on a GPU; in the interpreter (CPU checking mode) slower than everything else
+        return -1 if interpreting() else 20
+
+    def supports(self, plan, device, dtype, requires_grad):
+        if triton_version() is None:
+            return ["triton is not installed (pip install 'attnzoo[triton]')"]
+        reasons = []
+        if device.type == "cpu" and not interpreting():
+            reasons.append("on CPU the Triton kernels run only in Triton's interpreter (TRITON_INTERPRET=1, "
+                           "a checking mode)")
+        elif device.type not in ("cpu", "cuda"):
+            reasons.append(f"device '{device.type}': the Triton kernels run on CUDA GPUs")
+        if dtype == torch.float64:
+            reasons.append("float64: the kernels accumulate in float32")
+        elif dtype == torch.bfloat16 and interpreting():
+            reasons.append("bfloat16: Triton's interpreter computes bfloat16 wrongly")
+        elif dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            reasons.append(f"dtype {dtype}: the kernels take float32, float16 or bfloat16")
+        return reasons + codegen.problems(plan)
+
+    # -- plumbing -------------------------------------------------------------------------------------------------
+    def kernels(self, plan):
+        memo = (plan.spec.hash, interpreting())
+        if memo not in self._kernels:
+            self._kernels[memo] = load_kernels(plan.spec, root=self.root, plan=plan)
+        return self._kernels[memo]
+
+    def _blocks(self, device) -> tuple[int, int]:
+        return (16, 16) if interpreting() or device.type != "cuda" else (64, 64)
+
+    def _prm(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
+        keys = codegen.layout(plan).params
+        if not keys:
+            return torch.zeros((1, heads), dtype=torch.float32, device=like.device)
+        rows = [params[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in keys]
+        return torch.stack(rows).to(torch.float32).contiguous()
+
+    def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
+        bm, bn = self._blocks(q.device)
+        return _Run(self.kernels(plan), codegen.layout(plan), qpos.contiguous(), kpos.contiguous(),
+                    key_mask.to(torch.int8).contiguous() if key_mask is not None else None,
+                    init_carry.float().contiguous() if init_carry is not None else None,
+                    causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits)
+
+    # -- batch form ---------------------------------------------------------------------------------------------
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        pos = positions.unsqueeze(1)
+        qs = plan.row_scale(Slot.QUERY, q, pos, params).contiguous()
+        ks = plan.row_scale(Slot.KEY, k, pos, params).contiguous()
+        vs = plan.row_scale(Slot.VALUE, v, pos, params).contiguous()
+        run = self._run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
+        out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q))
+        out = plan.row_scale(Slot.OUTPUT, out, pos, params)
+        if not return_selection:
+            return out
+        return out, _selection_matrix(plan, qs, ks, positions, key_mask, params)
+
+    # -- decoding -------------------------------------------------------------------------------------------------
+    def extend(self, plan, q, k, v, cache, params, *, evict_first):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise ValueError("the triton backend decodes without gradients: run decoding under torch.no_grad()")
+        cache.admit(k, v, evict_first)
+        count = q.shape[2]
+        qpos = cache.query_positions(count, q.shape[0])
+        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params).contiguous()
+        ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params).contiguous()
+        vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params).contiguous()
+        want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
+        carry = cache.selection()
+        run = self._run(plan, q, qpos, cache.positions, None, carry, False, want_probs)
+        prm = self._prm(plan, params, q.shape[1], q)
+        with torch.no_grad():
+            if count == 1:
+                out, lse, srow, logits = run.decode(qs, ks, vs, prm)
+                total = carry.float() + srow if srow is not None else None
+            else:
+                out, lse, total, logits = run.forward(qs, ks, vs, prm)
+        probs = torch.exp(logits - lse[..., None]).to(q.dtype) if want_probs else None
+        cache.settle(total.to(q.dtype) if total is not None else None, probs)
+        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+
+
+def _selection_matrix(plan, qs, ks, positions, key_mask, params):
+    """F (B, N, N) for ``return_selection``: an N×N output by definition, computed with the transforms' torch
+    maths on the selector head alone (autograd flows through it into the selector's q and k)."""
+    acc = plan.one(Slot.ACCUMULATOR)
+    if acc is None:
+        return None
+    b, h, n, d = qs.shape
+    dims = Dims(h, d, ks.shape[1])
+    ctx = plan.context(positions, positions.unsqueeze(1), dims)
+    selection = plan.selection(acc, qs, ks, plan.allowed(ctx, key_mask), ctx, params, plan.logit_scale(d))
+    return F.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))[:, 0]

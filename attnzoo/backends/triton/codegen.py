@@ -1,0 +1,149 @@
+"""Spec → Triton source: the template of ``template.py`` plus helper functions written from the spec's transforms.
+
+The output depends only on the spec (its canonical form) and :data:`GENERATOR_VERSION`: the same spec gives
+byte-identical source. Every fragment is marked with the transform it came from.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ...transforms.base import RowScaleTransform, Slot
+from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
+from .template import TEMPLATE
+
+#: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
+GENERATOR_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the host side needs to know about a generated kernel: the packed per-head parameters (their
+    params keys, in the order of the ``PRM`` rows) and the selector head (None without an accumulator)."""
+
+    params: tuple[str, ...]
+    selector: int | None
+
+
+def problems(plan) -> list[str]:
+    """Why this spec cannot be lowered to Triton (empty: it can)."""
+    reasons = []
+    for t in plan.transforms:
+        if isinstance(t, RowScaleTransform):
+            continue
+        lowering = t.triton()
+        want = {Slot.LOGITS: TritonLogits, Slot.MASK: TritonMask, Slot.ACCUMULATOR: TritonSelection}[t.slot]
+        if lowering is None:
+            reasons.append(f"transform '{t.kind}' ({t.slot.value}) has no Triton lowering")
+            continue
+        if not isinstance(lowering, want):
+            reasons.append(f"transform '{t.kind}': its Triton lowering must be a {want.__name__}")
+            continue
+        if t.slot is Slot.ACCUMULATOR and len(t.heads()) != 1:
+            reasons.append(f"transform '{t.kind}': the Triton accumulator reads exactly one selector head")
+        if t.slot is Slot.LOGITS:
+            declared = {p.name: p for p in t.parameters()}
+            if len(lowering.param_derivatives) != len(lowering.params):
+                reasons.append(f"transform '{t.kind}': Triton lowering needs one derivative per parameter")
+            for name in lowering.params:
+                if name not in declared or tuple(declared[name].shape) != ("H",):
+                    reasons.append(f"transform '{t.kind}': Triton lowerings read per-head parameters of shape "
+                                   f"(H,) only, not '{name}'")
+            if set(declared) - set(lowering.params):
+                reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
+    return reasons
+
+
+def layout(plan) -> Layout:
+    params = tuple(f"{t.kind}.{name}" for t in plan.many(Slot.LOGITS) for name in t.triton().params)
+    acc = plan.one(Slot.ACCUMULATOR)
+    return Layout(params=params, selector=acc.heads()[0] if acc is not None else None)
+
+
+def _param_names(t, index0: int) -> dict[str, str]:
+    return {f"p_{name}": f"p{index0 + i}" for i, name in enumerate(t.triton().params)}
+
+
+def _mask_helper(plan) -> list[str]:
+    lines = ["@triton.jit", "def _allowed(qp, kp, head, valid):",
+             '    """Which pairs may attend: attention.causal and every mask transform, intersected."""',
+             "    ok = valid"]
+    if plan.causal:
+        lines += ["    # --- attention.causal ---", "    ok = ok & (kp <= qp)"]
+    for t in plan.many(Slot.MASK):
+        lines += [f"    # --- from transform '{t.kind}' (mask) ---", f"    ok = ok & ({t.triton().allowed})"]
+    return lines + ["    return ok"]
+
+
+def _logits_helpers(plan) -> list[str]:
+    fwd = ["@triton.jit", "def _logits(x, qp, kp, head, H, PRM):",
+           '    """The logits slot: each transform in spec order, on float32 tiles."""']
+    bwd = ["@triton.jit", "def _logits_bwd(g, x, qp, kp, head, H, PRM, NPP: tl.constexpr):",
+           '    """Chain rule back through the logits slot: g (dL/d output) -> dL/d input, and the summed',
+           '    gradients of the per-head parameters as a vector (entry i: packed parameter i)."""',
+           "    dpv = tl.zeros([NPP], tl.float32)", "    x0 = x"]
+    steps = []
+    index = 0
+    for i, t in enumerate(plan.many(Slot.LOGITS)):
+        low = t.triton()
+        names = _param_names(t, index)
+        loads = [f"    {var} = tl.load(PRM + {index + j} * H + head)" for j, var in enumerate(names.values())]
+        fwd += [f"    # --- from transform '{t.kind}' (logits) ---", *loads,
+                f"    x = {low.forward.format(x='x', **names)}"]
+        bwd += [f"    # --- from transform '{t.kind}' (logits) ---", *loads,
+                f"    x{i + 1} = {low.forward.format(x=f'x{i}', **names)}"]
+        steps.append((i, t, low, names, index))
+        index += len(low.params)
+    for i, t, low, names, first in reversed(steps):
+        fmt = dict(x=f"x{i}", y=f"x{i + 1}", **names)
+        bwd.append(f"    # --- back through '{t.kind}' ---")
+        for j, expr in enumerate(low.param_derivatives):
+            bwd.append(f"    dpv += tl.where(tl.arange(0, NPP) == {first + j}, "
+                       f"tl.sum(tl.sum(g * ({expr.format(**fmt)}), 1), 0), 0.0)")
+        bwd.append(f"    g = g * ({low.derivative.format(**fmt)})")
+    return fwd + ["    return x"] + [""] * 2 + bwd + ["    return g, dpv"]
+
+
+def _selection_helpers(plan) -> list[str]:
+    acc = plan.one(Slot.ACCUMULATOR)
+    head = ["@triton.jit", "def _select(x, ok, qp, kp):"]
+    grad = ["@triton.jit", "def _select_grad(x, ok, qp, kp):"]
+    if acc is None:
+        return head + ["    return tl.zeros_like(x)  # no accumulator"] + [""] * 2 + grad + \
+            ["    return tl.zeros_like(x)  # no accumulator"]
+    low = acc.triton()
+    keep = f"ok & ({low.keep})"
+    mark = f"    # --- from transform '{acc.kind}' (accumulator, selector head {acc.heads()[0]}) ---"
+    return (head + [mark, f"    return tl.where({keep}, {low.value.format(x='x')}, 0.0)"] + [""] * 2
+            + grad + [mark, f"    return tl.where({keep}, {low.derivative.format(x='x')}, 0.0)"])
+
+
+def _function_json(spec) -> str:
+    return json.dumps(spec.model_dump(mode="json", exclude={"summary"}), sort_keys=True, separators=(",", ":"))
+
+
+def generate(plan) -> str:
+    """The Triton source of every kernel of ``plan``'s spec (raises ValueError when it cannot be lowered)."""
+    reasons = problems(plan)
+    if reasons:
+        raise ValueError("; ".join(reasons))
+    spec = plan.spec
+    rows = [t for t in plan.transforms if isinstance(t, RowScaleTransform)]
+    header = [
+        f'"""Triton kernels for attnzoo spec \'{spec.name}\' (generated; do not edit).',
+        "",
+        f"spec hash: {spec.hash}",
+        f"generator: {GENERATOR_VERSION}",
+        f"spec (canonical, summary left out): {_function_json(spec)}",
+        "row scales applied before the kernels (torch prologue): "
+        + (", ".join(f"{t.kind} ({t.slot.value})" for t in rows) or "none"),
+        f"packed per-head parameters (PRM rows): {', '.join(layout(plan).params) or 'none'}",
+        '"""',
+        "",
+        "import triton",
+        "import triton.language as tl",
+    ]
+    parts = ["\n".join(header), "\n".join(_mask_helper(plan)), "\n".join(_logits_helpers(plan)),
+             "\n".join(_selection_helpers(plan)), TEMPLATE.strip("\n")]
+    return "\n\n\n".join(parts) + "\n"

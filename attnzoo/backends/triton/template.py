@@ -1,0 +1,385 @@
+"""The kernel template every spec is generated from (see ``codegen.py``).
+
+One flash-attention template (online softmax, causal block skipping, GQA) whose per-slot work is done by helper
+functions the generator writes from the spec's transforms: ``_allowed`` (mask slot and ``attention.causal``),
+``_logits`` / ``_logits_bwd`` (logits slot, with the chain rule and per-head parameter gradients) and ``_select``
+/ ``_select_grad`` (accumulator slot). Row-scale slots arrive pre-applied (the backend's torch prologue).
+
+Kernels:
+- ``_sel_carry``: accumulator pre-pass. Per key block, walks the query blocks in order and stores the exclusive
+  scan of the selection's column sums (the carry each query block starts from), and the total.
+- ``_fwd``: forward; the accumulator's F tile is ``carry + (within-block exclusive cumsum of S)``.
+- ``_bwd_dkdv`` / ``_bwd_dq``: backward without atomics; logits-parameter gradients as per-program partial sums.
+- ``_sel_bwd_dk`` / ``_sel_bwd_dq``: the selector head's extra gradient through F. ``dL/dS[k, j] = -sum_{i > k}
+  sum_h dS_h[i, j]``: the first walks the query blocks in reverse (the reverse carry), the second reuses it.
+- ``_decode``: one query per batch row against a cache with per-token F; one program per key/value head, its
+  query heads as the rows.
+
+Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v (B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK),
+lse/delta float32 (B, H, NQ), carry float32 (B, NMB, NK), packed per-head parameters float32 (NP, H).
+"""
+
+TEMPLATE = '''
+@triton.jit
+def _load_rows(PTR, base, rows, nrows, D, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < nrows) & (d[None, :] < D)
+    return tl.load(PTR + (base + rows[:, None]) * D + d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(PTR, base, rows, nrows, D, value, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < nrows) & (d[None, :] < D)
+    tl.store(PTR + (base + rows[:, None]) * D + d[None, :], value.to(PTR.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _key_valid(KMASK, b, cols, NK, HAS_KMASK: tl.constexpr):
+    valid = cols < NK
+    if HAS_KMASK:
+        valid = valid & (tl.load(KMASK + b * NK + cols, mask=cols < NK, other=0) != 0)
+    return valid[None, :]
+
+
+@triton.jit
+def _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D, KPB, KPHS, scale, SEL,
+              BLOCK_D: tl.constexpr):
+    """The selector head's selection S on one tile, with what its gradient needs."""
+    ks = _load_rows(K, (b * HKV + skvh) * NK, cols, NK, D, BLOCK_D)
+    kps = tl.load(KPOS + b * KPB + skvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    oks = _allowed(qp, kps, SEL, valid)
+    x0 = tl.dot(qs, tl.trans(ks)) * scale
+    x = _logits(x0, qp, kps, SEL, H, PRM)
+    return _select(x, oks, qp, kps), x, x0, oks, kps, ks
+
+
+@triton.jit
+def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D, KPB, KPHS,
+            scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """sum over every head h of dL/dl_h on one tile (l_h: head h's logits after F): -dL/dF."""
+    group = H // HKV
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for h in range(0, H):
+        kvh = h // group
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+        do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+        lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
+        delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
+        ok = _allowed(qp, kp, h, valid)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM) - ftile
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        total += p * (dp - delta[:, None])
+    return total
+
+
+@triton.jit
+def _sel_carry(Q, K, QPOS, KPOS, KMASK, INIT, CARRY, TOTAL, PRM,
+               H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_INIT: tl.constexpr):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    skvh = SEL // (H // HKV)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cv = cols < NK
+    kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+    running = tl.zeros([BLOCK_N], tl.float32)
+    if HAS_INIT:
+        running = tl.load(INIT + b * NK + cols, mask=cv, other=0.0)
+    m0 = 0
+    if CAUSAL_SKIP:
+        m0 = (n * BLOCK_N) // BLOCK_M
+    for m in range(0, NMB):
+        tl.store(CARRY + (b * NMB + m) * NK + cols, running, mask=cv)
+        if m >= m0:
+            rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+            qp = tl.load(QPOS + b * NQ + rows, mask=rows < NQ, other=0)[:, None]
+            valid = (rows < NQ)[:, None] & kvalid
+            sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
+                                                 KPB, KPHS, scale, SEL, BLOCK_D)
+            running += tl.sum(sel, 0)
+    tl.store(TOTAL + b * NK + cols, running, mask=cv)
+
+
+@triton.jit
+def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM,
+         H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+         CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    group = H // HKV
+    kvh = h // group
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rv = rows < NQ
+    q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qs = q
+    if HAS_ACC:
+        qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = NK
+    if CAUSAL_SKIP:
+        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        ok = _allowed(qp, kp, h, valid)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM)
+        if HAS_ACC:
+            sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
+                                                 H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
+            carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
+            s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+        if WRITE_LOGITS:
+            tl.store(LOGITS + ((b * H + h) * NQ + rows[:, None]) * NK + cols[None, :], s,
+                     mask=rv[:, None] & (cols < NK)[None, :])
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    _store_rows(O, (b * H + h) * NQ, rows, NQ, D, acc / l_safe[:, None], BLOCK_D)
+    lse = tl.where(l_i == 0.0, float("inf"), m_fin + tl.log(l_safe))
+    tl.store(LSE + (b * H + h) * NQ + rows, lse, mask=rv)
+
+
+@triton.jit
+def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM,
+              H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+              CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr):
+    n = tl.program_id(0)
+    bk = tl.program_id(1)
+    b = (bk // HKV).to(tl.int64)
+    kvh = bk % HKV
+    group = H // HKV
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+    k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+    v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+    kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    m0 = 0
+    if CAUSAL_SKIP:
+        m0 = (n * BLOCK_N) // BLOCK_M
+    for g in range(0, group):
+        h = kvh * group + g
+        dpv = tl.zeros([NPP], tl.float32)
+        for m in range(m0, NMB):
+            rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+            rv = rows < NQ
+            q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+            do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+            lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rv, other=0.0)
+            delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rv, other=0.0)
+            qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+            valid = rv[:, None] & kvalid
+            ok = _allowed(qp, kp, h, valid)
+            x0 = tl.dot(q, tl.trans(k)) * scale
+            s = _logits(x0, qp, kp, h, H, PRM)
+            if HAS_ACC:
+                qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+                sel, x, xs0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
+                                                      H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
+                carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
+                s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+            p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+            ds = p * (dp - delta[:, None])
+            g0, dpc = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP)
+            dpv += dpc
+            dk += tl.dot(tl.trans(g0.to(q.dtype)), q).to(tl.float32)
+        tl.store(PG + ((b * H + h) * NNB + n) * NPP + tl.arange(0, NPP), dpv)
+    _store_rows(DK, (b * HKV + kvh) * NK, cols, NK, D, dk * scale, BLOCK_D)
+    _store_rows(DV, (b * HKV + kvh) * NK, cols, NK, D, dv, BLOCK_D)
+
+
+@triton.jit
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM,
+            H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+            CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr):
+    m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    group = H // HKV
+    kvh = h // group
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rv = rows < NQ
+    q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+    do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+    lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rv, other=0.0)
+    delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rv, other=0.0)
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qs = q
+    if HAS_ACC:
+        qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = NK
+    if CAUSAL_SKIP:
+        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        ok = _allowed(qp, kp, h, valid)
+        x0 = tl.dot(q, tl.trans(k)) * scale
+        s = _logits(x0, qp, kp, h, H, PRM)
+        if HAS_ACC:
+            sel, x, xs0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
+                                                  H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
+            carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
+            s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        ds = p * (dp - delta[:, None])
+        g0, dpc = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP)
+        dq += tl.dot(g0.to(k.dtype), k).to(tl.float32)
+    _store_rows(DQ, (b * H + h) * NQ, rows, NQ, D, dq * scale, BLOCK_D)
+
+
+@triton.jit
+def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
+                H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    skvh = SEL // (H // HKV)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cv = cols < NK
+    kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+    running = tl.zeros([BLOCK_N], tl.float32)
+    dks = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dpv = tl.zeros([NPP], tl.float32)
+    m0 = 0
+    if CAUSAL_SKIP:
+        m0 = (n * BLOCK_N) // BLOCK_M
+    for mm in range(0, NMB - m0):
+        m = NMB - 1 - mm  # query blocks in reverse: the reverse carry sums later queries
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rv = rows < NQ
+        qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+        qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+        valid = rv[:, None] & kvalid
+        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, scale, SEL, BLOCK_D)
+        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
+                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
+        col = tl.sum(e, 0)
+        tl.store(RCARRY + (b * NMB + m) * NK + cols, running, mask=cv)
+        dsel = -(running[None, :] + col[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
+        running += col
+        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        dpv += dpc
+        dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
+    _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
+    tl.store(PGS + (b * NNB + n) * NPP + tl.arange(0, NPP), dpv)
+
+
+@triton.jit
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
+                H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
+    m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    skvh = SEL // (H // HKV)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rv = rows < NQ
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+    dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = NK
+    if CAUSAL_SKIP:
+        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        cv = cols < NK
+        valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, scale, SEL, BLOCK_D)
+        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
+                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
+        rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        dsel = -(rcarry[None, :] + tl.sum(e, 0)[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
+        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        dqs += tl.dot(g0.to(ks.dtype), ks).to(tl.float32)
+    _store_rows(DQS, b * NQ, rows, NQ, D, dqs * scale, BLOCK_D)
+
+
+@triton.jit
+def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
+            H, HKV, NK, D, KPB, KPHS, scale, SEL,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+    bk = tl.program_id(0)
+    b = (bk // HKV).to(tl.int64)
+    kvh = bk % HKV
+    group = H // HKV
+    r = tl.arange(0, BLOCK_M)
+    rv = r < group
+    head = (kvh * group + r)[:, None]
+    q = _load_rows(Q, b * H + kvh * group, r, group, D, BLOCK_D)
+    qp = tl.zeros([BLOCK_M, 1], tl.int64) + tl.load(QPOS + b)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, NK, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        cv = cols < NK
+        valid = rv[:, None] & cv[None, :]
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cv, other=0)[None, :]
+        ok = _allowed(qp, kp, head, valid)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM)
+        if HAS_ACC:
+            if kvh == SEL // group:
+                sel = tl.where(head == SEL, _select(s, ok, qp, kp), 0.0)
+                tl.store(SROW + b * NK + cols, tl.sum(sel, 0), mask=cv)
+            s = s - tl.load(CARRYV + b * NK + cols, mask=cv, other=0.0)[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+        if WRITE_LOGITS:
+            tl.store(LOGITS + (b * H + head) * NK + cols[None, :], s, mask=valid)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    _store_rows(O, b * H + kvh * group, r, group, D, acc / l_safe[:, None], BLOCK_D)
+    lse = tl.where(l_i == 0.0, float("inf"), m_fin + tl.log(l_safe))
+    tl.store(LSE + b * H + kvh * group + r, lse, mask=rv)
+'''

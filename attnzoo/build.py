@@ -1,0 +1,165 @@
+"""Build artifacts: generated Triton kernel sources, cached on disk and keyed by what they depend on.
+
+An artifact is a directory ``<cache>/<key>/`` holding ``kernels.py`` (the generated source) and ``manifest.json``
+(spec name and hash, versions, the source's sha256). The key is the sha256 of the spec hash, the attnzoo version,
+the Triton and torch versions and the generator version. The cache directory is ``$ATTNZOO_CACHE_DIR``, or the
+per-user cache directory (``platformdirs``).
+
+Building follows try load → lock → try load → generate → write: files are written to a temporary name and renamed
+(atomic), the manifest last, so a reader sees a whole artifact or none; a file lock per key keeps concurrent
+builds of one key from colliding. A damaged artifact (source not matching the manifest's hash) is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__
+from .plan import Plan
+from .registry import get_registry
+from .spec import load_spec
+
+SOURCE = "kernels.py"
+MANIFEST = "manifest.json"
+
+
+def cache_dir() -> Path:
+    """Where artifacts live: ``$ATTNZOO_CACHE_DIR`` or the per-user cache directory."""
+    env = os.environ.get("ATTNZOO_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("attnzoo"))
+
+
+def triton_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("triton")
+    except Exception:  # noqa: BLE001 - not installed (or broken metadata): no version to key on
+        return None
+
+
+def toolchain() -> dict[str, Any]:
+    from .backends.triton.codegen import GENERATOR_VERSION
+
+    return {"attnzoo": __version__, "generator": GENERATOR_VERSION, "torch": torch.__version__,
+            "triton": triton_version()}
+
+
+def artifact_key(spec) -> str:
+    """sha256 of the spec hash and every version the generated source depends on."""
+    data = json.dumps({"spec": spec.hash, **toolchain()}, sort_keys=True)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+@dataclass
+class Artifact:
+    spec_name: str
+    key: str
+    directory: Path
+    manifest: dict[str, Any]
+    hit: bool  # True when it was already in the cache
+
+    @property
+    def source_path(self) -> Path:
+        return self.directory / SOURCE
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _try_load(directory: Path, key: str, spec_name: str) -> Artifact | None:
+    """The artifact in ``directory`` if it is whole and matches ``key``; None if absent or damaged."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        source = (directory / SOURCE).read_bytes()
+    except (OSError, ValueError):
+        return None
+    if manifest.get("key") != key or manifest.get("source_sha256") != hashlib.sha256(source).hexdigest():
+        return None
+    return Artifact(spec_name, key, directory, manifest, hit=True)
+
+
+def build(spec, registry=None, root: Path | None = None, force: bool = False, plan=None) -> Artifact:
+    """The artifact of ``spec`` (a path, registered name or Spec), generating it unless cached.
+
+    Raises ValueError when the spec cannot be lowered to Triton (the reasons name the transforms). ``plan``
+    (optional) is the spec already resolved against its registry.
+    """
+    from .backends.triton.codegen import generate
+    from filelock import FileLock
+
+    if plan is not None:
+        loaded = plan.spec
+    else:
+        registry = registry or get_registry()
+        loaded = load_spec(spec, registry=registry)
+    key = artifact_key(loaded)
+    root = cache_dir() if root is None else Path(root)
+    directory = root / key[:32]
+    if not force and (found := _try_load(directory, key, loaded.name)) is not None:
+        return found
+    directory.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{key[:32]}.lock")):
+        if not force and (found := _try_load(directory, key, loaded.name)) is not None:
+            return found
+        source = generate(plan or Plan.from_spec(loaded, registry)).encode()
+        manifest = {
+            "key": key, "spec": loaded.name, "spec_hash": loaded.hash, **toolchain(),
+            "source": SOURCE, "source_sha256": hashlib.sha256(source).hexdigest(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        _write_atomic(directory / SOURCE, source)
+        _write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+    return Artifact(loaded.name, key, directory, manifest, hit=False)
+
+
+_modules: dict[tuple[str, bool], Any] = {}
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``; CPU checking mode)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def load_kernels(spec, registry=None, root: Path | None = None, plan=None):
+    """The imported kernel module of ``spec``: built if absent, loaded once per process (and per interpreter
+    mode, which Triton reads when the kernels are defined)."""
+    artifact = build(spec, registry, root, plan=plan)
+    memo = (str(artifact.source_path), interpreting())
+    if memo not in _modules:
+        name = f"attnzoo_kernels_{artifact.key[:16]}{'_interp' if memo[1] else ''}"
+        module_spec = importlib.util.spec_from_file_location(name, artifact.source_path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # triton resolves the kernels' globals through the module
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        _modules[memo] = module
+    return _modules[memo]
