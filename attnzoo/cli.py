@@ -134,6 +134,51 @@ def cmd_conformance(args) -> int:
     return EXIT_FAILED if runner.failed(results) else EXIT_OK
 
 
+def cmd_build(args) -> int:
+    import time
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from . import build as builder
+    from .registry import get_registry
+    from .spec import load_spec
+
+    reg = get_registry()
+    names = args.specs or sorted(reg.specs)
+    root = Path(args.cache_dir) if args.cache_dir else builder.cache_dir()
+    specs = [load_spec(name, registry=reg) for name in names]  # bad input stops before anything is written
+    can_load = builder.triton_version() is not None
+    table = Table(title=f"attnzoo build -> {root}", title_justify="left")
+    for col in ("spec", "key", "artifact", "build ms", "load ms"):
+        table.add_column(col)
+    status, rows = EXIT_OK, []
+    for spec in specs:
+        start = time.perf_counter()
+        try:
+            artifact = builder.build(spec, reg, root, force=args.force)
+        except ValueError as exc:  # the spec uses a transform without a Triton lowering
+            print(f"attnzoo: {spec.name}: cannot build: {exc}", file=sys.stderr)
+            status = EXIT_FAILED
+            continue
+        built_ms = (time.perf_counter() - start) * 1e3
+        load_ms = None
+        if can_load:  # what a run does with an existing artifact: find it, check it, import its kernels
+            start = time.perf_counter()
+            builder.load_kernels(spec, reg, root)
+            load_ms = (time.perf_counter() - start) * 1e3
+        rows.append({"spec": spec.name, "key": artifact.key, "hit": artifact.hit, "build_ms": built_ms,
+                     "load_ms": load_ms, "path": str(artifact.source_path)})
+        table.add_row(spec.name, artifact.key[:12], "cache hit" if artifact.hit else "built",
+                      f"{built_ms:.1f}", f"{load_ms:.1f}" if load_ms is not None else "- (no triton)")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        Console(width=150).print(table)
+    return status
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
     from . import __version__
@@ -165,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--expected-failures", metavar="FILE", help="test ids (or patterns) expected to fail")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh random inputs")
     p.set_defaults(func=cmd_conformance)
+
+    p = sub.add_parser("build", help="generate (or find cached) Triton kernels for specs")
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or registered names (default: all registered)")
+    p.add_argument("--cache-dir", help="artifact cache (default: $ATTNZOO_CACHE_DIR or the user cache directory)")
+    p.add_argument("--force", action="store_true", help="regenerate even when cached")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_build)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
     sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")

@@ -218,7 +218,7 @@ class TritonBackend(Backend):
         return self._kernels[memo]
 
     def _blocks(self, device) -> tuple[int, int]:
-        return (16, 16) if interpreting() or device.type != "cuda" else (64, 64)
+        return (32, 32) if interpreting() or device.type != "cuda" else (64, 64)
 
     def _prm(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
         keys = codegen.layout(plan).params

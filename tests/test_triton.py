@@ -1,0 +1,241 @@
+"""The triton backend under Triton's interpreter (conftest sets TRITON_INTERPRET=1): generated source, the
+artifact cache, and the kernels against the reference (the conformance suite, and broken lowerings it catches)."""
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import attnzoo  # noqa: E402
+from attnzoo import build as builder  # noqa: E402
+from attnzoo.backends.triton import codegen  # noqa: E402
+from attnzoo.cli import main  # noqa: E402
+from attnzoo.conformance import checks, runner  # noqa: E402
+from attnzoo.plan import Plan  # noqa: E402
+from attnzoo.registry import get_registry, new_registry  # noqa: E402
+from attnzoo.transforms.base import LogitsTransform, Slot  # noqa: E402
+from attnzoo.transforms.logits import Softcap  # noqa: E402
+from attnzoo.transforms.lowering import TritonLogits  # noqa: E402
+
+from broken import registry_replacing  # noqa: E402
+
+
+def _plan(name, registry=None):
+    registry = registry or get_registry()
+    return Plan.from_spec(attnzoo.load_spec(name, registry=registry), registry)
+
+
+# -- generated source ------------------------------------------------------------------------------------------
+def test_same_spec_gives_byte_identical_source():
+    first = codegen.generate(_plan("selective-ssa"))
+    again = codegen.generate(_plan(attnzoo.load_spec("selective-ssa").model_dump()))
+    assert first == again
+
+
+def test_source_marks_each_fragment_with_its_transform():
+    spec = {"name": "mix", "transforms": [{"kind": "softcap", "cap": 20.0}, {"kind": "sliding_window", "window": 8},
+                                          {"kind": "selective_mask"}, {"kind": "query_temperature"}]}
+    source = codegen.generate(_plan(spec))
+    for marker in ("# --- from transform 'softcap' (logits) ---", "# --- from transform 'sliding_window' (mask) ---",
+                   "# --- from transform 'selective_mask' (accumulator, selector head 0) ---",
+                   "# --- back through 'softcap' ---"):
+        assert marker in source
+    assert "query_temperature (query)" in source  # row scales are named in the header as the torch prologue
+    compile(source, "kernels.py", "exec")
+
+
+def test_different_options_give_different_source():
+    a = codegen.generate(_plan({"name": "a", "transforms": [{"kind": "softcap", "cap": 20.0}]}))
+    b = codegen.generate(_plan({"name": "a", "transforms": [{"kind": "softcap", "cap": 30.0}]}))
+    assert a != b
+
+
+class NoLowering(LogitsTransform):
+    kind = "no_lowering"
+    slot = Slot.LOGITS
+
+    def apply(self, logits, ctx, params):
+        return logits * 2
+
+
+def test_transform_without_lowering_is_declined_by_name():
+    module = types.ModuleType("nolow")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(NoLowering))
+    reg = new_registry(entry_points=False, extra_plugins=[("nolow", module)])
+    spec = {"name": "x", "transforms": [{"kind": "no_lowering"}]}
+    reasons = reg.backends["triton"].supports(_plan(spec, reg), torch.device("cpu"), torch.float32, True)
+    assert reasons == ["transform 'no_lowering' (logits) has no Triton lowering"]
+    with pytest.raises(attnzoo.UnsupportedError, match="no_lowering"):
+        attnzoo.compile(spec, backend="triton", registry=reg)
+    # the plugin's transform still runs on the backends that need no lowering
+    q = torch.randn(1, 2, 5, 8)
+    attnzoo.compile(spec, backend="blocked", registry=reg)(q, q[:, :1], q[:, :1])
+
+
+def test_declines_float64_and_interpreter_bfloat16():
+    triton_backend = get_registry().backends["triton"]
+    plan = _plan("vanilla")
+    assert "float64" in triton_backend.supports(plan, torch.device("cpu"), torch.float64, False)[0]
+    assert "bfloat16" in triton_backend.supports(plan, torch.device("cpu"), torch.bfloat16, False)[0]
+    assert triton_backend.supports(plan, torch.device("cpu"), torch.float16, True) == []
+
+
+def test_auto_never_picks_the_interpreter():
+    assert attnzoo.compile("selective").backend_for("cpu", torch.float32, True).name == "blocked"
+    assert "triton     yes (priority -1)" in attnzoo.explain("selective")
+
+
+def test_cpu_without_interpreter_is_declined():
+    code = ("import os, torch, attnzoo; os.environ.pop('TRITON_INTERPRET', None); "
+            "from attnzoo.registry import get_registry; from attnzoo.plan import Plan; r = get_registry(); "
+            "p = Plan.from_spec(attnzoo.load_spec('vanilla'), r); "
+            "print(r.backends['triton'].supports(p, torch.device('cpu'), torch.float32, False))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    assert "TRITON_INTERPRET=1" in out
+
+
+# -- build artifacts -----------------------------------------------------------------------------------------------
+def test_build_then_cache_hit(tmp_path):
+    first = builder.build("selective", root=tmp_path)
+    second = builder.build("selective", root=tmp_path)
+    assert not first.hit and second.hit
+    assert first.key == second.key and first.source_path == second.source_path
+    manifest = json.loads((first.directory / "manifest.json").read_text())
+    assert manifest["spec"] == "selective" and manifest["spec_hash"] == attnzoo.load_spec("selective").hash
+    assert {"attnzoo", "torch", "triton", "generator", "source_sha256"} <= set(manifest)
+    assert first.source_path.read_text() == codegen.generate(_plan("selective"))
+
+
+def test_key_covers_spec_and_versions(tmp_path, monkeypatch):
+    spec = attnzoo.load_spec("ssa")
+    key = builder.artifact_key(spec)
+    assert key != builder.artifact_key(attnzoo.load_spec("ssa-query"))
+    monkeypatch.setattr(codegen, "GENERATOR_VERSION", "test-bump")
+    assert builder.artifact_key(spec) != key
+    monkeypatch.setattr(torch, "__version__", "0.0-test")
+    assert builder.artifact_key(spec) != key
+
+
+def test_damaged_artifact_is_rebuilt(tmp_path):
+    artifact = builder.build("vanilla", root=tmp_path)
+    artifact.source_path.write_text("garbage = True\n")
+    again = builder.build("vanilla", root=tmp_path)
+    assert not again.hit
+    assert again.source_path.read_text() == codegen.generate(_plan("vanilla"))
+
+
+def test_cache_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNZOO_CACHE_DIR", str(tmp_path / "c"))
+    assert builder.cache_dir() == tmp_path / "c"
+    assert builder.build("yarn").directory.parent == tmp_path / "c"
+
+
+def _build_in_process(root):
+    return builder.build("selective-ssa", root=root).key
+
+
+def test_concurrent_builds_of_one_key_agree(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        keys = pool.map(_build_in_process, [tmp_path] * 4)
+    assert len(set(keys)) == 1
+    artifact = builder.build("selective-ssa", root=tmp_path)
+    assert artifact.hit  # whole, with a manifest that matches its source
+    leftovers = [p.name for p in artifact.directory.iterdir() if p.name.endswith(".tmp")]
+    assert not leftovers
+
+
+def test_cli_build(tmp_path, capsys):
+    assert main(["build", "vanilla", "selective", "--cache-dir", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["hit"] for r in rows] == [False, False]
+    assert all(r["load_ms"] is not None for r in rows)
+    assert main(["build", "vanilla", "--cache-dir", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["hit"] is True
+    assert main(["build", "no-such-spec", "--cache-dir", str(tmp_path)]) == 2
+    assert "no-such-spec" in capsys.readouterr().err
+
+
+# -- the kernels against the reference ----------------------------------------------------------------------------
+SMALL_SHAPES = tuple(s for s in checks.DIFFERENTIAL_SHAPES if s.id != "gqa-n300")
+
+
+def _triton_cases(specs, dtype, shapes, registry=None):
+    """The conformance cases of the triton backend, restricted to ``shapes`` for the differential checks."""
+    registry = registry or get_registry()
+    cases = runner.build_cases(registry, specs, ["triton"], (dtype,))
+    keep = {f"outputs/{s.id}" for s in shapes} | {f"gradients/{s.id}" for s in shapes}
+    return [c for c in cases if not c.check.startswith(("outputs/", "gradients/")) or c.check in keep]
+
+
+@pytest.mark.parametrize("spec", sorted(get_registry().specs))
+def test_conformance_float32(spec):
+    """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), 127 and masked rows,
+    causality, batch invariance, prefill + decode, the evictor, determinism. (N = 300 and float16 run in
+    `make conformance-triton`.)"""
+    results = runner.run_suite(_triton_cases([spec], torch.float32, SMALL_SHAPES))
+    failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
+    assert not failures, failures[:5]
+    unsupported = {r.check for r in results if r.status == "unsupported"}
+    assert not unsupported - {"decode", "evictor"}, unsupported
+
+
+@pytest.mark.parametrize("spec", ["selective-ssa", "softcap", "h2o"])
+def test_conformance_float16(spec):
+    shapes = [s for s in SMALL_SHAPES if s.id in ("gqa-n63", "masked-rows-n33")]
+    results = runner.run_suite(_triton_cases([spec], torch.float16, shapes))
+    failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
+    assert not failures, failures[:5]
+
+
+class WrongSoftcapDerivative(Softcap):
+    def triton(self):
+        return TritonLogits(forward=super().triton().forward, derivative="1.0")  # forgets the chain rule
+
+
+def test_suite_catches_a_broken_lowering():
+    reg = registry_replacing("softcap", WrongSoftcapDerivative)
+    shapes = [s for s in SMALL_SHAPES if s.id == "gqa-n63"]
+    results = {r.check: r for r in runner.run_suite(_triton_cases(["softcap"], torch.float32, shapes, reg))}
+    assert results["outputs/gqa-n63"].status == "pass"
+    assert results["gradients/gqa-n63"].status == "fail"
+
+
+def test_return_selection_matches_reference():
+    q, k, v = torch.randn(3, 1, 4, 40, 8)
+    params = None
+    _, f_ref = attnzoo.compile("selective-ssa", backend="reference")(q, k, v, params=params, return_selection=True)
+    _, f = attnzoo.compile("selective-ssa", backend="triton")(q, k, v, params=params, return_selection=True)
+    torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unwritten_output_would_show_as_nan(monkeypatch):
+    """The backend allocates outputs NaN-filled: a kernel that skips a block leaves NaN, which checks reject."""
+    from attnzoo.backends.triton import backend as triton_backend
+
+    real = triton_backend._Run.forward
+
+    def skip_last_rows(self, q, k, v, prm):
+        out, lse, total, logits = real(self, q, k, v, prm)
+        out[:, :, -1] = float("nan")
+        return out, lse, total, logits
+
+    monkeypatch.setattr(triton_backend._Run, "forward", skip_last_rows)
+    results = runner.run_suite(_triton_cases(["vanilla"], torch.float32, [SMALL_SHAPES[1]]))
+    assert {r.check: r.status for r in results}["outputs/gqa-n63"] == "fail"
+
+
+def test_decoding_with_gradients_is_refused():
+    variant = attnzoo.compile("vanilla", backend="triton")
+    cache = variant.new_cache(batch=1)
+    q = torch.randn(1, 2, 1, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="no_grad"):
+        variant.decode(q, q.detach(), q.detach(), cache)
