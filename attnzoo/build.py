@@ -110,8 +110,9 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
     Raises ValueError when the spec cannot be lowered to Triton (the reasons name the transforms). ``plan``
     (optional) is the spec already resolved against its registry.
     """
-    from .backends.triton.codegen import generate
     from filelock import FileLock
+
+    from .backends.triton.codegen import generate
 
     if plan is not None:
         loaded = plan.spec

@@ -13,6 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
+from broken import registry_replacing  # noqa: E402
+
 import attnzoo  # noqa: E402
 from attnzoo import build as builder  # noqa: E402
 from attnzoo.backends.triton import codegen  # noqa: E402
@@ -23,8 +25,6 @@ from attnzoo.registry import get_registry, new_registry  # noqa: E402
 from attnzoo.transforms.base import LogitsTransform, Slot  # noqa: E402
 from attnzoo.transforms.logits import Softcap  # noqa: E402
 from attnzoo.transforms.lowering import TritonLogits  # noqa: E402
-
-from broken import registry_replacing  # noqa: E402
 
 
 def _plan(name, registry=None):
