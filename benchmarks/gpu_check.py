@@ -1,0 +1,361 @@
+"""Check and time the generated Triton kernels on a CUDA GPU: one command, meant to finish in under 8 minutes.
+
+    python benchmarks/gpu_check.py                # every shipped spec: check, then time at N = 4096 and 16384
+    python benchmarks/gpu_check.py --quick        # check every spec, time vanilla/ssa/selective at N = 4096
+
+1. **Check**: for every registered spec, the triton backend's output and the gradients of q, k, v and every
+   parameter against the reference in float64 (same inputs), at N = 1, 127 and 300 with GQA and masked rows,
+   float32 and bfloat16; then prefill + token-by-token decoding against the batch form. The tolerance rule is the
+   conformance suite's (``attnzoo.conformance.tolerance``).
+2. **Time** (bf16, B=1, H=16, D=128, causal): forward and forward+backward of the triton backend against
+   SDPA's flash backend and compiled FlexAttention, each measured in the same run (median of interleaved
+   repeats, CUDA events), with peak memory. For selective specs FlexAttention gets F as a captured N×N float32
+   tensor (the only way it can express the accumulator); computing F is not included in its time.
+
+Prints a markdown table of ratios to SDPA flash (and, for selective, to FlexAttention) and writes it with the raw
+figures to ``--out`` (default benchmarks/results/gpu.{md,json}). Exit code 1 if any check fails.
+
+On CPU (``TRITON_INTERPRET=1 python benchmarks/gpu_check.py --device cpu --smoke``) it runs the same code at
+tiny sizes, to test this script without a GPU; its timings mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+from attnzoo.conformance.tolerance import check_close
+from attnzoo.registry import get_registry
+from attnzoo.transforms.base import Slot
+
+TIMED_SPECS_QUICK = ("vanilla", "ssa", "selective")
+#: timed at every length with FlexAttention too; the other specs are timed at the first length against SDPA only
+MAIN_SPECS = ("vanilla", "ssa", "selective", "selective-ssa")
+
+
+# -- checks ------------------------------------------------------------------------------------------------------
+def _check_spec(name, device, dtype, b, h, hkv, n, d, masked_rows, gen) -> list[str]:
+    ref = attnzoo.compile(name, backend="reference")
+    tri = attnzoo.compile(name, backend="triton")
+    params64 = {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+                for k, v in ref.init_params(h, d, hkv, dtype=torch.float64).items()}
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
+    cot = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    key_mask = None
+    if masked_rows and n > 2:
+        key_mask = torch.ones(b, n, dtype=torch.bool)
+        key_mask[:, : n // 3] = False  # early queries see no key at all: their rows must come out 0
+
+    def run(variant, dt, dev):
+        leaves = [t.to(device=dev, dtype=dt).requires_grad_() for t in (q, k, v)]
+        ps = {key: p.to(device=dev, dtype=dt).requires_grad_() for key, p in params64.items()}
+        mask = key_mask.to(dev) if key_mask is not None else None
+        out = variant(*leaves, params=ps, key_mask=mask)
+        grads = torch.autograd.grad(out, [*leaves, *ps.values()], cot.to(device=dev, dtype=dt))
+        names = ["out", "dq", "dk", "dv", *(f"d[{key}]" for key in ps)]
+        return dict(zip(names, [out.detach().cpu(), *(g.cpu() for g in grads)], strict=True))
+
+    truth = run(ref, torch.float64, "cpu")
+    low = run(ref, dtype, device)
+    got = run(tri, dtype, device)
+    problems = []
+    for key in truth:
+        try:
+            check_close(key, got[key], truth[key], low[key], dtype)
+        except AssertionError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _check_decode(name, device, dtype, gen) -> list[str]:
+    spec = attnzoo.load_spec(name)
+    if not spec.attention.causal:
+        return []
+    b, h, hkv, n, d, prefill = 2, 4, 2, 40, 64, 13
+    ref = attnzoo.compile(name, backend="reference")
+    tri = attnzoo.compile(name, backend="triton")
+    params = {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
+              for k, v in ref.init_params(h, d, hkv, dtype=torch.float64).items()}
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    truth = ref(q, k, v, params=params)
+
+    def decode(variant, dt, dev):
+        qd, kd, vd = (t.to(device=dev, dtype=dt) for t in (q, k, v))
+        ps = {key: p.to(device=dev, dtype=dt) for key, p in params.items()}
+        cache = variant.new_cache(batch=b, budget=None)
+        with torch.no_grad():
+            outs = [variant.prefill(qd[:, :, :prefill], kd[:, :, :prefill], vd[:, :, :prefill], cache, ps)]
+            for i in range(prefill, n):
+                outs.append(variant.decode(qd[:, :, i:i + 1], kd[:, :, i:i + 1], vd[:, :, i:i + 1], cache, ps))
+        return torch.cat(outs, dim=2).cpu()
+
+    try:
+        check_close("prefill + decode", decode(tri, dtype, device), truth, decode(ref, dtype, device), dtype)
+    except AssertionError as exc:
+        return [str(exc)]
+    return []
+
+
+def run_checks(specs, device, dtypes, smoke) -> dict[str, list[str]]:
+    shapes = [(1, 2, 1, 1, 16, False), (1, 4, 2, 127, 64, False), (2, 4, 2, 300, 64, True)]
+    if smoke:
+        shapes = [(1, 2, 1, 1, 16, False), (2, 4, 2, 40, 16, True)]
+    failures: dict[str, list[str]] = {}
+    for name in specs:
+        start = time.perf_counter()
+        problems = []
+        for i, dtype in enumerate(dtypes):
+            gen = torch.Generator().manual_seed(1234)
+            # every shape in float32; the low-precision dtype on the largest (masked-row) shape only, to keep the
+            # number of kernel compilations (and the run) short
+            for b, h, hkv, n, d, masked in (shapes if i == 0 else shapes[-1:]):
+                for p in _check_spec(name, device, dtype, b, h, hkv, n, d, masked, gen):
+                    problems.append(f"{str(dtype)[6:]} N={n}: {p}")
+            for p in _check_decode(name, device, dtype, gen):
+                problems.append(f"{str(dtype)[6:]} decode: {p}")
+        failures[name] = problems
+        status = "ok" if not problems else f"FAIL ({len(problems)})"
+        print(f"check {name:<22} {status}  [{time.perf_counter() - start:.1f} s]", flush=True)
+        for p in problems[:4]:
+            print(f"    {p}", flush=True)
+    return failures
+
+
+# -- timing ------------------------------------------------------------------------------------------------------
+def _time(fn, repeats, device) -> float:
+    """Median milliseconds of fn() (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _peak(fn, device) -> float | None:
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _selective_f(spec_name, q, k, params) -> torch.Tensor:
+    """F (B, N, N) float32 for FlexAttention's score_mod, from the attnzoo blocked backend (not timed)."""
+    variant = attnzoo.compile(spec_name, backend="blocked")
+    with torch.no_grad():
+        _, f = variant(q.float(), k.float(), k.float(), params=params, return_selection=True)
+    return f.float().contiguous()
+
+
+def _candidates(spec_name, q, k, v, grad, device):
+    """name -> callable running one forward (and backward when grad)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    spec = attnzoo.load_spec(spec_name)
+    variant = attnzoo.compile(spec, backend="triton")
+    b, h, n, d = q.shape
+    params = {key: p.requires_grad_(grad) for key, p in
+              variant.init_params(h, d, k.shape[1], dtype=q.dtype, device=device).items()}
+    cot = torch.randn_like(q)
+
+    def finish(out):
+        if grad:
+            out.backward(cot)
+
+    def triton_run():
+        finish(variant(q, k, v, params=params))
+
+    def sdpa_run():
+        if device.type == "cuda":
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                finish(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h))
+        else:
+            finish(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != h))
+
+    runs = {"triton": triton_run, "sdpa": sdpa_run}
+    plan = variant.plan
+    has_acc = plan.one(Slot.ACCUMULATOR) is not None
+    if spec_name in MAIN_SPECS:
+        block_mask = create_block_mask(lambda b_, h_, qi, ki: ki <= qi, None, None, n, n, device=device.type)
+        compiled = torch.compile(flex_attention, dynamic=False)
+        fsel = _selective_f(spec_name, q.detach(), k.detach(), {key: p.detach().float() for key, p in
+                                                                  params.items()}) if has_acc else None
+        scale = plan.logit_scale(d)
+
+        def score_mod(score, b_, h_, qi, ki):
+            return score - fsel[b_, qi, ki]
+
+        def flex_run():
+            # row scales (SSA) are applied as in attnzoo's flex backend: a pre-scale of q and v
+            qs = plan.row_scale(Slot.QUERY, q, torch.arange(1, n + 1, device=device).expand(b, n).unsqueeze(1),
+                                _grouped(plan, params))
+            vs = plan.row_scale(Slot.VALUE, v, torch.arange(1, n + 1, device=device).expand(b, n).unsqueeze(1),
+                                _grouped(plan, params))
+            out = compiled(qs, k, vs, score_mod=score_mod if has_acc else None, block_mask=block_mask,
+                           scale=scale, enable_gqa=k.shape[1] != h)
+            finish(out)
+
+        runs["flex"] = flex_run
+    return runs
+
+
+def _grouped(plan, params):
+    out = {t.kind: {} for t in plan.transforms}
+    for key, value in params.items():
+        kind, name = key.split(".", 1)
+        out[kind][name] = value
+    return out
+
+
+def run_timing(specs, lengths, device, dtype, heads, head_dim, repeats, deadline) -> list[dict]:
+    rows = []
+    plan = [(n, name) for n in lengths for name in specs if name in MAIN_SPECS or n == lengths[0]]
+    plan.sort(key=lambda item: (item[1] not in MAIN_SPECS, item[0]))  # the headline cases first
+    for n, name in plan:
+        for grad in (False, True):
+            if time.perf_counter() > deadline:
+                rows.append({"spec": name, "n": n, "mode": "fwd+bwd" if grad else "fwd",
+                             "error": "skipped: time budget spent"})
+                continue
+            gen = torch.Generator(device=device).manual_seed(0)
+            q, k, v = (torch.randn(1, heads, n, head_dim, generator=gen, device=device, dtype=dtype)
+                       .requires_grad_(grad) for _ in range(3))
+            row = {"spec": name, "n": n, "mode": "fwd+bwd" if grad else "fwd"}
+            try:
+                runs = _candidates(name, q, k, v, grad, device)
+            except Exception as exc:  # noqa: BLE001 - report, go on with the other cases
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                rows.append(row)
+                print(f"time  {name} N={n} {row['mode']}: {row['error']}", flush=True)
+                continue
+            for cand, fn in runs.items():
+                if device.type == "cpu" and grad and cand == "flex":
+                    continue  # FlexAttention has no CPU backward
+                try:
+                    row[f"{cand}_ms"] = _time(fn, repeats, device)
+                    row[f"{cand}_peak_mib"] = _peak(fn, device)
+                except Exception as exc:  # noqa: BLE001
+                    row[f"{cand}_error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+            if "triton_ms" in row and "sdpa_ms" in row:
+                row["vs_sdpa"] = row["triton_ms"] / row["sdpa_ms"]
+            if "triton_ms" in row and "flex_ms" in row:
+                row["vs_flex"] = row["triton_ms"] / row["flex_ms"]
+            rows.append(row)
+            print(f"time  {name:<16} N={n:<6} {row['mode']:<8} " + "  ".join(
+                f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
+                for key, value in row.items() if key not in ("spec", "n", "mode")), flush=True)
+            del q, k, v, runs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
+def to_markdown(rows, header) -> str:
+    lines = [f"# Triton kernels on {header['device']}", "",
+             f"attnzoo {header['attnzoo']}, torch {header['torch']}, triton {header['triton']}; "
+             f"{header['dtype']}, B=1, H={header['heads']}, D={header['head_dim']}, causal. Ratios: triton time / "
+             "baseline time in the same run (lower is better).", "",
+             "| spec | N | mode | triton ms | SDPA flash ms | triton / SDPA | flex ms | triton / flex | "
+             "triton peak MiB | flex peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(row, key, fmt="{:.2f}"):
+        value = row.get(key)
+        if isinstance(value, float):
+            return fmt.format(value)
+        if key.endswith("_ms"):
+            return row.get(key.replace("_ms", "_error")) or row.get("error") or "-"
+        return "-"
+
+    for r in rows:
+        lines.append(f"| {r['spec']} | {r['n']} | {r['mode']} | {f(r, 'triton_ms')} | {f(r, 'sdpa_ms')} | "
+                     f"{f(r, 'vs_sdpa', '{:.2f}x')} | {f(r, 'flex_ms')} | {f(r, 'vs_flex', '{:.2f}x')} | "
+                     f"{f(r, 'triton_peak_mib', '{:.0f}')} | {f(r, 'flex_peak_mib', '{:.0f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--specs", nargs="*", help="specs to check and time (default: every registered spec)")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[4096, 16384])
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="time only vanilla, ssa, selective at N = 4096")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (to test the script itself on CPU)")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--out", default="benchmarks/results/gpu")
+    parser.add_argument("--budget-s", type=float, default=450.0,
+                        help="stop starting new timing cases after this many seconds (the run stays under 8 min)")
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here (use --device cpu --smoke under TRITON_INTERPRET=1 to test the "
+              "script)", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    specs = args.specs or sorted(get_registry().specs)
+    timed = args.specs or (TIMED_SPECS_QUICK if args.quick else specs)
+    lengths = [4096] if args.quick else args.lengths
+    heads, head_dim, repeats = args.heads, args.head_dim, args.repeats
+    if args.smoke:
+        lengths, heads, head_dim, repeats, timed = [64], 2, 16, 1, timed[:3]
+    check_dtypes = [torch.float32] + ([dtype] if dtype != torch.float32 else [])
+    if device.type == "cpu" and torch.bfloat16 in check_dtypes:
+        check_dtypes = [torch.float32, torch.float16]  # the interpreter computes bfloat16 wrongly
+
+    start = time.perf_counter()
+    failures = {} if args.skip_check else run_checks(specs, device, check_dtypes, args.smoke)
+    rows = [] if args.skip_timing else run_timing(timed, lengths, device, dtype if device.type == "cuda"
+                                                  else torch.float32, heads, head_dim, repeats,
+                                                  start + args.budget_s)
+    from attnzoo.build import triton_version
+
+    header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+              "attnzoo": attnzoo.__version__, "torch": torch.__version__, "triton": triton_version(),
+              "dtype": args.dtype if device.type == "cuda" else "float32", "heads": heads, "head_dim": head_dim,
+              "seconds": time.perf_counter() - start}
+    text = to_markdown(rows, header)
+    failed = {name: p for name, p in failures.items() if p}
+    text += "\n" + (f"Checks: {len(failures) - len(failed)} of {len(failures)} specs pass." if failures else
+                    "Checks: skipped.") + "\n"
+    print(text)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "timing": rows, "checks": failures},
+                                                   indent=2) + "\n")
+    print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} in {header['seconds']:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
