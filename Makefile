@@ -7,13 +7,13 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench
+.PHONY: demo test lint install clean bench build conformance-triton gpu-check
 
 $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,triton]'
 	for p in plugins/*/; do $(BIN)/python -m pip install -q --force-reinstall --no-deps "./$$p" || exit 1; done
 	touch $@
 
@@ -35,6 +35,19 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/attnzoo bench --out benchmarks/results
+
+# generate (or find cached) the Triton kernels of every registered spec
+build: $(STAMP)
+	$(BIN)/attnzoo build
+
+# the whole conformance suite for the triton backend in Triton's interpreter, float32 and float16 (~30 min on 2 cores)
+conformance-triton: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/attnzoo conformance --backend triton --dtype float32 --dtype float16 \
+		--report benchmarks/results/conformance-triton.md
+
+# on a machine with a CUDA GPU: check the kernels and time them against SDPA flash and FlexAttention (< 8 min)
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
