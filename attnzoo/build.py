@@ -2,8 +2,9 @@
 
 An artifact is a directory ``<cache>/<key>/`` holding ``kernels.py`` (the generated source) and ``manifest.json``
 (spec name and hash, versions, the source's sha256). The key is the sha256 of the spec hash, the attnzoo version,
-the Triton and torch versions and the generator version. The cache directory is ``$ATTNZOO_CACHE_DIR``, or the
-per-user cache directory (``platformdirs``).
+the Triton and torch versions, the generator version and a fingerprint of the template and of the spec's
+transforms' lowerings (a plugin that changes a fragment gets a new key). The cache directory is
+``$ATTNZOO_CACHE_DIR``, or the per-user cache directory (``platformdirs``).
 
 Building follows try load → lock → try load → generate → write: files are written to a temporary name and renamed
 (atomic), the manifest last, so a reader sees a whole artifact or none; a file lock per key keeps concurrent
@@ -60,9 +61,13 @@ def toolchain() -> dict[str, Any]:
             "triton": triton_version()}
 
 
-def artifact_key(spec) -> str:
-    """sha256 of the spec hash and every version the generated source depends on."""
-    data = json.dumps({"spec": spec.hash, **toolchain()}, sort_keys=True)
+def artifact_key(spec, plan=None, registry=None) -> str:
+    """sha256 of the spec hash, every version the generated source depends on, and the generator's fingerprint
+    of the template and of the spec's transforms' lowerings."""
+    from .backends.triton.codegen import fingerprint
+
+    plan = plan or Plan.from_spec(spec, registry or get_registry())
+    data = json.dumps({"spec": spec.hash, **toolchain(), "lowering": fingerprint(plan)}, sort_keys=True)
     return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -114,12 +119,11 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
 
     from .backends.triton.codegen import generate
 
-    if plan is not None:
-        loaded = plan.spec
-    else:
+    if plan is None:
         registry = registry or get_registry()
-        loaded = load_spec(spec, registry=registry)
-    key = artifact_key(loaded)
+        plan = Plan.from_spec(load_spec(spec, registry=registry), registry)
+    loaded = plan.spec
+    key = artifact_key(loaded, plan)
     root = cache_dir() if root is None else Path(root)
     directory = root / key[:32]
     if not force and (found := _try_load(directory, key, loaded.name)) is not None:
@@ -128,7 +132,7 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
     with FileLock(str(root / f"{key[:32]}.lock")):
         if not force and (found := _try_load(directory, key, loaded.name)) is not None:
             return found
-        source = generate(plan or Plan.from_spec(loaded, registry)).encode()
+        source = generate(plan).encode()
         manifest = {
             "key": key, "spec": loaded.name, "spec_hash": loaded.hash, **toolchain(),
             "source": SOURCE, "source_sha256": hashlib.sha256(source).hexdigest(),

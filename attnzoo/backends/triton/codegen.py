@@ -6,8 +6,10 @@ byte-identical source. Every fragment is marked with the transform it came from.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from ...transforms.base import RowScaleTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
@@ -53,6 +55,14 @@ def problems(plan) -> list[str]:
             if set(declared) - set(lowering.params):
                 reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
     return reasons
+
+
+def fingerprint(plan) -> str:
+    """A digest of everything besides the spec that shapes the generated source: the template, this module, and
+    each transform's lowering as it is now (so a plugin that changes a fragment never reuses a stale artifact)."""
+    parts = [TEMPLATE, Path(__file__).read_text()]
+    parts += [f"{t.kind}:{t.slot.value}:{t.triton()!r}" for t in plan.transforms]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def layout(plan) -> Layout:
