@@ -75,11 +75,20 @@ class Plan:
             t.check_dims(dims)
 
     # -- the pieces every backend computes the same way ----------------------------------------------------------
-    def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params) -> torch.Tensor:
-        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty)."""
+    def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params,
+                  widen: bool = False) -> torch.Tensor:
+        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty).
+
+        ``widen``: for float16/bfloat16 rows, compute the scale and the product in float32 and round once (fast
+        backends use it: the gradient of a per-token scale reduces over D and over every position, which loses too
+        much in half precision). The reference computes in the dtype it is given."""
         t = self.one(slot)
         if t is None:
             return rows
+        if widen and rows.dtype in (torch.float16, torch.bfloat16):
+            wide = rows.float()
+            scale = t.scale(wide, positions, {name: p.float() for name, p in params[t.kind].items()})
+            return (wide * scale.unsqueeze(-1)).to(rows.dtype)
         return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims) -> Context:
