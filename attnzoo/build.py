@@ -1,10 +1,10 @@
 """Build artifacts: generated Triton kernel sources, cached on disk and keyed by what they depend on.
 
-An artifact is a directory ``<cache>/<key>/`` holding ``kernels.py`` (the generated source) and ``manifest.json``
-(spec name and hash, versions, the source's sha256). The key is the sha256 of the spec hash, the attnzoo version,
-the Triton and torch versions, the generator version and a fingerprint of the template and of the spec's
-transforms' lowerings (a plugin that changes a fragment gets a new key). The cache directory is
-``$ATTNZOO_CACHE_DIR``, or the per-user cache directory (``platformdirs``).
+An artifact is a directory ``<cache>/<key>/`` holding ``kernels.py`` and ``kernels_backward.py`` (the generated
+forward and backward sources) and ``manifest.json`` (spec name and hash, versions, each source's sha256). The key
+is the sha256 of the spec hash, the attnzoo version, the Triton and torch versions, the generator version and a
+fingerprint of the template and of the spec's transforms' lowerings (a plugin that changes a fragment gets a new
+key). The cache directory is ``$ATTNZOO_CACHE_DIR``, or the per-user cache directory (``platformdirs``).
 
 Building follows try load → lock → try load → generate → write: files are written to a temporary name and renamed
 (atomic), the manifest last, so a reader sees a whole artifact or none; a file lock per key keeps concurrent
@@ -31,7 +31,9 @@ from .plan import Plan
 from .registry import get_registry
 from .spec import load_spec
 
-SOURCE = "kernels.py"
+#: the generated sources of an artifact, by part: the forward kernels load on first use, the backward ones on the
+#: first backward pass
+SOURCES = {"forward": "kernels.py", "backward": "kernels_backward.py"}
 MANIFEST = "manifest.json"
 
 
@@ -81,7 +83,11 @@ class Artifact:
 
     @property
     def source_path(self) -> Path:
-        return self.directory / SOURCE
+        """The forward kernels' source."""
+        return self.directory / SOURCES["forward"]
+
+    def path(self, part: str) -> Path:
+        return self.directory / SOURCES[part]
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -101,10 +107,10 @@ def _try_load(directory: Path, key: str, spec_name: str) -> Artifact | None:
     """The artifact in ``directory`` if it is whole and matches ``key``; None if absent or damaged."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
-        source = (directory / SOURCE).read_bytes()
+        digests = {name: hashlib.sha256((directory / name).read_bytes()).hexdigest() for name in SOURCES.values()}
     except (OSError, ValueError):
         return None
-    if manifest.get("key") != key or manifest.get("source_sha256") != hashlib.sha256(source).hexdigest():
+    if manifest.get("key") != key or manifest.get("sources") != digests:
         return None
     return Artifact(spec_name, key, directory, manifest, hit=True)
 
@@ -132,13 +138,14 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
     with FileLock(str(root / f"{key[:32]}.lock")):
         if not force and (found := _try_load(directory, key, loaded.name)) is not None:
             return found
-        source = generate(plan).encode()
+        sources = {SOURCES[part]: text.encode() for part, text in generate(plan).items()}
         manifest = {
             "key": key, "spec": loaded.name, "spec_hash": loaded.hash, **toolchain(),
-            "source": SOURCE, "source_sha256": hashlib.sha256(source).hexdigest(),
+            "sources": {name: hashlib.sha256(data).hexdigest() for name, data in sources.items()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        _write_atomic(directory / SOURCE, source)
+        for name, data in sources.items():
+            _write_atomic(directory / name, data)
         _write_atomic(directory / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
     return Artifact(loaded.name, key, directory, manifest, hit=False)
 
@@ -151,14 +158,15 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def load_kernels(spec, registry=None, root: Path | None = None, plan=None):
-    """The imported kernel module of ``spec``: built if absent, loaded once per process (and per interpreter
-    mode, which Triton reads when the kernels are defined)."""
+def load_kernels(spec, registry=None, root: Path | None = None, plan=None, part: str = "forward"):
+    """The imported module of ``spec``'s ``part`` ("forward" or "backward") kernels: built if absent, loaded once
+    per process (and per interpreter mode, which Triton reads when the kernels are defined)."""
     artifact = build(spec, registry, root, plan=plan)
-    memo = (str(artifact.source_path), interpreting())
+    path = artifact.path(part)
+    memo = (str(path), interpreting())
     if memo not in _modules:
-        name = f"attnzoo_kernels_{artifact.key[:16]}{'_interp' if memo[1] else ''}"
-        module_spec = importlib.util.spec_from_file_location(name, artifact.source_path)
+        name = f"attnzoo_kernels_{artifact.key[:16]}_{part}{'_interp' if memo[1] else ''}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module  # triton resolves the kernels' globals through the module
         try:

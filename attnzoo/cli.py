@@ -151,7 +151,7 @@ def cmd_build(args) -> int:
     specs = [load_spec(name, registry=reg) for name in names]  # bad input stops before anything is written
     can_load = builder.triton_version() is not None
     table = Table(title=f"attnzoo build -> {root}", title_justify="left")
-    for col in ("spec", "key", "artifact", "build ms", "load ms"):
+    for col in ("spec", "key", "artifact", "build ms", "load ms (forward)", "load ms (backward)"):
         table.add_column(col)
     status, rows = EXIT_OK, []
     for spec in specs:
@@ -163,15 +163,17 @@ def cmd_build(args) -> int:
             status = EXIT_FAILED
             continue
         built_ms = (time.perf_counter() - start) * 1e3
-        load_ms = None
+        load_ms = {}
         if can_load:  # what a run does with an existing artifact: find it, check it, import its kernels
-            start = time.perf_counter()
-            builder.load_kernels(spec, reg, root)
-            load_ms = (time.perf_counter() - start) * 1e3
+            for part in ("forward", "backward"):
+                start = time.perf_counter()
+                builder.load_kernels(spec, reg, root, part=part)
+                load_ms[part] = (time.perf_counter() - start) * 1e3
         rows.append({"spec": spec.name, "key": artifact.key, "hit": artifact.hit, "build_ms": built_ms,
-                     "load_ms": load_ms, "path": str(artifact.source_path)})
-        table.add_row(spec.name, artifact.key[:12], "cache hit" if artifact.hit else "built",
-                      f"{built_ms:.1f}", f"{load_ms:.1f}" if load_ms is not None else "- (no triton)")
+                     "load_ms": load_ms.get("forward"), "load_backward_ms": load_ms.get("backward"),
+                     "path": str(artifact.directory)})
+        table.add_row(spec.name, artifact.key[:12], "cache hit" if artifact.hit else "built", f"{built_ms:.1f}",
+                      *((f"{load_ms[p]:.1f}" for p in ("forward", "backward")) if load_ms else ("- (no triton)",) * 2))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:

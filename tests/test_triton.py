@@ -42,13 +42,18 @@ def test_same_spec_gives_byte_identical_source():
 def test_source_marks_each_fragment_with_its_transform():
     spec = {"name": "mix", "transforms": [{"kind": "softcap", "cap": 20.0}, {"kind": "sliding_window", "window": 8},
                                           {"kind": "selective_mask"}, {"kind": "query_temperature"}]}
-    source = codegen.generate(_plan(spec))
+    sources = codegen.generate(_plan(spec))
+    source = sources["forward"] + sources["backward"]
+    assert "_sel_bwd_dk" in sources["backward"] and "_sel_bwd_dk" not in sources["forward"]
     for marker in ("# --- from transform 'softcap' (logits) ---", "# --- from transform 'sliding_window' (mask) ---",
                    "# --- from transform 'selective_mask' (accumulator, selector head 0) ---",
                    "# --- back through 'softcap' ---"):
         assert marker in source
     assert "query_temperature (query)" in source  # row scales are named in the header as the torch prologue
-    compile(source, "kernels.py", "exec")
+    for part in sources.values():
+        compile(part, "kernels.py", "exec")
+    plain = codegen.generate(_plan("vanilla"))["forward"]
+    assert "def _sel_carry" not in plain and "def _select" not in plain  # no accumulator: none of its kernels
 
 
 def test_different_options_give_different_source():
@@ -110,8 +115,10 @@ def test_build_then_cache_hit(tmp_path):
     assert first.key == second.key and first.source_path == second.source_path
     manifest = json.loads((first.directory / "manifest.json").read_text())
     assert manifest["spec"] == "selective" and manifest["spec_hash"] == attnzoo.load_spec("selective").hash
-    assert {"attnzoo", "torch", "triton", "generator", "source_sha256"} <= set(manifest)
-    assert first.source_path.read_text() == codegen.generate(_plan("selective"))
+    assert {"attnzoo", "torch", "triton", "generator", "sources"} <= set(manifest)
+    generated = codegen.generate(_plan("selective"))
+    assert first.path("forward").read_text() == generated["forward"]
+    assert first.path("backward").read_text() == generated["backward"]
 
 
 def test_key_covers_spec_and_versions(tmp_path, monkeypatch):
@@ -126,10 +133,10 @@ def test_key_covers_spec_and_versions(tmp_path, monkeypatch):
 
 def test_damaged_artifact_is_rebuilt(tmp_path):
     artifact = builder.build("vanilla", root=tmp_path)
-    artifact.source_path.write_text("garbage = True\n")
+    artifact.path("backward").write_text("garbage = True\n")
     again = builder.build("vanilla", root=tmp_path)
     assert not again.hit
-    assert again.source_path.read_text() == codegen.generate(_plan("vanilla"))
+    assert again.path("backward").read_text() == codegen.generate(_plan("vanilla"))["backward"]
 
 
 def test_cache_dir_from_environment(tmp_path, monkeypatch):
@@ -157,7 +164,7 @@ def test_cli_build(tmp_path, capsys):
     assert main(["build", "vanilla", "selective", "--cache-dir", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["hit"] for r in rows] == [False, False]
-    assert all(r["load_ms"] is not None for r in rows)
+    assert all(r["load_ms"] is not None and r["load_backward_ms"] is not None for r in rows)
     assert main(["build", "vanilla", "--cache-dir", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["hit"] is True
     assert main(["build", "no-such-spec", "--cache-dir", str(tmp_path)]) == 2

@@ -38,7 +38,8 @@ class TritonMask:
 @dataclass(frozen=True)
 class TritonSelection:
     """An accumulator whose selection is pointwise in one selector head's logits ``{x}``: ``S = value`` where
-    the pair is allowed and ``keep`` holds, else 0; ``derivative`` is dS/dx there."""
+    the pair is allowed and ``keep`` holds (an empty ``keep``: wherever allowed), else 0; ``derivative`` is dS/dx
+    there."""
 
     keep: str
     value: str

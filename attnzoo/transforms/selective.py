@@ -52,7 +52,7 @@ class SelectiveMask(AccumulatorTransform):
         keep = ["(kp != 1)"] if self.options.protect_bos else []
         if not self.options.self_mask:
             keep.append("(kp != qp)")
-        return TritonSelection(keep=" & ".join(keep) or "True", value="tl.maximum({x}, 0.0)",
+        return TritonSelection(keep=" & ".join(keep), value="tl.maximum({x}, 0.0)",
                                derivative="tl.where({x} > 0.0, 1.0, 0.0)")
 
 

@@ -35,7 +35,8 @@ def _increasing(positions: torch.Tensor) -> bool:
 class _Run:
     """One call's launch configuration: everything but q, k, v and the packed parameters."""
 
-    kernels: object
+    kernels: object  # the forward module
+    backward_kernels: object  # () -> the backward module (loaded on the first backward pass)
     layout: codegen.Layout
     qpos: torch.Tensor          # (B, NQ) int64
     kpos: torch.Tensor          # (B, KPH, NK) int64
@@ -109,10 +110,11 @@ class _Run:
         dv = torch.full((b, hkv, nk, d), float("nan"), **f32)
         pg = torch.full((b, h, nnb, npp), float("nan"), **f32)
         flags = dict(CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None)
-        self.kernels._bwd_dkdv[(nnb, b * hkv)](
+        kernels = self.backward_kernels()
+        kernels._bwd_dkdv[(nnb, b * hkv)](
             q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
             NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
-        self.kernels._bwd_dq[(nmb, b * h)](
+        kernels._bwd_dq[(nmb, b * h)](
             q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
             scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
         dprm = pg.sum(dim=(0, 2))[:, :n_params].t()  # (NP, H)
@@ -122,10 +124,10 @@ class _Run:
             dks = torch.full((b, nk, d), float("nan"), **f32)
             dqs = torch.full((b, nq, d), float("nan"), **f32)
             pgs = torch.full((b, nnb, npp), float("nan"), **f32)
-            self.kernels._sel_bwd_dk[(nnb, b)](
+            kernels._sel_bwd_dk[(nnb, b)](
                 q, k, v, dout, lse, delta, dks, pgs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
                 NMB=nmb, NNB=nnb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)
-            self.kernels._sel_bwd_dq[(nmb, b)](
+            kernels._sel_bwd_dq[(nmb, b)](
                 q, k, v, dout, lse, delta, dqs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
                 NMB=nmb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)
             dq[:, sel] += dqs
@@ -190,7 +192,7 @@ class TritonBackend(Backend):
 
     def __init__(self, root=None) -> None:
         self.root = root  # artifact cache directory (None: attnzoo.build.cache_dir())
-        self._kernels: dict[tuple[str, bool], object] = {}
+        self._kernels: dict[tuple[str, bool, str], object] = {}
 
     @property
     def priority(self) -> int:  # type: ignore[override]
@@ -215,10 +217,10 @@ class TritonBackend(Backend):
         return reasons + codegen.problems(plan)
 
     # -- plumbing -------------------------------------------------------------------------------------------------
-    def kernels(self, plan):
-        memo = (plan.spec.hash, interpreting())
+    def kernels(self, plan, part: str = "forward"):
+        memo = (plan.spec.hash, interpreting(), part)
         if memo not in self._kernels:
-            self._kernels[memo] = load_kernels(plan.spec, root=self.root, plan=plan)
+            self._kernels[memo] = load_kernels(plan.spec, root=self.root, plan=plan, part=part)
         return self._kernels[memo]
 
     def _blocks(self, device) -> tuple[int, int]:
@@ -233,7 +235,8 @@ class TritonBackend(Backend):
 
     def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
         bm, bn = self._blocks(q.device)
-        return _Run(self.kernels(plan), codegen.layout(plan), qpos.contiguous(), kpos.contiguous(),
+        return _Run(self.kernels(plan), lambda: self.kernels(plan, "backward"), codegen.layout(plan),
+                    qpos.contiguous(), kpos.contiguous(),
                     key_mask.to(torch.int8).contiguous() if key_mask is not None else None,
                     init_carry.float().contiguous() if init_carry is not None else None,
                     causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ...transforms.base import RowScaleTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
-from .template import TEMPLATE
+from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
 #: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
 GENERATOR_VERSION = "1"
@@ -60,7 +60,7 @@ def problems(plan) -> list[str]:
 def fingerprint(plan) -> str:
     """A digest of everything besides the spec that shapes the generated source: the template, this module, and
     each transform's lowering as it is now (so a plugin that changes a fragment never reuses a stale artifact)."""
-    parts = [TEMPLATE, Path(__file__).read_text()]
+    parts = [COMMON, ACC_SHARED, ACC_FORWARD, ACC_BACKWARD, FORWARD, BACKWARD, Path(__file__).read_text()]
     parts += [f"{t.kind}:{t.slot.value}:{t.triton()!r}" for t in plan.transforms]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -112,48 +112,58 @@ def _logits_helpers(plan) -> list[str]:
             bwd.append(f"    dpv += tl.where(tl.arange(0, NPP) == {first + j}, "
                        f"tl.sum(tl.sum(g * ({expr.format(**fmt)}), 1), 0), 0.0)")
         bwd.append(f"    g = g * ({low.derivative.format(**fmt)})")
-    return fwd + ["    return x"] + [""] * 2 + bwd + ["    return g, dpv"]
+    return fwd + ["    return x"], bwd + ["    return g, dpv"]
 
 
-def _selection_helpers(plan) -> list[str]:
+def _selection_helpers(plan):
     acc = plan.one(Slot.ACCUMULATOR)
-    head = ["@triton.jit", "def _select(x, ok, qp, kp):"]
-    grad = ["@triton.jit", "def _select_grad(x, ok, qp, kp):"]
-    if acc is None:
-        return head + ["    return tl.zeros_like(x)  # no accumulator"] + [""] * 2 + grad + \
-            ["    return tl.zeros_like(x)  # no accumulator"]
     low = acc.triton()
-    keep = f"ok & ({low.keep})"
+    keep = f"ok & ({low.keep})" if low.keep else "ok"
     mark = f"    # --- from transform '{acc.kind}' (accumulator, selector head {acc.heads()[0]}) ---"
-    return (head + [mark, f"    return tl.where({keep}, {low.value.format(x='x')}, 0.0)"] + [""] * 2
-            + grad + [mark, f"    return tl.where({keep}, {low.derivative.format(x='x')}, 0.0)"])
+    return (["@triton.jit", "def _select(x, ok, qp, kp):", mark,
+             f"    return tl.where({keep}, {low.value.format(x='x')}, 0.0)"],
+            ["@triton.jit", "def _select_grad(x, ok, qp, kp):", mark,
+             f"    return tl.where({keep}, {low.derivative.format(x='x')}, 0.0)"])
 
 
 def _function_json(spec) -> str:
     return json.dumps(spec.model_dump(mode="json", exclude={"summary"}), sort_keys=True, separators=(",", ":"))
 
 
-def generate(plan) -> str:
-    """The Triton source of every kernel of ``plan``'s spec (raises ValueError when it cannot be lowered)."""
+def generate(plan) -> dict[str, str]:
+    """The Triton sources of ``plan``'s spec: ``{"forward": ..., "backward": ...}`` (the backward kernels load
+    only when a backward pass runs). Raises ValueError when the spec cannot be lowered."""
     reasons = problems(plan)
     if reasons:
         raise ValueError("; ".join(reasons))
     spec = plan.spec
     rows = [t for t in plan.transforms if isinstance(t, RowScaleTransform)]
-    header = [
-        f'"""Triton kernels for attnzoo spec \'{spec.name}\' (generated; do not edit).',
-        "",
-        f"spec hash: {spec.hash}",
-        f"generator: {GENERATOR_VERSION}",
-        f"spec (canonical, summary left out): {_function_json(spec)}",
-        "row scales applied before the kernels (torch prologue): "
-        + (", ".join(f"{t.kind} ({t.slot.value})" for t in rows) or "none"),
-        f"packed per-head parameters (PRM rows): {', '.join(layout(plan).params) or 'none'}",
-        '"""',
-        "",
-        "import triton",
-        "import triton.language as tl",
-    ]
-    parts = ["\n".join(header), "\n".join(_mask_helper(plan)), "\n".join(_logits_helpers(plan)),
-             "\n".join(_selection_helpers(plan)), TEMPLATE.strip("\n")]
-    return "\n\n\n".join(parts) + "\n"
+    logits, logits_bwd = _logits_helpers(plan)
+    has_acc = plan.one(Slot.ACCUMULATOR) is not None
+    select, select_grad = _selection_helpers(plan) if has_acc else ([], [])
+    sources = {}
+    for part in ("forward", "backward"):
+        header = [
+            f'"""Triton {part} kernels for attnzoo spec \'{spec.name}\' (generated; do not edit).',
+            "",
+            f"spec hash: {spec.hash}",
+            f"generator: {GENERATOR_VERSION}",
+            f"spec (canonical, summary left out): {_function_json(spec)}",
+            "row scales applied outside the kernels (torch): "
+            + (", ".join(f"{t.kind} ({t.slot.value})" for t in rows) or "none"),
+            f"packed per-head parameters (PRM rows): {', '.join(layout(plan).params) or 'none'}",
+            '"""',
+            "",
+            "import triton",
+            "import triton.language as tl",
+        ]
+        helpers = [header, _mask_helper(plan), logits]
+        if part == "forward":
+            tail = ([select, ACC_SHARED, ACC_FORWARD] if has_acc else []) + [COMMON, FORWARD]
+        else:
+            helpers.append(logits_bwd)
+            tail = ([select, select_grad, ACC_SHARED, ACC_BACKWARD] if has_acc else []) + [COMMON, BACKWARD]
+        blocks = ["\n".join(lines) for lines in helpers] + ["\n".join(t) if isinstance(t, list) else t.strip("\n")
+                                                         for t in tail]
+        sources[part] = "\n\n\n".join(blocks) + "\n"
+    return sources

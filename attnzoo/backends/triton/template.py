@@ -15,11 +15,12 @@ Kernels:
 - ``_decode``: one query per batch row against a cache with per-token F; one program per key/value head, its
   query heads as the rows.
 
-Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v (B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK),
-lse/delta float32 (B, H, NQ), carry float32 (B, NMB, NK), packed per-head parameters float32 (NP, H).
-"""
+A spec gives two sources: the forward kernels (``_sel_carry``, ``_fwd``, ``_decode``) and the backward ones, loaded
+on the first backward pass; each carries the helpers it calls. Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v
+(B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK), lse/delta float32 (B, H, NQ), carry float32 (B, NMB,
+NK), packed per-head parameters float32 (NP, H). """
 
-TEMPLATE = '''
+COMMON = '''
 @triton.jit
 def _load_rows(PTR, base, rows, nrows, D, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
@@ -40,43 +41,22 @@ def _key_valid(KMASK, b, cols, NK, HAS_KMASK: tl.constexpr):
     if HAS_KMASK:
         valid = valid & (tl.load(KMASK + b * NK + cols, mask=cols < NK, other=0) != 0)
     return valid[None, :]
+'''
 
-
+ACC_SHARED = '''
+# _sel_tile: The selector head's selection S on one tile, with what its gradient needs.
 @triton.jit
 def _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D, KPB, KPHS, scale, SEL,
               BLOCK_D: tl.constexpr):
-    """The selector head's selection S on one tile, with what its gradient needs."""
     ks = _load_rows(K, (b * HKV + skvh) * NK, cols, NK, D, BLOCK_D)
     kps = tl.load(KPOS + b * KPB + skvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
     oks = _allowed(qp, kps, SEL, valid)
     x0 = tl.dot(qs, tl.trans(ks)) * scale
     x = _logits(x0, qp, kps, SEL, H, PRM)
     return _select(x, oks, qp, kps), x, x0, oks, kps, ks
+'''
 
-
-@triton.jit
-def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D, KPB, KPHS,
-            scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """sum over every head h of dL/dl_h on one tile (l_h: head h's logits after F): -dL/dF."""
-    group = H // HKV
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for h in range(0, H):
-        kvh = h // group
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
-        q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
-        do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
-        lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
-        delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
-        ok = _allowed(qp, kp, h, valid)
-        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM) - ftile
-        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        total += p * (dp - delta[:, None])
-    return total
-
-
+ACC_FORWARD = '''
 @triton.jit
 def _sel_carry(Q, K, QPOS, KPOS, KMASK, INIT, CARRY, TOTAL, PRM,
                H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
@@ -105,8 +85,107 @@ def _sel_carry(Q, K, QPOS, KPOS, KMASK, INIT, CARRY, TOTAL, PRM,
                                                  KPB, KPHS, scale, SEL, BLOCK_D)
             running += tl.sum(sel, 0)
     tl.store(TOTAL + b * NK + cols, running, mask=cv)
+'''
+
+ACC_BACKWARD = '''
+# _ds_sum: sum over every head h of dL/dl_h on one tile (l_h: head h's logits after F): -dL/dF.
+@triton.jit
+def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D, KPB, KPHS,
+            scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    group = H // HKV
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for h in range(0, H):
+        kvh = h // group
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+        do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
+        lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
+        delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
+        ok = _allowed(qp, kp, h, valid)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM) - ftile
+        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        total += p * (dp - delta[:, None])
+    return total
 
 
+@triton.jit
+def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
+                H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
+    n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    skvh = SEL // (H // HKV)
+    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
+    cv = cols < NK
+    kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+    running = tl.zeros([BLOCK_N], tl.float32)
+    dks = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dpv = tl.zeros([NPP], tl.float32)
+    m0 = 0
+    if CAUSAL_SKIP:
+        m0 = (n * BLOCK_N) // BLOCK_M
+    for mm in range(0, NMB - m0):
+        m = NMB - 1 - mm  # query blocks in reverse: the reverse carry sums later queries
+        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rv = rows < NQ
+        qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+        qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+        valid = rv[:, None] & kvalid
+        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, scale, SEL, BLOCK_D)
+        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
+                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
+        col = tl.sum(e, 0)
+        tl.store(RCARRY + (b * NMB + m) * NK + cols, running, mask=cv)
+        dsel = -(running[None, :] + col[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
+        running += col
+        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        dpv += dpc
+        dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
+    _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
+    tl.store(PGS + (b * NNB + n) * NPP + tl.arange(0, NPP), dpv)
+
+
+@triton.jit
+def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
+                H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
+    m = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    skvh = SEL // (H // HKV)
+    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rv = rows < NQ
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
+    dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = NK
+    if CAUSAL_SKIP:
+        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        cv = cols < NK
+        valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
+        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, scale, SEL, BLOCK_D)
+        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
+                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
+        rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
+        dsel = -(rcarry[None, :] + tl.sum(e, 0)[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
+        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        dqs += tl.dot(g0.to(ks.dtype), ks).to(tl.float32)
+    _store_rows(DQS, b * NQ, rows, NQ, D, dqs * scale, BLOCK_D)
+'''
+
+FORWARD = '''
 @triton.jit
 def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM,
          H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
@@ -162,6 +241,55 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM,
     tl.store(LSE + (b * H + h) * NQ + rows, lse, mask=rv)
 
 
+@triton.jit
+def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
+            H, HKV, NK, D, KPB, KPHS, scale, SEL,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+    bk = tl.program_id(0)
+    b = (bk // HKV).to(tl.int64)
+    kvh = bk % HKV
+    group = H // HKV
+    r = tl.arange(0, BLOCK_M)
+    rv = r < group
+    head = (kvh * group + r)[:, None]
+    q = _load_rows(Q, b * H + kvh * group, r, group, D, BLOCK_D)
+    qp = tl.zeros([BLOCK_M, 1], tl.int64) + tl.load(QPOS + b)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(0, NK, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        cv = cols < NK
+        valid = rv[:, None] & cv[None, :]
+        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cv, other=0)[None, :]
+        ok = _allowed(qp, kp, head, valid)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM)
+        if HAS_ACC:
+            if kvh == SEL // group:
+                sel = tl.where(head == SEL, _select(s, ok, qp, kp), 0.0)
+                tl.store(SROW + b * NK + cols, tl.sum(sel, 0), mask=cv)
+            s = s - tl.load(CARRYV + b * NK + cols, mask=cv, other=0.0)[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+        if WRITE_LOGITS:
+            tl.store(LOGITS + (b * H + head) * NK + cols[None, :], s, mask=valid)
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    _store_rows(O, b * H + kvh * group, r, group, D, acc / l_safe[:, None], BLOCK_D)
+    lse = tl.where(l_i == 0.0, float("inf"), m_fin + tl.log(l_safe))
+    tl.store(LSE + b * H + kvh * group + r, lse, mask=rv)
+'''
+
+BACKWARD = '''
 @triton.jit
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM,
               H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
@@ -260,126 +388,4 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM,
         g0, dpc = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP)
         dq += tl.dot(g0.to(k.dtype), k).to(tl.float32)
     _store_rows(DQ, (b * H + h) * NQ, rows, NQ, D, dq * scale, BLOCK_D)
-
-
-@triton.jit
-def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
-                H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
-                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
-    n = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    skvh = SEL // (H // HKV)
-    cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cv = cols < NK
-    kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-    running = tl.zeros([BLOCK_N], tl.float32)
-    dks = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dpv = tl.zeros([NPP], tl.float32)
-    m0 = 0
-    if CAUSAL_SKIP:
-        m0 = (n * BLOCK_N) // BLOCK_M
-    for mm in range(0, NMB - m0):
-        m = NMB - 1 - mm  # query blocks in reverse: the reverse carry sums later queries
-        rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-        rv = rows < NQ
-        qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
-        qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
-        valid = rv[:, None] & kvalid
-        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
-                                             KPB, KPHS, scale, SEL, BLOCK_D)
-        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
-        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
-        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
-                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
-        col = tl.sum(e, 0)
-        tl.store(RCARRY + (b * NMB + m) * NK + cols, running, mask=cv)
-        dsel = -(running[None, :] + col[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
-        running += col
-        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
-        dpv += dpc
-        dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
-    _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
-    tl.store(PGS + (b * NNB + n) * NPP + tl.arange(0, NPP), dpv)
-
-
-@triton.jit
-def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
-                H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
-                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
-    m = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    skvh = SEL // (H // HKV)
-    rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rv = rows < NQ
-    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
-    qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
-    dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = NK
-    if CAUSAL_SKIP:
-        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        cv = cols < NK
-        valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
-                                             KPB, KPHS, scale, SEL, BLOCK_D)
-        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
-        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
-        e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
-                    KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
-        rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
-        dsel = -(rcarry[None, :] + tl.sum(e, 0)[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
-        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
-        dqs += tl.dot(g0.to(ks.dtype), ks).to(tl.float32)
-    _store_rows(DQS, b * NQ, rows, NQ, D, dqs * scale, BLOCK_D)
-
-
-@triton.jit
-def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
-            H, HKV, NK, D, KPB, KPHS, scale, SEL,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
-    bk = tl.program_id(0)
-    b = (bk // HKV).to(tl.int64)
-    kvh = bk % HKV
-    group = H // HKV
-    r = tl.arange(0, BLOCK_M)
-    rv = r < group
-    head = (kvh * group + r)[:, None]
-    q = _load_rows(Q, b * H + kvh * group, r, group, D, BLOCK_D)
-    qp = tl.zeros([BLOCK_M, 1], tl.int64) + tl.load(QPOS + b)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(0, NK, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        cv = cols < NK
-        valid = rv[:, None] & cv[None, :]
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cv, other=0)[None, :]
-        ok = _allowed(qp, kp, head, valid)
-        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM)
-        if HAS_ACC:
-            if kvh == SEL // group:
-                sel = tl.where(head == SEL, _select(s, ok, qp, kp), 0.0)
-                tl.store(SROW + b * NK + cols, tl.sum(sel, 0), mask=cv)
-            s = s - tl.load(CARRYV + b * NK + cols, mask=cv, other=0.0)[None, :]
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
-        if WRITE_LOGITS:
-            tl.store(LOGITS + (b * H + head) * NK + cols[None, :], s, mask=valid)
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
-    _store_rows(O, b * H + kvh * group, r, group, D, acc / l_safe[:, None], BLOCK_D)
-    lse = tl.where(l_i == 0.0, float("inf"), m_fin + tl.log(l_safe))
-    tl.store(LSE + b * H + kvh * group + r, lse, mask=rv)
 '''
