@@ -12,7 +12,7 @@ and ranked below every other backend by ``auto``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,7 @@ class _Run:
     block_m: int
     block_n: int
     write_logits: bool = False
+    launch: dict = field(default_factory=dict)  # compile options passed at launch (GPU only)
     carry: torch.Tensor | None = None  # filled by forward, read by backward
 
     def _common(self, q, k):
@@ -56,7 +57,7 @@ class _Run:
         return dict(H=h, HKV=hkv, NQ=nq, NK=nk, D=d, KPB=kph * nk, KPHS=nk if kph > 1 else 0)
 
     def _meta(self, q):
-        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=max(16, _pow2(q.shape[-1])))
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=max(16, _pow2(q.shape[-1])), **self.launch)
 
     @property
     def sel(self) -> int:
@@ -233,13 +234,21 @@ class TritonBackend(Backend):
         rows = [params[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in keys]
         return torch.stack(rows).to(torch.float32).contiguous()
 
+    def _launch_options(self, q) -> dict:
+        if interpreting() or q.device.type != "cuda":
+            return {}
+        options = dict(num_warps=4, num_stages=2)
+        if q.dtype == torch.float32:
+            options["default_dot_input_precision"] = "ieee"  # float32 means float32 (Triton's default is TF32)
+        return options
+
     def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
         bm, bn = self._blocks(q.device)
         return _Run(self.kernels(plan), lambda: self.kernels(plan, "backward"), codegen.layout(plan),
                     qpos.contiguous(), kpos.contiguous(),
                     key_mask.to(torch.int8).contiguous() if key_mask is not None else None,
                     init_carry.float().contiguous() if init_carry is not None else None,
-                    causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits)
+                    causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits, self._launch_options(q))
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
