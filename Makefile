@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(BIN)/attnzoo list
 	$(BIN)/attnzoo validate specs/*
 	$(BIN)/python -m attnzoo.demo
+	$(BIN)/attnzoo build
 	$(BIN)/attnzoo conformance
 
 bench: $(STAMP)
