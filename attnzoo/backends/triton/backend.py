@@ -48,6 +48,8 @@ class _Run:
     block_n: int
     write_logits: bool = False
     launch: dict = field(default_factory=dict)  # compile options passed at launch (GPU only)
+    bounds: torch.Tensor | None = None  # int32 (NMB + NNB,): first key index per query block, end query block per
+    #                                     key block, from the masks' earliest visible key (None: no skipping)
     carry: torch.Tensor | None = None  # filled by forward, read by backward
 
     def _common(self, q, k):
@@ -86,10 +88,12 @@ class _Run:
         lse = torch.full((b, h, nq), float("nan"), dtype=torch.float32, device=q.device)
         logits = (torch.full((b, h, nq, nk), float("nan"), dtype=torch.float32, device=q.device)
                   if self.write_logits else dummy)
+        bounds = self.bounds if self.bounds is not None else dummy
         self.kernels._fwd[(nmb, b * h)](
-            q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, **dims,
-            NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
-            HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits)
+            q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, bounds,
+            **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
+            HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits,
+            HAS_BOUNDS=self.bounds is not None)
         return out, lse, total, (logits if self.write_logits else None)
 
     def backward(self, q, k, v, prm, out, lse, dout):
@@ -111,13 +115,16 @@ class _Run:
         dv = torch.full((b, hkv, nk, d), float("nan"), **f32)
         pg = torch.full((b, h, nnb, npp), float("nan"), **f32)
         flags = dict(CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None)
+        bounds = self.bounds if self.bounds is not None else dummy
         kernels = self.backward_kernels()
         kernels._bwd_dkdv[(nnb, b * hkv)](
-            q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
-            NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
+            q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, bounds, **dims,
+            NMB=nmb, NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc,
+            HAS_BOUNDS=self.bounds is not None)
         kernels._bwd_dq[(nmb, b * h)](
-            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, **dims, NMB=nmb,
-            scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc)
+            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, bounds, **dims, NMB=nmb,
+            scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc,
+            HAS_BOUNDS=self.bounds is not None)
         dprm = pg.sum(dim=(0, 2))[:, :n_params].t()  # (NP, H)
         if has_acc:
             sel, skvh = self.sel, self.sel // (h // hkv)
@@ -158,6 +165,25 @@ class _Run:
             srow if has_acc else dummy, logits if logits is not None else dummy, prm, **dims, scale=self.scale,
             SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits)
         return out, lse, srow, logits
+
+
+def _window_bounds(plan, positions: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor | None:
+    """For increasing positions shared by queries and keys (the batch form): the first key index each query block
+    can see under every mask (``Plan.earliest_key``, rounded down to a key block) and, per key block, the end of
+    the query blocks that see it. None when no mask bounds the keys."""
+    n = positions.shape[1]
+    nmb, nnb = triton_cdiv(n, block_m), triton_cdiv(n, block_n)
+    firsts = positions.min(dim=0).values[::block_m].tolist()  # smallest position of each query block
+    earliest = [plan.earliest_key(int(p)) for p in firsts]
+    if any(e is None for e in earliest):
+        return None
+    want = torch.tensor(earliest, device=positions.device).expand(positions.shape[0], nmb).contiguous()
+    lo = torch.searchsorted(positions.contiguous(), want).min(dim=0).values  # keys before: hidden in every row
+    lo = torch.div(lo, block_n, rounding_mode="floor") * block_n
+    if not bool((lo > 0).any()):
+        return None
+    m_end = torch.searchsorted(lo, torch.arange(nnb, device=lo.device) * block_n, right=True)
+    return torch.cat([lo, m_end]).to(torch.int32)
 
 
 def _row_scale(plan, slot, rows, positions, params):
@@ -244,11 +270,13 @@ class TritonBackend(Backend):
 
     def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
         bm, bn = self._blocks(q.device)
+        bounds = _window_bounds(plan, qpos, bm, bn) if causal_skip else None
         return _Run(self.kernels(plan), lambda: self.kernels(plan, "backward"), codegen.layout(plan),
                     qpos.contiguous(), kpos.contiguous(),
                     key_mask.to(torch.int8).contiguous() if key_mask is not None else None,
                     init_carry.float().contiguous() if init_carry is not None else None,
-                    causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits, self._launch_options(q))
+                    causal_skip, plan.logit_scale(q.shape[-1]), bm, bn, write_logits, self._launch_options(q),
+                    bounds)
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):

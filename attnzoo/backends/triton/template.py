@@ -187,10 +187,11 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
 
 FORWARD = '''
 @triton.jit
-def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM,
+def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS,
          H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-         CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+         CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+         HAS_BOUNDS: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -210,7 +211,10 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM,
     hi = NK
     if CAUSAL_SKIP:
         hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_BOUNDS:  # a mask's earliest visible key (a sliding window): earlier key blocks are skipped
+        lo = tl.load(BOUNDS + m)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
         k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
@@ -291,10 +295,10 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
 
 BACKWARD = '''
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM,
+def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
               H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
-              CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr):
+              CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, HAS_BOUNDS: tl.constexpr):
     n = tl.program_id(0)
     bk = tl.program_id(1)
     b = (bk // HKV).to(tl.int64)
@@ -310,10 +314,13 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
     m0 = 0
     if CAUSAL_SKIP:
         m0 = (n * BLOCK_N) // BLOCK_M
+    m_end = NMB
+    if HAS_BOUNDS:  # the query blocks after m_end see no key of this block (a sliding window)
+        m_end = tl.load(BOUNDS + NMB + n)
     for g in range(0, group):
         h = kvh * group + g
         dpv = tl.zeros([NPP], tl.float32)
-        for m in range(m0, NMB):
+        for m in range(m0, m_end):
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             rv = rows < NQ
             q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
@@ -344,10 +351,10 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM,
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
             H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
-            CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr):
+            CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, HAS_BOUNDS: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -368,7 +375,10 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM,
     hi = NK
     if CAUSAL_SKIP:
         hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_BOUNDS:  # a mask's earliest visible key (a sliding window): earlier key blocks are skipped
+        lo = tl.load(BOUNDS + m)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
         k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
