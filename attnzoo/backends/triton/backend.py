@@ -171,6 +171,8 @@ def _window_bounds(plan, positions: torch.Tensor, block_m: int, block_n: int) ->
     """For increasing positions shared by queries and keys (the batch form): the first key index each query block
     can see under every mask (``Plan.earliest_key``, rounded down to a key block) and, per key block, the end of
     the query blocks that see it. None when no mask bounds the keys."""
+    if plan.earliest_key(1) is None:  # no mask bounds the keys (the bound is a property of the masks)
+        return None
     n = positions.shape[1]
     nmb, nnb = triton_cdiv(n, block_m), triton_cdiv(n, block_n)
     firsts = positions.min(dim=0).values[::block_m].tolist()  # smallest position of each query block
