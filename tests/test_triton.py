@@ -268,3 +268,30 @@ def test_sliding_window_skips_key_blocks_and_matches_reference(window):
     got = torch.autograd.grad(out, leaves, cot.float())
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-4)
+
+
+def test_composed_spec_with_parameters_through_the_selector():
+    """Logits transforms with a learnable per-head parameter, a window and the accumulator: the selector head's
+    logits (and so its parameter) also get gradient through F."""
+    spec = {"name": "composed", "transforms": [
+        {"kind": "softcap", "cap": 5.0}, {"kind": "constant_temperature"}, {"kind": "sliding_window", "window": 40},
+        {"kind": "selective_mask", "selector_head": 1}, {"kind": "query_temperature"},
+        {"kind": "value_temperature"}]}
+    ref = attnzoo.compile(spec, backend="reference")
+    tri = attnzoo.compile(spec, backend="triton")
+    params = {k: v + 0.2 * torch.randn_like(v) for k, v in
+              ref.init_params(num_heads=4, head_dim=16, num_kv_heads=2, dtype=torch.float64).items()}
+    q = 2 * torch.randn(2, 4, 70, 16, dtype=torch.float64)
+    k, v = (2 * torch.randn(2, 2, 70, 16, dtype=torch.float64) for _ in range(2))
+    cot = torch.randn(2, 4, 70, 16, dtype=torch.float64)
+
+    def grads(variant, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        ps = {key: p.to(dtype).requires_grad_() for key, p in params.items()}
+        out = variant(*leaves, params=ps)
+        return [out.detach(), *torch.autograd.grad(out, [*leaves, *ps.values()], cot.to(dtype))]
+
+    want, got = grads(ref, torch.float64), grads(tri, torch.float32)
+    names = ["out", "q", "k", "v", *params]
+    for name, w, g in zip(names, want, got, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)
