@@ -131,6 +131,18 @@ def test_key_covers_spec_and_versions(tmp_path, monkeypatch):
     assert builder.artifact_key(spec) != key
 
 
+def test_existing_artifact_loads_without_generating(tmp_path, monkeypatch):
+    builder.build("softcap", root=tmp_path)
+
+    def refuse(plan):
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(codegen, "generate", refuse)
+    for part in ("forward", "backward"):
+        module = builder.load_kernels("softcap", root=tmp_path, part=part)
+        assert hasattr(module, "_fwd" if part == "forward" else "_bwd_dq")
+
+
 def test_damaged_artifact_is_rebuilt(tmp_path):
     artifact = builder.build("vanilla", root=tmp_path)
     artifact.path("backward").write_text("garbage = True\n")
