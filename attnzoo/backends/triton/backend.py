@@ -225,8 +225,10 @@ class TritonBackend(Backend):
 
     @property
     def priority(self) -> int:  # type: ignore[override]
-        # fastest on a GPU; in the interpreter (CPU checking mode) slower than everything else
-        return -1 if interpreting() else 20
+        # Priorities come from measurements, and no GPU has measured these kernels yet: below blocked (whose GPU
+        # path for vanilla and SSA is SDPA's flash kernel) until benchmarks/gpu_check.py has run; above flex. In
+        # the interpreter (the CPU checking mode) below everything.
+        return -1 if interpreting() else 8
 
     def supports(self, plan, device, dtype, requires_grad):
         if triton_version() is None:
