@@ -24,7 +24,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto
 
 demo: $(STAMP)
 	$(BIN)/attnzoo list
