@@ -174,11 +174,44 @@ def cmd_build(args) -> int:
                      "path": str(artifact.directory)})
         table.add_row(spec.name, artifact.key[:12], "cache hit" if artifact.hit else "built", f"{built_ms:.1f}",
                       *((f"{load_ms[p]:.1f}" for p in ("forward", "backward")) if load_ms else ("- (no triton)",) * 2))
+    if args.compile_for is not None:
+        status = max(status, _compile_for(args, reg, specs, rows))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         Console(width=150).print(table)
+        if args.compile_for is not None:
+            _print_compiled(rows, args)
     return status
+
+
+def _compile_for(args, reg, specs, rows) -> int:
+    """Compile every built spec's kernels for a CUDA architecture (no GPU needed); 1 if any kernel fails."""
+    from .build import interpreting
+    from .plan import Plan
+
+    if interpreting():
+        raise BadInput("--compile-for needs a process without TRITON_INTERPRET=1")
+    backend = reg.backends["triton"]
+    arch = int(args.compile_for.removeprefix("sm_"))
+    dtype = _dtype(args.dtype)
+    status = EXIT_OK
+    built = {row["spec"] for row in rows}
+    for spec, row in zip([s for s in specs if s.name in built], rows, strict=True):
+        row["compiled"] = backend.compile_for(Plan.from_spec(spec, reg), arch, dtype, args.head_dim)
+        if any(k["error"] for k in row["compiled"]):
+            status = EXIT_FAILED
+    return status
+
+
+def _print_compiled(rows, args) -> None:
+    for row in rows:
+        kernels = row["compiled"]
+        shared = max((k["shared"] or 0) for k in kernels)
+        failed = [f"{k['kernel']}: {k['error']}" for k in kernels if k["error"]]
+        print(f"sm_{args.compile_for.removeprefix('sm_')} {args.dtype} D={args.head_dim} {row['spec']:<22} "
+              f"{len(kernels) - len(failed)}/{len(kernels)} kernels compiled, max shared memory {shared} B, "
+              f"{sum(k['seconds'] for k in kernels):.1f} s" + ("" if not failed else "  FAILED: " + "; ".join(failed)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="artifact cache (default: $ATTNZOO_CACHE_DIR or the user cache directory)")
     p.add_argument("--force", action="store_true", help="regenerate even when cached")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--compile-for", metavar="ARCH", help="also compile every kernel for a CUDA compute capability "
+                   "(e.g. 90 or sm_90) with Triton's GPU compiler; needs no GPU, checks shared memory")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v for --compile-for (default bfloat16)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim for --compile-for (default 128)")
     p.set_defaults(func=cmd_build)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help

@@ -307,3 +307,25 @@ def test_composed_spec_with_parameters_through_the_selector():
     names = ["out", "q", "k", "v", *params]
     for name, w, g in zip(names, want, got, strict=True):
         torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_compile_for_a_gpu_without_one(tmp_path):
+    """Triton's GPU compiler (down to a cubin with its bundled ptxas) takes every kernel of a spec with an
+    accumulator and a learnable logits parameter; the interpreter never exercises that lowering."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["ATTNZOO_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
+    spec = tmp_path / "composed.yaml"
+    spec.write_text("name: composed\ntransforms:\n  - {kind: constant_temperature}\n  - {kind: softcap, cap: 30.0}\n"
+                    "  - {kind: selective_mask}\n  - {kind: query_temperature}\n")
+    done = subprocess.run([sys.executable, "-m", "attnzoo.cli", "build", str(spec), "--compile-for", "sm_90",
+                           "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(done.stdout)
+    kernels = {k["kernel"]: k for k in row["compiled"]}
+    assert set(kernels) == {"_fwd", "_decode", "_sel_carry", "_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"}
+    assert all(k["error"] is None and 0 < k["shared"] <= k["limit"] for k in kernels.values()), kernels
+
+
+def test_compile_for_refuses_the_interpreter():
+    assert main(["build", "vanilla", "--compile-for", "90"]) == 2

@@ -12,6 +12,7 @@ and ranked below every other backend by ``auto``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -167,6 +168,36 @@ class _Run:
         return out, lse, srow, logits
 
 
+#: largest shared memory per block, by CUDA compute capability (bytes, opt-in maximum)
+SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+
+_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_FLOAT32_BUFFERS = {"DQ", "DK", "DV", "DKS", "DQS", "LSE", "DELTA", "CARRY", "RCARRY", "LOGITS", "PRM", "PG", "PGS",
+                    "TOTAL", "INIT", "CARRYV", "SROW"}
+
+
+def _arg_type(name: str, dtype: torch.dtype) -> str:
+    """The Triton type of a template kernel argument, as the backend passes it (see ``_Run``)."""
+    if name in ("Q", "K", "V", "O", "DO"):
+        return f"*{_TRITON_DTYPES[dtype]}"
+    if name in _FLOAT32_BUFFERS:
+        return "*fp32"
+    return {"QPOS": "*i64", "KPOS": "*i64", "KMASK": "*i8", "BOUNDS": "*i32", "scale": "fp32"}.get(name, "i32")
+
+
+def gpu_blocks(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """Query and key block sizes on a GPU: 64×64 while a row of the head fits 256 bytes (bf16/fp16 up to D = 128),
+    else 32×32 (float32 at D = 128 needs 197 KB of shared memory at 64×64: more than an A100 has)."""
+    return (64, 64) if torch.finfo(dtype).bits // 8 * max(16, _pow2(head_dim)) <= 256 else (32, 32)
+
+
+def gpu_options(dtype: torch.dtype) -> dict:
+    options = dict(num_warps=4, num_stages=2)
+    if dtype == torch.float32:
+        options["default_dot_input_precision"] = "ieee"  # float32 means float32 (Triton's default is TF32)
+    return options
+
+
 def _window_bounds(plan, positions: torch.Tensor, block_m: int, block_n: int) -> torch.Tensor | None:
     """For increasing positions shared by queries and keys (the batch form): the first key index each query block
     can see under every mask (``Plan.earliest_key``, rounded down to a key block) and, per key block, the end of
@@ -254,8 +285,10 @@ class TritonBackend(Backend):
             self._kernels[memo] = load_kernels(plan.spec, root=self.root, plan=plan, part=part)
         return self._kernels[memo]
 
-    def _blocks(self, device) -> tuple[int, int]:
-        return (32, 32) if interpreting() or device.type != "cuda" else (64, 64)
+    def _blocks(self, q) -> tuple[int, int]:
+        if interpreting() or q.device.type != "cuda":
+            return 32, 32
+        return gpu_blocks(q.dtype, q.shape[-1])
 
     def _prm(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
         keys = codegen.layout(plan).params
@@ -267,13 +300,55 @@ class TritonBackend(Backend):
     def _launch_options(self, q) -> dict:
         if interpreting() or q.device.type != "cuda":
             return {}
-        options = dict(num_warps=4, num_stages=2)
-        if q.dtype == torch.float32:
-            options["default_dot_input_precision"] = "ieee"  # float32 means float32 (Triton's default is TF32)
-        return options
+        return gpu_options(q.dtype)
+
+    # -- ahead of time -------------------------------------------------------------------------------------------
+    def compile_for(self, plan, arch: int, dtype: torch.dtype, head_dim: int = 128) -> list[dict]:
+        """Compile every kernel of ``plan``'s spec for CUDA compute capability ``arch`` (e.g. 90), with the block
+        sizes and options a GPU run of ``dtype`` and ``head_dim`` uses: Triton's GPU lowering down to a cubin
+        (its bundled ptxas), no GPU needed. One row per kernel: name, shared memory in bytes, the architecture's
+        limit, seconds, and an error or None."""
+        if interpreting():
+            # Triton defines its own library functions for the interpreter when it is imported in that mode
+            raise ValueError("compiling for a GPU needs a process without TRITON_INTERPRET=1")
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        parts = {part: self.kernels(plan, part) for part in ("forward", "backward")}
+        bm, bn = gpu_blocks(dtype, head_dim)
+        common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, _pow2(head_dim)), CAUSAL_SKIP=True,
+                      HAS_KMASK=False, HAS_BOUNDS=False, HAS_INIT=False, WRITE_LOGITS=False,
+                      NPP=_pow2(max(1, len(codegen.layout(plan).params))),
+                      HAS_ACC=plan.one(Slot.ACCUMULATOR) is not None)
+        names = ["_fwd", "_decode", "_sel_carry"], ["_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"]
+        options = gpu_options(dtype)
+        rows = []
+        for part, kernels in zip(("forward", "backward"), names, strict=True):
+            for name in kernels:
+                fn = getattr(parts[part], name, None)
+                if fn is None:  # accumulator kernels exist only for specs with an accumulator
+                    continue
+                consts = {k: v for k, v in common.items() if k in fn.arg_names}
+                if name == "_decode":
+                    consts.update(BLOCK_M=16, WRITE_LOGITS=True)
+                signature = {a: "constexpr" if a in consts else _arg_type(a, dtype) for a in fn.arg_names}
+                start = time.perf_counter()
+                row = {"kernel": name, "shared": None, "limit": SHARED_MEMORY_LIMIT.get(arch), "error": None}
+                try:
+                    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
+                                              options=options)
+                    row["shared"] = compiled.metadata.shared
+                except Exception as exc:  # noqa: BLE001 - reported per kernel, one line
+                    row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+                row["seconds"] = time.perf_counter() - start
+                if row["error"] is None and row["limit"] is not None and row["shared"] > row["limit"]:
+                    row["error"] = f"needs {row['shared']} B of shared memory, sm_{arch} has {row['limit']} B"
+                rows.append(row)
+        return rows
 
     def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
-        bm, bn = self._blocks(q.device)
+        bm, bn = self._blocks(q)
         bounds = _window_bounds(plan, qpos, bm, bn) if causal_skip else None
         return _Run(self.kernels(plan), lambda: self.kernels(plan, "backward"), codegen.layout(plan),
                     qpos.contiguous(), kpos.contiguous(),
