@@ -34,7 +34,7 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo.conformance.tolerance import check_close
 from attnzoo.registry import get_registry
-from attnzoo.transforms.base import Slot
+from attnzoo.transforms.base import Dims, Slot
 
 TIMED_SPECS_QUICK = ("vanilla", "ssa", "selective")
 #: timed at every length with FlexAttention too; the other specs are timed at the first length against SDPA only
@@ -210,26 +210,19 @@ def _candidates(spec_name, q, k, v, grad, device):
         def score_mod(score, b_, h_, qi, ki):
             return score - fsel[b_, qi, ki]
 
+        positions = torch.arange(1, n + 1, device=device).expand(b, 1, n)
+
         def flex_run():
             # row scales (SSA) are applied as in attnzoo's flex backend: a pre-scale of q and v
-            qs = plan.row_scale(Slot.QUERY, q, torch.arange(1, n + 1, device=device).expand(b, n).unsqueeze(1),
-                                _grouped(plan, params))
-            vs = plan.row_scale(Slot.VALUE, v, torch.arange(1, n + 1, device=device).expand(b, n).unsqueeze(1),
-                                _grouped(plan, params))
+            grouped = plan.split_params(params, Dims(h, d, k.shape[1]), q)
+            qs = plan.row_scale(Slot.QUERY, q, positions, grouped)
+            vs = plan.row_scale(Slot.VALUE, v, positions, grouped)
             out = compiled(qs, k, vs, score_mod=score_mod if has_acc else None, block_mask=block_mask,
                            scale=scale, enable_gqa=k.shape[1] != h)
             finish(out)
 
         runs["flex"] = flex_run
     return runs
-
-
-def _grouped(plan, params):
-    out = {t.kind: {} for t in plan.transforms}
-    for key, value in params.items():
-        kind, name = key.split(".", 1)
-        out[kind][name] = value
-    return out
 
 
 def run_timing(specs, lengths, device, dtype, heads, head_dim, repeats, deadline) -> list[dict]:

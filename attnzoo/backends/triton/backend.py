@@ -219,10 +219,6 @@ def _window_bounds(plan, positions: torch.Tensor, block_m: int, block_n: int) ->
     return torch.cat([lo, m_end]).to(torch.int32)
 
 
-def _row_scale(plan, slot, rows, positions, params):
-    return plan.row_scale(slot, rows, positions, params, widen=True)
-
-
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -360,12 +356,12 @@ class TritonBackend(Backend):
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
         pos = positions.unsqueeze(1)
-        qs = _row_scale(plan, Slot.QUERY, q, pos, params).contiguous()
-        ks = _row_scale(plan, Slot.KEY, k, pos, params).contiguous()
-        vs = _row_scale(plan, Slot.VALUE, v, pos, params).contiguous()
+        qs = plan.row_scale(Slot.QUERY, q, pos, params, widen=True).contiguous()
+        ks = plan.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
+        vs = plan.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
         run = self._run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
         out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q))
-        out = _row_scale(plan, Slot.OUTPUT, out, pos, params)
+        out = plan.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_selection:
             return out
         return out, _selection_matrix(plan, qs, ks, positions, key_mask, params)
@@ -377,9 +373,9 @@ class TritonBackend(Backend):
         cache.admit(k, v, evict_first)
         count = q.shape[2]
         qpos = cache.query_positions(count, q.shape[0])
-        qs = _row_scale(plan, Slot.QUERY, q, qpos.unsqueeze(1), params).contiguous()
-        ks = _row_scale(plan, Slot.KEY, cache.keys, cache.positions, params).contiguous()
-        vs = _row_scale(plan, Slot.VALUE, cache.values, cache.positions, params).contiguous()
+        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params, widen=True).contiguous()
+        ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params, widen=True).contiguous()
+        vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params, widen=True).contiguous()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         carry = cache.selection()
         run = self._run(plan, q, qpos, cache.positions, None, carry, False, want_probs)
@@ -392,7 +388,7 @@ class TritonBackend(Backend):
                 out, lse, total, logits = run.forward(qs, ks, vs, prm)
         probs = torch.exp(logits - lse[..., None]).to(q.dtype) if want_probs else None
         cache.settle(total.to(q.dtype) if total is not None else None, probs)
-        return _row_scale(plan, Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
 
 
 def _selection_matrix(plan, qs, ks, positions, key_mask, params):

@@ -6,6 +6,7 @@ byte-identical source. Every fragment is marked with the transform it came from.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -57,11 +58,17 @@ def problems(plan) -> list[str]:
     return reasons
 
 
+@functools.cache
+def _generator_digest() -> str:
+    """The template and this module (read once per process)."""
+    text = "\n".join([COMMON, ACC_SHARED, ACC_FORWARD, ACC_BACKWARD, FORWARD, BACKWARD, Path(__file__).read_text()])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def fingerprint(plan) -> str:
     """A digest of everything besides the spec that shapes the generated source: the template, this module, and
     each transform's lowering as it is now (so a plugin that changes a fragment never reuses a stale artifact)."""
-    parts = [COMMON, ACC_SHARED, ACC_FORWARD, ACC_BACKWARD, FORWARD, BACKWARD, Path(__file__).read_text()]
-    parts += [f"{t.kind}:{t.slot.value}:{t.triton()!r}" for t in plan.transforms]
+    parts = [_generator_digest()] + [f"{t.kind}:{t.slot.value}:{t.triton()!r}" for t in plan.transforms]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 

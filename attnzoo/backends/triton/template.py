@@ -36,6 +36,27 @@ def _store_rows(PTR, base, rows, nrows, D, value, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D: tl.constexpr):
+    k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+    v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
+    kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    return k, v, kp
+
+
+# _key_range: the key blocks query block m visits: none after the causal diagonal (CAUSAL_SKIP), none before a
+# mask's earliest visible key (BOUNDS, e.g. a sliding window).
+@triton.jit
+def _key_range(m, NK, BOUNDS, BLOCK_M: tl.constexpr, CAUSAL_SKIP: tl.constexpr, HAS_BOUNDS: tl.constexpr):
+    lo = 0
+    hi = NK
+    if CAUSAL_SKIP:
+        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
+    if HAS_BOUNDS:
+        lo = tl.load(BOUNDS + m)
+    return lo, hi
+
+
+@triton.jit
 def _key_valid(KMASK, b, cols, NK, HAS_KMASK: tl.constexpr):
     valid = cols < NK
     if HAS_KMASK:
@@ -54,6 +75,17 @@ def _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D, KPB, KP
     x0 = tl.dot(qs, tl.trans(ks)) * scale
     x = _logits(x0, qp, kps, SEL, H, PRM)
     return _select(x, oks, qp, kps), x, x0, oks, kps, ks
+
+
+# _f_tile: F on one tile: the carry of the earlier query blocks plus the within-block exclusive cumsum of S, with
+# what the selector's gradient needs.
+@triton.jit
+def _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK, D, KPB, KPHS, NMB, scale, SEL,
+            BLOCK_D: tl.constexpr):
+    sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // (H // HKV), cols, qp, valid, H, HKV, NK, D,
+                                         KPB, KPHS, scale, SEL, BLOCK_D)
+    carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
+    return carry[None, :] + tl.cumsum(sel, 0) - sel, x, x0, oks, kps, ks
 '''
 
 ACC_FORWARD = '''
@@ -96,9 +128,7 @@ def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile,
     total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for h in range(0, H):
         kvh = h // group
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
         do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
         lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
@@ -118,7 +148,6 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
                 CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
     n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    skvh = SEL // (H // HKV)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     cv = cols < NK
     kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
@@ -135,10 +164,8 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
         qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
         valid = rv[:, None] & kvalid
-        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
-                                             KPB, KPHS, scale, SEL, BLOCK_D)
-        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
-        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        ftile, x, x0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, NMB, scale, SEL, BLOCK_D)
         e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
                     KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
         col = tl.sum(e, 0)
@@ -159,23 +186,18 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
                 CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
     m = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    skvh = SEL // (H // HKV)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     rv = rows < NQ
     qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
     qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
     dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = NK
-    if CAUSAL_SKIP:
-        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo, hi = _key_range(m, NK, Q, BLOCK_M, CAUSAL_SKIP, False)  # every key block up to the diagonal
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         cv = cols < NK
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-        sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
-                                             KPB, KPHS, scale, SEL, BLOCK_D)
-        carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
-        ftile = carry[None, :] + tl.cumsum(sel, 0) - sel
+        ftile, x, x0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK, D,
+                                             KPB, KPHS, NMB, scale, SEL, BLOCK_D)
         e = _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile, H, HKV, NQ, NK, D,
                     KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
         rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
@@ -208,25 +230,17 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = NK
-    if CAUSAL_SKIP:
-        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    lo = 0
-    if HAS_BOUNDS:  # a mask's earliest visible key (a sliding window): earlier key blocks are skipped
-        lo = tl.load(BOUNDS + m)
+    lo, hi = _key_range(m, NK, BOUNDS, BLOCK_M, CAUSAL_SKIP, HAS_BOUNDS)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, h, valid)
         s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM)
         if HAS_ACC:
-            sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
-                                                 H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
-            carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
-            s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+            ftile, x, x0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
+                                                 D, KPB, KPHS, NMB, scale, SEL, BLOCK_D)
+            s = s - ftile
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -266,9 +280,7 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
         cols = start + tl.arange(0, BLOCK_N)
         cv = cols < NK
         valid = rv[:, None] & cv[None, :]
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cv, other=0)[None, :]
+        k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, head, valid)
         s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM)
         if HAS_ACC:
@@ -306,9 +318,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
     group = H // HKV
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
     kvalid = _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-    k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-    v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-    kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     m0 = 0
@@ -334,10 +344,9 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
             s = _logits(x0, qp, kp, h, H, PRM)
             if HAS_ACC:
                 qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
-                sel, x, xs0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
-                                                      H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
-                carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
-                s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+                ftile, x, xs0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
+                                                      D, KPB, KPHS, NMB, scale, SEL, BLOCK_D)
+                s = s - ftile
             p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
@@ -372,26 +381,18 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
     if HAS_ACC:
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = NK
-    if CAUSAL_SKIP:
-        hi = tl.minimum(NK, (m + 1) * BLOCK_M)
-    lo = 0
-    if HAS_BOUNDS:  # a mask's earliest visible key (a sliding window): earlier key blocks are skipped
-        lo = tl.load(BOUNDS + m)
+    lo, hi = _key_range(m, NK, BOUNDS, BLOCK_M, CAUSAL_SKIP, HAS_BOUNDS)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
-        k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-        kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+        k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, h, valid)
         x0 = tl.dot(q, tl.trans(k)) * scale
         s = _logits(x0, qp, kp, h, H, PRM)
         if HAS_ACC:
-            sel, x, xs0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, SEL // group, cols, qp, valid,
-                                                  H, HKV, NK, D, KPB, KPHS, scale, SEL, BLOCK_D)
-            carry = tl.load(CARRY + (b * NMB + m) * NK + cols, mask=cols < NK, other=0.0)
-            s = s - (carry[None, :] + tl.cumsum(sel, 0) - sel)
+            ftile, x, xs0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
+                                                  D, KPB, KPHS, NMB, scale, SEL, BLOCK_D)
+            s = s - ftile
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         ds = p * (dp - delta[:, None])
