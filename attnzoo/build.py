@@ -17,8 +17,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import secrets
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +91,16 @@ class Artifact:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write ``path`` whole or not at all (a temporary name, then a rename), with the mode an ordinary file gets
+    (``0o666`` less the umask), so a cache shared by several users or CI jobs stays readable by all of them."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    while True:  # mkstemp's names, but not its 0o600: os.open applies the umask to 0o666
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -99,7 +108,7 @@ def _write_atomic(path: Path, data: bytes) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Optional, Union
 
@@ -268,10 +269,26 @@ def validate_spec_data(data: dict[str, Any], source: str, registry=None) -> Spec
     return spec
 
 
+def names_a_file(source: str | Path) -> bool:
+    """Whether ``source`` is meant as a spec file rather than a registered spec's name, judged from its text alone.
+
+    A :class:`~pathlib.Path`, a string with a path separator (``./selective``, ``specs/x``) or a string ending in a
+    spec-file suffix (``.yaml``, ``.yml``, ``.toml``, ``.json``) names a file. A bare name (``selective``) names a
+    registered spec first, whatever the working directory holds; see :func:`load_spec`.
+    """
+    if isinstance(source, Path):
+        return True
+    seps = {"/", os.sep} | ({os.altsep} if os.altsep else set())
+    return any(sep in source for sep in seps) or Path(source).suffix.lower() in SUFFIXES
+
+
 def load_spec(source: Any, registry=None) -> SpecBase:
     """A spec from a path (YAML, TOML or JSON), the name of a registered spec, a mapping, or a spec itself.
 
-    Raises :class:`SpecError` with one line naming the file, the field and the reason.
+    A bare name (no path separator, no spec-file suffix; see :func:`names_a_file`) that is registered gives the
+    registered spec even when a file or directory of that name is in the working directory: write ``./name`` to
+    load such a file. Any other string, and any :class:`~pathlib.Path`, is read as a file; a directory is never a
+    spec file. Raises :class:`SpecError` with one line naming the file, the field and the reason.
     """
     from .registry import get_registry
 
@@ -281,21 +298,23 @@ def load_spec(source: Any, registry=None) -> SpecBase:
         return validate_spec_data(source, "<mapping>", registry)
     if not isinstance(source, (str, Path)):
         raise SpecError(repr(source), "expected a path, a spec name, a mapping or a Spec")
+    as_file = names_a_file(source)
+    if not as_file:  # a bare name: the registered spec wins over whatever the working directory holds
+        reg = registry or get_registry()
+        if source in reg.specs:
+            return reg.specs[source]
     path = Path(source)
     shown = _show(str(source)) if not str(source).isprintable() else str(source)
     try:
         exists, is_file = path.exists(), path.is_file()
     except OSError as exc:  # e.g. a name longer than the file system allows
         raise SpecError(shown, f"cannot read: {exc.strerror or exc}") from None
-    if path.suffix.lower() in SUFFIXES or exists:
+    if as_file or exists:
         if not exists:
             raise SpecError(shown, "no such file")
         if not is_file:
             raise SpecError(shown, "not a regular file")
         return validate_spec_data(read_spec_file(path, shown), shown, registry)
-    reg = registry or get_registry()
-    if str(source) in reg.specs:
-        return reg.specs[str(source)]
     known = ", ".join(sorted(reg.specs)) or "none"
     raise SpecError(shown, f"no such file and no registered spec of that name (registered: {known})")
 

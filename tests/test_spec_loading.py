@@ -399,6 +399,36 @@ def test_unknown_name_lists_the_registered_ones(capsys):
     assert "registered: " in line and "selective-ssa" in line
 
 
+@pytest.fixture
+def shadowing_cwd(tmp_path, monkeypatch):
+    """A working directory holding a directory ``selective`` and a garbage file ``vanilla``: registered names."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "selective").mkdir()
+    (tmp_path / "vanilla").write_bytes(b"\x00not a spec: [\n")
+    return tmp_path
+
+
+def test_bare_registered_name_wins_over_the_working_directory(shadowing_cwd):
+    for name in ("selective", "vanilla"):
+        assert attnzoo.load_spec(name) is attnzoo.get_registry().specs[name]
+
+
+def test_a_path_to_a_shadowing_file_loads_the_file(shadowing_cwd):
+    with pytest.raises(attnzoo.SpecError) as info:
+        attnzoo.load_spec("./vanilla")
+    message = str(info.value)
+    assert len(message.splitlines()) == 1 and message.startswith("./vanilla: ")
+    with pytest.raises(attnzoo.SpecError, match=r"^\./selective: not a regular file$"):
+        attnzoo.load_spec("./selective")
+
+
+def test_cli_uses_the_registered_name_in_a_shadowing_cwd(shadowing_cwd, capsys):
+    assert main(["explain", "selective"]) == 0
+    assert main(["validate", "vanilla"]) == 0
+    out, err = capsys.readouterr()
+    assert "spec 'selective' (" in out and "ok  vanilla  (vanilla, " in out and err == ""
+
+
 def test_two_transforms_in_one_non_composing_slot():
     """Two *different* kinds in the query slot (only logits and mask compose): a plugin adds a second one."""
 
