@@ -2,6 +2,12 @@
 
 Every (batch row, key/value head) holds the same number of tokens, so the cache stays dense: (B, H_kv, M, D).
 Evictors that keep one set per layer drop the same token in every head; per-head evictors (H2O) may differ.
+
+Numerics (docs/backends.md, "Numerics contract"): per-token scores (selective attention's F, evictor scores) are
+accumulated over every decode step, so they are kept in :func:`accumulator_dtype` (at least float32), whatever the
+dtype of the keys. Gradients: decoding is inference. Between steps the cache holds detached tensors, so a step's
+output carries gradient into that step's own q, k, v and the transform parameters (through that step's
+computation), never into earlier steps: the autograd graph does not grow with the number of tokens decoded.
 """
 
 from __future__ import annotations
@@ -12,12 +18,19 @@ import torch
 SELECTION_STATE = "selection"
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype accumulated quantities are computed and stored in for inputs of ``dtype``: float32, or float64
+    for float64 inputs (float16/bfloat16 sums lose the small increments once the running total is large)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 class KVCache:
     """A cache for one attention layer. Create it with ``variant.new_cache(batch=B, budget=K)``.
 
     ``keys``/``values``: (B, H_kv, M, D) raw rows (transforms are applied when attending); ``positions``:
-    (B, H_kv, M) int64; ``state[name]``: (B, H_kv, M) per-token scores kept by the accumulator and the evictor.
-    ``budget=None`` never evicts.
+    (B, H_kv, M) int64; ``state[name]``: (B, H_kv, M) per-token scores kept by the accumulator and the evictor, in
+    ``accumulator_dtype(keys.dtype)``. ``budget=None`` never evicts. Between decode steps every tensor is
+    detached from autograd (:meth:`settle`); during a step the rows just appended may still carry gradient.
     """
 
     def __init__(self, batch: int, budget: int | None, evictor=None, state_names: tuple[str, ...] = ()) -> None:
@@ -60,7 +73,11 @@ class KVCache:
 
     # -- mutation -------------------------------------------------------------------------------------------------
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append T tokens: key, value (B, H_kv, T, D), at the next T positions. New per-token scores are 0."""
+        """Append T tokens: key, value (B, H_kv, T, D), at the next T positions. New per-token scores are 0 (in
+        ``accumulator_dtype(key.dtype)``).
+
+        The new rows are kept as given until :meth:`settle` (so the step's output can reach them); rows from
+        earlier steps are detached here too, in case a backend never settled."""
         count = key.shape[2]
         new_pos = torch.arange(self.next_position, self.next_position + count, device=key.device)
         new_pos = new_pos.expand(*key.shape[:2], count)
@@ -70,17 +87,18 @@ class KVCache:
             self.keys, self.values = key, value
             shape = key.shape[:3]
             self.positions = new_pos.clone()
-            self.state = {n: torch.zeros(shape, dtype=key.dtype, device=key.device) for n in self.state_names}
+            dtype = accumulator_dtype(key.dtype)
+            self.state = {n: torch.zeros(shape, dtype=dtype, device=key.device) for n in self.state_names}
         else:
             if key.shape[:2] != self.keys.shape[:2] or key.shape[3] != self.keys.shape[3]:
                 raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
             if key.dtype != self.keys.dtype:
                 raise ValueError(f"k has dtype {key.dtype} but the cache holds {self.keys.dtype}")
-            self.keys = torch.cat([self.keys, key], dim=2)
-            self.values = torch.cat([self.values, value], dim=2)
+            self.keys = torch.cat([self.keys.detach(), key], dim=2)
+            self.values = torch.cat([self.values.detach(), value], dim=2)
             self.positions = torch.cat([self.positions, new_pos], dim=2)
             for name, t in self.state.items():
-                self.state[name] = torch.cat([t, t.new_zeros(*t.shape[:2], count)], dim=2)
+                self.state[name] = torch.cat([t.detach(), t.new_zeros(*t.shape[:2], count)], dim=2)
         self.next_position += count
 
     def remove(self, victim: torch.Tensor) -> None:
@@ -117,10 +135,17 @@ class KVCache:
 
     def settle(self, selection: torch.Tensor | None, probs: torch.Tensor | None) -> None:
         """After attending: store the new running F (B, M), update the evictor's scores from the new queries'
-        attention ``probs`` (B, H, T, M), and evict down to the budget."""
+        attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
+
+        F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys
+        (at least float32): a backend that computed either in half precision cannot round the running state."""
+        wide = accumulator_dtype(self.keys.dtype)
+        self.keys, self.values = self.keys.detach(), self.values.detach()
         if selection is not None:
+            selection = selection.detach().to(wide)
             self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
         if self.evictor is not None:
-            self.evictor.update(self, probs)
+            self.evictor.update(self, probs.detach().to(wide) if probs is not None else None)
             while self.over_budget():
                 self.evict()
+        self.state = {name: t.detach() for name, t in self.state.items()}

@@ -25,6 +25,23 @@ def _dtype(name: str):
     return value
 
 
+def _device(name: str) -> str:
+    """A device name torch knows and this machine has (one line otherwise)."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise BadInput(f"unknown device '{name}' (e.g. cpu, cuda, cuda:1)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"device '{name}' is not available here (torch sees no CUDA GPU)")
+    if device.type not in ("cpu", "cuda"):
+        module = getattr(torch, device.type, None)
+        if module is None or not getattr(module, "is_available", lambda: False)():
+            raise BadInput(f"device '{name}' is not available here")
+    return str(device)
+
+
 def cmd_list(args) -> int:
     from .registry import get_registry
 
@@ -75,7 +92,7 @@ def cmd_validate(args) -> int:
     status = EXIT_OK
     for path in args.files:
         try:
-            spec = load_spec(path if ("." in path.rsplit("/", 1)[-1] or "/" in path) else path)
+            spec = load_spec(path)  # load_spec decides file or registered name (names_a_file)
         except AttnzooError as exc:
             print(f"attnzoo: {exc}", file=sys.stderr)
             status = EXIT_BAD_INPUT
@@ -87,7 +104,8 @@ def cmd_validate(args) -> int:
 def cmd_explain(args) -> int:
     from .dispatch import explain
 
-    print(explain(args.spec, device=args.device, dtype=_dtype(args.dtype), requires_grad=args.grad))
+    print(explain(args.spec, device=_device(args.device), dtype=_dtype(args.dtype), requires_grad=args.grad,
+                  mode=args.mode))
     return EXIT_OK
 
 
@@ -106,13 +124,14 @@ def cmd_conformance(args) -> int:
         expected = runner.read_expected_failures(args.expected_failures)
     except OSError as exc:
         raise BadInput(f"{args.expected_failures}: cannot read: {exc.strerror or exc}") from None
-    cases = runner.build_cases(reg, specs, backends, dtypes, seed=args.seed)
+    device = _device(args.device)
+    cases = runner.build_cases(reg, specs, backends, dtypes, seed=args.seed, device=device)
     console = Console(width=150, stderr=False)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task("conformance", total=len(cases))
         results = runner.run_suite(cases, expected, progress=lambda r: progress.advance(task))
-    head = runner.header(reg, specs, backends, dtypes)
+    head = runner.header(reg, specs, backends, dtypes, device)
     table = Table(title=f"conformance (attnzoo {head['attnzoo']}, torch {head['torch']}, "
                         f"{', '.join(head['dtypes'])})", title_justify="left")
     table.add_column("spec")
@@ -127,6 +146,9 @@ def cmd_conformance(args) -> int:
             console.print(f"[red]{r.status.upper()}[/red] {r.id}: {r.message}", markup=True, highlight=False)
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "fail", "unsupported", "xfail", "xpass")}
     console.print(", ".join(f"{v} {k}" for k, v in counts.items()))
+    if not runner.checked(results):
+        console.print("[red]nothing was checked[/red]: every case was unsupported (see the reasons above)",
+                      markup=True, highlight=False)
     for path in args.report or []:
         text = runner.to_markdown(head, results) if path.endswith(".md") else runner.to_json(head, results)
         with open(path, "w") as handle:
@@ -233,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", metavar="SPEC", help="a spec file or the name of a registered spec")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--grad", action="store_true", help="the case needs gradients (training)")
+    p.add_argument("--grad", action="store_true", help="the case needs gradients (training): --mode backward")
+    p.add_argument("--mode", choices=["forward", "backward", "decode"], default=None,
+                   help="forward, backward (training) or decode (decode and prefill with a cache)")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("conformance", help="run the conformance suite (exit 1 if a check fails)")
@@ -244,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report", action="append", metavar="FILE", help="write a report: FILE.md markdown, else JSON")
     p.add_argument("--expected-failures", metavar="FILE", help="test ids (or patterns) expected to fail")
     p.add_argument("--seed", type=int, default=0, help="seed of the fresh random inputs")
+    p.add_argument("--device", default="cpu",
+                   help="device of the backend under test, e.g. cuda (default cpu; the reference runs on CPU)")
     p.set_defaults(func=cmd_conformance)
 
     p = sub.add_parser("build", help="generate (or find cached) Triton kernels for specs")

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 import attnzoo
+from attnzoo.backends.base import Mode
 from attnzoo.dispatch import verdicts
 
 
@@ -29,7 +30,7 @@ def main() -> None:
         for key, value in params.items():  # move off the initial values so every transform does something
             params[key] = value + 0.3 * torch.randn_like(value)
         kinds = ", ".join(t.kind for t in spec.transforms) or "-"
-        for backend, why in verdicts(variant.plan, reg, torch.device("cpu"), torch.float64, False).items():
+        for backend, why in verdicts(variant.plan, reg, torch.device("cpu"), torch.float64, Mode.FORWARD).items():
             if why:
                 table.add_row(name, kinds, backend, f"unsupported: {'; '.join(why)}", "")
                 continue

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from .backends.base import Mode, batch_mode
 from .cache import SELECTION_STATE, KVCache
 from .errors import UnsupportedError
 from .plan import Plan, check_key_mask, check_positions, check_qkv
@@ -20,10 +21,10 @@ def _case(device, dtype) -> tuple[torch.device, torch.dtype]:
     return torch.device(device if device is not None else "cpu"), dtype if dtype is not None else torch.float32
 
 
-def verdicts(plan: Plan, registry, device, dtype, requires_grad) -> dict[str, list[str]]:
-    """Every backend's reasons for not running the case (empty list: it can), best priority first."""
+def verdicts(plan: Plan, registry, device, dtype, mode: Mode) -> dict[str, list[str]]:
+    """Every backend's reasons for not running the case in ``mode`` (empty list: it can), best priority first."""
     ordered = sorted(registry.backends.values(), key=lambda b: (-b.priority, b.name))
-    return {b.name: list(b.supports(plan, device, dtype, requires_grad)) for b in ordered}
+    return {b.name: b.verdict(plan, device, dtype, mode) for b in ordered}
 
 
 class Variant:
@@ -43,17 +44,19 @@ class Variant:
         return f"Variant(spec='{self.spec.name}', backend='{self.backend_name}')"
 
     # -- backend choice -----------------------------------------------------------------------------------------
-    def backend_for(self, device, dtype, requires_grad: bool):
-        """The backend that runs this case; raises UnsupportedError with every backend's reasons."""
+    def backend_for(self, device, dtype, mode: Mode | str | bool):
+        """The backend that runs this case in ``mode`` (a :class:`Mode`, or a bool: gradients wanted in the batch
+        form); raises UnsupportedError with every backend's reasons."""
         device, dtype = _case(device, dtype)
-        key = (device.type, dtype, bool(requires_grad))
+        mode = batch_mode(mode) if isinstance(mode, bool) else Mode(mode)
+        key = (device.type, dtype, mode)
         if key not in self._chosen:
-            reasons = verdicts(self.plan, self.registry, device, dtype, requires_grad)
+            reasons = verdicts(self.plan, self.registry, device, dtype, mode)
             if self.backend_name != "auto":
                 reasons = {self.backend_name: reasons[self.backend_name]}
             chosen = next((name for name, why in reasons.items() if not why), None)
             if chosen is None:
-                raise UnsupportedError(self.spec.name, reasons)
+                raise UnsupportedError(self.spec.name, reasons, mode=str(mode))
             self._chosen[key] = self.registry.backends[chosen]
         return self._chosen[key]
 
@@ -85,7 +88,7 @@ class Variant:
         mask = check_key_mask(key_mask, b, n, q.device)
         self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
-        backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
+        backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_selection=return_selection)
 
     # -- decoding -------------------------------------------------------------------------------------------------
@@ -129,7 +132,7 @@ class Variant:
             raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
         self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
-        backend = self.backend_for(q.device, q.dtype, _needs_grad(q, k, v, grouped))
+        backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
         return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first)
 
 
@@ -145,7 +148,7 @@ def compile(spec, backend: str = "auto", registry=None) -> Variant:  # noqa: A00
     """
     variant = Variant(spec, backend, registry)
     if backend != "auto":
-        variant.backend_for("cpu", torch.float32, False)
+        variant.backend_for("cpu", torch.float32, Mode.FORWARD)
     return variant
 
 
@@ -162,15 +165,21 @@ def attention(q, k, v, spec, params=None, backend: str = "auto", positions=None,
     return _compiled[key](q, k, v, params=params, positions=positions, key_mask=key_mask)
 
 
-def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False, registry=None) -> str:
-    """Every backend's verdict on a case, one line each, and which one ``auto`` picks."""
+def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False, registry=None,
+            mode: Mode | str | None = None) -> str:
+    """Every backend's verdict on a case, one line each, and which one ``auto`` picks.
+
+    ``mode``: ``"forward"``, ``"backward"`` (forward and backward) or ``"decode"`` (decode and prefill with a
+    cache); default: backward when ``requires_grad``, else forward."""
     registry = registry or get_registry()
     loaded = load_spec(spec, registry=registry)
     plan = Plan.from_spec(loaded, registry)
     dev, dt = _case(device, dtype)
-    result = verdicts(plan, registry, dev, dt, requires_grad)
+    mode = batch_mode(requires_grad) if mode is None else Mode(mode)
+    result = verdicts(plan, registry, dev, dt, mode)
+    what = {Mode.FORWARD: "forward", Mode.BACKWARD: "forward+backward", Mode.DECODE: "decode"}[mode]
     lines = [f"spec '{loaded.name}' ({loaded.hash[:12]}) on {dev.type}, {str(dt).removeprefix('torch.')}, "
-             f"{'forward+backward' if requires_grad else 'forward'}:"]
+             f"{what}:"]
     for name, why in result.items():
         priority = registry.backends[name].priority
         lines.append(f"  {name:<10} yes (priority {priority})" if not why else f"  {name:<10} no: {'; '.join(why)}")

@@ -21,10 +21,12 @@ class SpecError(AttnzooError, ValueError):
 class UnsupportedError(AttnzooError):
     """No backend (or not the requested one) can run a spec; ``reasons`` maps backend name to its reasons."""
 
-    def __init__(self, spec_name: str, reasons: dict[str, list[str]]) -> None:
+    def __init__(self, spec_name: str, reasons: dict[str, list[str]], mode: str | None = None) -> None:
         self.reasons = reasons
+        self.mode = mode
         parts = [f"{name}: {'; '.join(r)}" for name, r in reasons.items()]
-        super().__init__(f"no backend can run spec '{spec_name}' here ({' | '.join(parts)})")
+        what = f" ({mode})" if mode else ""
+        super().__init__(f"no backend can run spec '{spec_name}' here{what} ({' | '.join(parts)})")
 
 
 class PluginError(AttnzooError):

@@ -40,6 +40,12 @@ class Attention(torch.nn.Module):
         return self.variant.new_cache(batch=batch, **kwargs)
 
     def decode(self, q_t, k_t, v_t, cache):
+        """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D) → the output (B, H, 1, D).
+
+        Decoding is inference, with or without ``torch.no_grad()``: the cache keeps detached keys, values,
+        positions and F between steps, so memory and the autograd graph do not grow with the tokens decoded. The
+        output's gradient reaches this step's q_t, k_t, v_t and the transform parameters (through this step's
+        computation); earlier steps' rows and the F carried from them are constants. Train with the batch form."""
         return self.variant.decode(q_t, k_t, v_t, cache, params=self.params())
 
     def parameter_groups(self, lr_scale: float = 1.0) -> list[dict]:

@@ -77,19 +77,25 @@ class Plan:
     # -- the pieces every backend computes the same way ----------------------------------------------------------
     def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params,
                   widen: bool = False) -> torch.Tensor:
-        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty).
+        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty); same dtype as rows.
 
-        ``widen``: for float16/bfloat16 rows, compute the scale and the product in float32 and round once (fast
-        backends use it: the gradient of a per-token scale reduces over D and over every position, which loses too
-        much in half precision). The reference computes in the dtype it is given."""
+        The product is taken in the wider of the rows' and the scale's dtypes and rounded to the rows' dtype once:
+        the built-in scales (SSA temperatures) come in at least float32 (the numerics contract, docs/backends.md),
+        so half-precision rows are scaled in float32 and rounded once.
+
+        ``widen``: for float16/bfloat16 rows, also hand the transform float32 rows and parameters (fast backends
+        use it: the gradient of a per-token scale reduces over D and over every position, which loses too much in
+        half precision; it matters for transforms that compute in the dtype they are given)."""
         t = self.one(slot)
         if t is None:
             return rows
         if widen and rows.dtype in (torch.float16, torch.bfloat16):
             wide = rows.float()
             scale = t.scale(wide, positions, {name: p.float() for name, p in params[t.kind].items()})
-            return (wide * scale.unsqueeze(-1)).to(rows.dtype)
-        return rows * t.scale(rows, positions, params[t.kind]).unsqueeze(-1)
+        else:
+            scale = t.scale(rows, positions, params[t.kind])
+            wide = rows.to(torch.promote_types(rows.dtype, scale.dtype))
+        return (wide * scale.unsqueeze(-1)).to(rows.dtype)
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims) -> Context:
         """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk)."""
@@ -165,7 +171,11 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length:
 
 
 def check_positions(positions: Any, batch: int, n: int, device) -> torch.Tensor:
-    """Default 1..N; accept (N,) or (B, N) integer tensors of positions >= 1. Returns (B, N) int64."""
+    """Default 1..N; accept (N,) or (B, N) integer tensors of 1-based positions that increase strictly along each
+    row (offsets and gaps are fine). Returns (B, N) int64.
+
+    The positions contract (docs/backends.md): no backend infers structure from order, and a row whose positions
+    repeat or go back (packed documents) is refused here with one line rather than computed wrongly."""
     if positions is None:
         return torch.arange(1, n + 1, device=device).expand(batch, n)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
@@ -176,6 +186,13 @@ def check_positions(positions: Any, batch: int, n: int, device) -> torch.Tensor:
         raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
     if bool((positions < 1).any()):
         raise ValueError("positions are 1-based: every position must be >= 1")
+    if n > 1:
+        steps = positions[:, 1:] - positions[:, :-1]
+        if bool((steps <= 0).any()):
+            row, col = (int(i) for i in (steps <= 0).nonzero()[0].tolist())
+            raise ValueError(f"positions must increase strictly along each row (offsets and gaps are fine): row "
+                             f"{row} goes from {int(positions[row, col])} to {int(positions[row, col + 1])} at index "
+                             f"{col + 1}; restarting positions (packed documents) are not supported yet")
     return positions.to(device=device, dtype=torch.int64)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -100,6 +101,9 @@ class Registry:
             if not isinstance(item, Backend):
                 raise PluginError(f"register_backends expects a Backend instance, got {item!r}")
             name = _check_name(getattr(item, "name", None), "backend")
+            problem = _backend_problem(item)
+            if problem:
+                raise PluginError(f"backend '{name}': {problem}")
         else:
             if not isinstance(item, (str, Path)):
                 raise PluginError(f"register_specs expects the path of a spec file, got {item!r}")
@@ -109,6 +113,25 @@ class Registry:
             owner = self.origin.get((category, name), plugin)
             raise PluginError(f"{category[:-1]} '{name}' is already registered (by '{owner}')")
         return name
+
+
+def _backend_problem(backend: Any) -> str | None:
+    """A break of the backend contract visible without running it (docs/plugins.md), or None."""
+    import inspect
+
+    from .backends.base import Mode
+
+    try:
+        params = list(inspect.signature(backend.supports).parameters)
+    except (TypeError, ValueError):
+        return None
+    if "requires_grad" in params:
+        return ("supports() takes (plan, device, dtype, mode) with mode 'forward', 'backward' or 'decode' "
+                "(it was given requires_grad before attnzoo 0.2)")
+    modes = getattr(backend, "modes", None)
+    if not isinstance(modes, (set, frozenset)) or not modes or not all(isinstance(m, Mode) for m in modes):
+        return f"modes must be a non-empty frozenset of attnzoo.backends.base.Mode, got {modes!r}"
+    return None
 
 
 def _check_name(name: Any, what: str) -> str:
@@ -248,17 +271,37 @@ def _one_line(exc: BaseException) -> str:
 
 
 _default: Registry | None = None
+# Building loads every plugin once: concurrent first callers wait for the one build rather than each making a
+# registry of their own (which would load the plugins again and split caches keyed by the registry). Reentrant,
+# so a plugin hook that asks for the registry while it is being built gets an error instead of a hang.
+_default_lock = threading.RLock()
+_building = False
 
 
 def get_registry() -> Registry:
-    """The process-wide registry, built on first use (lazily, once)."""
-    global _default
+    """The process-wide registry, built on first use (lazily, once, even when threads ask at the same time)."""
+    found = _default
+    if found is not None:  # the common case takes no lock
+        return found
+    with _default_lock:
+        return _build_default()
+
+
+def _build_default() -> Registry:
+    global _default, _building
     if _default is None:
-        _default = new_registry()
+        if _building:
+            raise PluginError("get_registry() was called while the registry is being built (from a plugin hook?)")
+        _building = True
+        try:
+            _default = new_registry()
+        finally:
+            _building = False
     return _default
 
 
 def reset_registry() -> None:
     """Forget the cached default registry (the next :func:`get_registry` rebuilds it)."""
     global _default
-    _default = None
+    with _default_lock:
+        _default = None

@@ -3,10 +3,10 @@
     python benchmarks/gpu_check.py                # every shipped spec: check, then time at N = 4096 and 16384
     python benchmarks/gpu_check.py --quick        # check every spec, time vanilla/ssa/selective at N = 4096
 
-1. **Check**: for every registered spec, the triton backend's output and the gradients of q, k, v and every
-   parameter against the reference in float64 (same inputs), at N = 1, 127 and 300 with GQA and masked rows,
-   float32 and bfloat16; then prefill + token-by-token decoding against the batch form. The tolerance rule is the
-   conformance suite's (``attnzoo.conformance.tolerance``).
+1. **Check**: the conformance suite (``attnzoo.conformance``) for the triton backend on the GPU, float32 and
+   bfloat16: outputs and gradients of q, k, v and every parameter against the reference in float64 (N = 1 to
+   1,030, GQA, masked rows, offset positions), ``return_selection``'s F, prefill + decoding, evictors; the same
+   checks and tolerance rule as ``attnzoo conformance --backend triton --device cuda``.
 2. **Time** (bf16, B=1, H=16, D=128, causal): forward and forward+backward of the triton backend against
    SDPA's flash backend and compiled FlexAttention, each measured in the same run (median of interleaved
    repeats, CUDA events), with peak memory. For selective specs FlexAttention gets F as a captured N×N float32
@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.conformance.tolerance import check_close
 from attnzoo.registry import get_registry
 from attnzoo.transforms.base import Dims, Slot
 
@@ -42,93 +41,29 @@ MAIN_SPECS = ("vanilla", "ssa", "selective", "selective-ssa")
 
 
 # -- checks ------------------------------------------------------------------------------------------------------
-def _check_spec(name, device, dtype, b, h, hkv, n, d, masked_rows, gen) -> list[str]:
-    ref = attnzoo.compile(name, backend="reference")
-    tri = attnzoo.compile(name, backend="triton")
-    params64 = {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
-                for k, v in ref.init_params(h, d, hkv, dtype=torch.float64).items()}
-    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
-    k = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
-    v = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
-    cot = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
-    key_mask = None
-    if masked_rows and n > 2:
-        key_mask = torch.ones(b, n, dtype=torch.bool)
-        key_mask[:, : n // 3] = False  # early queries see no key at all: their rows must come out 0
-
-    def run(variant, dt, dev):
-        leaves = [t.to(device=dev, dtype=dt).requires_grad_() for t in (q, k, v)]
-        ps = {key: p.to(device=dev, dtype=dt).requires_grad_() for key, p in params64.items()}
-        mask = key_mask.to(dev) if key_mask is not None else None
-        out = variant(*leaves, params=ps, key_mask=mask)
-        grads = torch.autograd.grad(out, [*leaves, *ps.values()], cot.to(device=dev, dtype=dt))
-        names = ["out", "dq", "dk", "dv", *(f"d[{key}]" for key in ps)]
-        return dict(zip(names, [out.detach().cpu(), *(g.cpu() for g in grads)], strict=True))
-
-    truth = run(ref, torch.float64, "cpu")
-    low = run(ref, dtype, device)
-    got = run(tri, dtype, device)
-    problems = []
-    for key in truth:
-        try:
-            check_close(key, got[key], truth[key], low[key], dtype)
-        except AssertionError as exc:
-            problems.append(str(exc))
-    return problems
-
-
-def _check_decode(name, device, dtype, gen) -> list[str]:
-    spec = attnzoo.load_spec(name)
-    if not spec.attention.causal:
-        return []
-    b, h, hkv, n, d, prefill = 2, 4, 2, 40, 64, 13
-    ref = attnzoo.compile(name, backend="reference")
-    tri = attnzoo.compile(name, backend="triton")
-    params = {k: v + 0.1 * torch.randn(v.shape, generator=gen, dtype=v.dtype)
-              for k, v in ref.init_params(h, d, hkv, dtype=torch.float64).items()}
-    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64) for _ in range(2))
-    truth = ref(q, k, v, params=params)
-
-    def decode(variant, dt, dev):
-        qd, kd, vd = (t.to(device=dev, dtype=dt) for t in (q, k, v))
-        ps = {key: p.to(device=dev, dtype=dt) for key, p in params.items()}
-        cache = variant.new_cache(batch=b, budget=None)
-        with torch.no_grad():
-            outs = [variant.prefill(qd[:, :, :prefill], kd[:, :, :prefill], vd[:, :, :prefill], cache, ps)]
-            for i in range(prefill, n):
-                outs.append(variant.decode(qd[:, :, i:i + 1], kd[:, :, i:i + 1], vd[:, :, i:i + 1], cache, ps))
-        return torch.cat(outs, dim=2).cpu()
-
-    try:
-        check_close("prefill + decode", decode(tri, dtype, device), truth, decode(ref, dtype, device), dtype)
-    except AssertionError as exc:
-        return [str(exc)]
-    return []
+#: the checks a --smoke run keeps (the interpreter is slow; the full suite runs on a GPU)
+SMOKE_CHECKS = ("outputs/n1", "gradients/masked-rows-n33", "selection", "decode")
 
 
 def run_checks(specs, device, dtypes, smoke) -> dict[str, list[str]]:
-    shapes = [(1, 2, 1, 1, 16, False), (1, 4, 2, 127, 64, False), (2, 4, 2, 300, 64, True)]
+    """The conformance suite (``attnzoo.conformance``) for the triton backend on ``device``: the same checks,
+    shapes and tolerance rule as ``attnzoo conformance --backend triton --device cuda`` (the reference runs on
+    CPU in float64). Returns each spec's failure messages."""
+    from attnzoo.conformance import runner
+
+    cases = runner.build_cases(get_registry(), specs, ["triton"], dtypes, device=str(device))
     if smoke:
-        shapes = [(1, 2, 1, 1, 16, False), (2, 4, 2, 40, 16, True)]
-    failures: dict[str, list[str]] = {}
+        cases = [c for c in cases if c.check in SMOKE_CHECKS]
+    failures: dict[str, list[str]] = {name: [] for name in specs}
     for name in specs:
         start = time.perf_counter()
-        problems = []
-        for i, dtype in enumerate(dtypes):
-            gen = torch.Generator().manual_seed(1234)
-            # every shape in float32; the low-precision dtype on the largest (masked-row) shape only, to keep the
-            # number of kernel compilations (and the run) short
-            for b, h, hkv, n, d, masked in (shapes if i == 0 else shapes[-1:]):
-                for p in _check_spec(name, device, dtype, b, h, hkv, n, d, masked, gen):
-                    problems.append(f"{str(dtype)[6:]} N={n}: {p}")
-            for p in _check_decode(name, device, dtype, gen):
-                problems.append(f"{str(dtype)[6:]} decode: {p}")
-        failures[name] = problems
-        status = "ok" if not problems else f"FAIL ({len(problems)})"
-        print(f"check {name:<22} {status}  [{time.perf_counter() - start:.1f} s]", flush=True)
-        for p in problems[:4]:
-            print(f"    {p}", flush=True)
+        results = [runner.run_case(c) for c in cases if c.spec == name]
+        failures[name] = [f"{r.check}[{r.dtype}]: {r.message}" for r in results if r.status in ("fail", "xpass")]
+        ran = sum(r.status == "pass" for r in results)
+        status = "ok" if not failures[name] else f"FAIL ({len(failures[name])})"
+        print(f"check {name:<22} {status} ({ran} pass)  [{time.perf_counter() - start:.1f} s]", flush=True)
+        for problem in failures[name][:4]:
+            print(f"    {problem}", flush=True)
     return failures
 
 

@@ -48,6 +48,20 @@ def test_selection_returned_blockwise_equals_reference(registry):
     torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["reference", "blocked16"])
+def test_bfloat16_selection_is_summed_in_float32(registry, backend):
+    """F (and the blocked carry across 10 query blocks) in at least float32 whatever the input dtype (numerics
+    contract): bfloat16 inputs give F as accurate as their own rounding allows (measured 8e-4 of max F here;
+    summed in bfloat16, 6e-3 with the carry and 3e-3 without)."""
+    q, k, v = (torch.randn(1, 2, 160, 8).bfloat16() for _ in range(3))
+    _, truth = attnzoo.compile("selective", backend="reference", registry=registry)(
+        q.double(), k.double(), v.double(), return_selection=True)
+    _, f = attnzoo.compile("selective", backend=backend, registry=registry)(q, k, v, return_selection=True)
+    error = float((f.double() - truth).abs().max() / truth.abs().max())
+    assert error < 2e-3, error
+    assert f.dtype == torch.float32
+
+
 def test_auto_prefers_blocked():
     variant = attnzoo.compile("selective")
     assert variant.backend_for("cpu", torch.float32, True).name == "blocked"
@@ -82,20 +96,62 @@ def test_private_flash_op_still_matches_its_contract():
     torch.testing.assert_close(out, torch.softmax(logits, -1) @ v, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
     selective_kernel.flash_block(q, k, v, mask, 0.3)
-    assert selective_kernel._FLASH_OK is True
+    assert selective_kernel.flash_available(torch.float32) is True
 
 
-def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch):
+@pytest.fixture
+def unprobed(monkeypatch):
+    """The selective kernel module with no probe verdict yet (as in a fresh process); restored afterwards."""
     from attnzoo.backends import selective_kernel
 
+    monkeypatch.setattr(selective_kernel, "_PROBED", {})
+    return selective_kernel
+
+
+def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch, unprobed):
     def broken(*args, **kwargs):
         raise RuntimeError("op changed")
 
-    monkeypatch.setattr(selective_kernel, "_FLASH_OK", None)
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", broken, raising=False)
     q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
-    with pytest.warns(RuntimeWarning, match="private flash-attention CPU op is unusable"):
+    with pytest.warns(RuntimeWarning, match="private flash-attention CPU op is unusable.*op changed"):
         out = attnzoo.compile("selective", backend="blocked")(q, k, v)
+    torch.testing.assert_close(out, attnzoo.compile("selective", backend="reference")(q, k, v))
+
+
+def test_missing_private_op_falls_back_to_eager_with_a_warning(monkeypatch, unprobed):
+    def missing(*args, **kwargs):  # what torch.ops.aten.<name> raises for an op this torch lacks
+        raise AttributeError("'_OpNamespace' 'aten' object has no attribute '_scaled_dot_product_flash_...'")
+
+    monkeypatch.setattr(unprobed, "_flash_op", missing)
+    q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
+    variant = attnzoo.compile("selective", backend="blocked")
+    with pytest.warns(RuntimeWarning, match="unusable for float64 \\(AttributeError"):
+        out = variant(q, k, v)
+    assert unprobed.flash_available(torch.float64) is False
+    torch.testing.assert_close(out, attnzoo.compile("selective", backend="reference")(q, k, v))
+
+
+def test_an_error_in_a_real_flash_call_propagates_and_does_not_switch_to_eager(monkeypatch, unprobed):
+    """One out-of-memory in the first real call must not send the whole process to the slow path for good."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    calls = {"fast": 0, "fail": 1}
+
+    def flaky(q, *args, **kwargs):
+        if q.shape[2] == 20 and calls["fail"]:  # a real call (the probe's inputs are smaller)
+            calls["fail"] -= 1
+            raise RuntimeError("out of memory")
+        calls["fast"] += 1
+        return op(q, *args, **kwargs)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", flaky, raising=False)
+    q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
+    variant = attnzoo.compile("selective", backend="blocked")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        variant(q, k, v)
+    calls["fast"] = 0
+    out = variant(q, k, v)
+    assert calls["fast"] == 1  # the next call still runs the op (one block: 20 queries, blocks of 256)
     torch.testing.assert_close(out, attnzoo.compile("selective", backend="reference")(q, k, v))
 
 

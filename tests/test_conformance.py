@@ -1,5 +1,5 @@
-"""The conformance suite: vectors regenerate byte-identically, the reference passes, every broken
-implementation fails, reports and expected-failure files behave."""
+"""The conformance suite: vectors regenerate (within the tolerance rule, on any x86 CPU), the reference passes,
+every broken implementation fails, reports and expected-failure files behave."""
 
 import json
 import warnings
@@ -17,7 +17,7 @@ import attnzoo
 from attnzoo.cli import main
 from attnzoo.conformance import runner
 from attnzoo.conformance.tolerance import check_close
-from attnzoo.conformance.vectors import VECTOR_DIR, write_all
+from attnzoo.conformance.vectors import VECTOR_DIR, load, write_all
 
 
 def run(registry, specs, backends, dtypes=(torch.float64, torch.float32), expected=()):
@@ -25,12 +25,33 @@ def run(registry, specs, backends, dtypes=(torch.float64, torch.float32), expect
     return runner.run_suite(cases, list(expected))
 
 
-def test_vectors_regenerate_byte_identically(tmp_path):
+def test_vectors_regenerate_within_the_tolerance_rule(tmp_path):
+    """float64 results are not bit-identical across CPUs (Intel, AMD) and torch builds: the regenerated vectors
+    must carry the same cases and metadata, and tensors equal under the float64 rule, never byte for byte."""
     written = write_all(tmp_path)
     shipped = sorted(p.name for p in VECTOR_DIR.iterdir())
     assert sorted(p.name for p in written) == shipped
     for path in written:
-        assert path.read_bytes() == (VECTOR_DIR / path.name).read_bytes(), path.name
+        if path.suffix != ".json":
+            continue
+        assert json.loads(path.read_text()) == json.loads((VECTOR_DIR / path.name).read_text()), path.name
+        _, fresh = load(path.stem, tmp_path)
+        _, stored = load(path.stem)
+        assert sorted(fresh) == sorted(stored), path.name
+        for name, value in stored.items():
+            if value.dtype.is_floating_point:
+                check_close(f"{path.stem}/{name}", fresh[name], value, None, torch.float64)
+            else:
+                assert torch.equal(fresh[name], value), f"{path.stem}/{name}"
+
+
+def test_stored_vectors_pass_when_every_float_moves_by_an_ulp():
+    """A CPU that rounds the last bit differently still passes: the vector check is under the tolerance rule."""
+    _, stored = load("selective-pruned")
+    for name, value in stored.items():
+        if value.dtype == torch.float64 and ".expected." in name:
+            nudged = torch.nextafter(value, torch.full_like(value, float("inf")))
+            check_close(name, nudged, value, None, torch.float64)
 
 
 def test_vector_metadata_names_cases_and_flags():
@@ -46,7 +67,7 @@ def test_reference_passes_the_whole_suite():
     assert not runner.failed(results), [r for r in results if r.status == "fail"][:3]
     assert sum(r.status == "pass" for r in results) > 500
     unsupported = {r.message for r in results if r.status == "unsupported"}
-    assert unsupported <= {"spec has no cache evictor"}
+    assert unsupported <= {"spec has no cache evictor", "spec has no accumulator"}
 
 
 BROKEN = [
@@ -90,10 +111,39 @@ def test_nan_poisoned_output_is_reported_as_unwritten():
 def test_tolerance_rule():
     truth = torch.tensor([1.0, 2.0], dtype=torch.float64)
     check_close("x", truth.float(), truth, truth.float(), torch.float32)
-    with pytest.raises(AssertionError, match=r"x: max error 0.001 > allowed"):
+    with pytest.raises(AssertionError, match=r"x: error 0.001 > allowed .* at \(0,\)"):
         check_close("x", truth + 1e-3, truth, truth.float(), torch.float32)
-    # twice the reference's own low-precision error is allowed
-    check_close("x", truth + 1.9e-3, truth, truth + 1e-3, torch.float16)
+    # a few times the reference's own low-precision error is allowed
+    check_close("x", truth + 2.9e-3, truth, truth + 1e-3, torch.float16)
+
+
+def test_tolerance_is_element_wise_and_not_fooled_by_one_large_entry():
+    """A half-precision gradient [200, 0.01 x 9] whose small entries have the wrong sign and are 30x too large
+    used to pass: the floor took max|truth| of the whole tensor."""
+    truth = torch.tensor([200.3] + [0.01] * 9, dtype=torch.float64)
+    low = truth.half().double()  # the reference in float16: each entry rounded
+    wrong = truth.clone()
+    wrong[1:] = -0.3
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        check_close("grad", truth.to(dtype), truth, low, dtype)
+        with pytest.raises(AssertionError, match=r"grad: error 0.31\d* > allowed .* 9 of 10 elements over"):
+            check_close("grad", wrong.to(dtype), truth, low, dtype)
+
+
+def test_tolerance_ignores_non_finite_reference_errors():
+    """One inf in the reference-in-dtype used to make the allowance infinite (anything passed)."""
+    truth = torch.tensor([1.0, 70000.0, 3.0], dtype=torch.float64)
+    low = torch.tensor([1.0, float("inf"), 3.0])  # 70,000 overflows float16
+    with pytest.raises(AssertionError, match="error 5 > allowed"):
+        check_close("x", torch.tensor([1.0, 70000.0, 8.0]), truth, low, torch.float16)
+    check_close("x", torch.tensor([1.0, 70000.0, 3.0]), truth, low, torch.float16)
+
+
+def test_tolerance_floor_of_an_all_zero_tensor():
+    zero = torch.zeros(4, dtype=torch.float64)
+    check_close("g", torch.full((4,), 1e-17, dtype=torch.float64), zero, None, torch.float64)
+    with pytest.raises(AssertionError):
+        check_close("g", torch.full((4,), 1e-3, dtype=torch.float64), zero, None, torch.float64)
 
 
 def test_expected_failures_xfail_xpass_and_unmatched(tmp_path):
@@ -144,3 +194,46 @@ def test_unmatched_expected_failure_warns_in_cli(tmp_path):
         assert main(["conformance", "vanilla", "--backend", "reference", "--dtype", "float64",
                      "--expected-failures", str(xfail)]) == 0
     assert any("matches no test" in str(w.message) for w in caught)
+
+
+def _plugin_spec_registry(tmp_path):
+    import types
+
+    from attnzoo.registry import new_registry
+
+    path = tmp_path / "mine.yaml"
+    path.write_text("name: mine\ntransforms: [{kind: selective_mask}]\n")
+    module = types.ModuleType("mine")
+    module.register_specs = attnzoo.hookimpl(lambda register: register(path))
+    return new_registry(entry_points=False, extra_plugins=[("mine", module)])
+
+
+def test_named_backend_declining_a_plugin_spec_fails(tmp_path):
+    """Seen: `0 pass, 0 fail, 15 unsupported`, exit 0, for a plugin spec whose lowering the named backend rejects."""
+    reg = _plugin_spec_registry(tmp_path)
+    named = run(reg, ["mine"], ["flex"])
+    failures = [r for r in named if r.status == "fail"]
+    assert failures and {r.status for r in named} == {"fail", "unsupported"}
+    assert {r.message for r in named if r.status == "unsupported"} == {"spec has no cache evictor"}
+    assert "backend 'flex' declines spec 'mine', which was named for it" in failures[0].message
+    assert runner.failed(named)
+    listed = run(reg, ["mine"], ["flex"], expected=["flex::mine::*"])
+    assert {r.status for r in listed} == {"xfail", "unsupported"} and not runner.failed(listed)
+    # not named: the backend's verdict is information, not a failure (other backends ran the spec)
+    cases = runner.build_cases(reg, ["mine"], None, (torch.float64,))
+    results = runner.run_suite([c for c in cases if c.backend in ("flex", "reference")])
+    assert {r.status for r in results if r.backend == "flex"} == {"unsupported"}
+    assert not runner.failed(results)
+
+
+def test_a_run_that_checks_nothing_fails(capsys):
+    assert main(["conformance", "selective", "--backend", "flex", "--dtype", "float64"]) == 1
+    assert "nothing was checked" in capsys.readouterr().out
+
+
+def test_cli_device_option(capsys):
+    assert main(["conformance", "vanilla", "--backend", "reference", "--device", "nonsense"]) == 2
+    assert "unknown device 'nonsense'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["conformance", "vanilla", "--backend", "reference", "--device", "cuda"]) == 2
+        assert "not available here" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 """attnzoo.nn.Attention owns the transforms' parameters and trains them."""
 
+import pytest
 import torch
 
 import attnzoo
@@ -36,3 +37,37 @@ def test_module_decodes_and_round_trips_state_dict():
     steps = torch.cat([clone.decode(x[:, :, i:i + 1], x[:, :, i:i + 1], x[:, :, i:i + 1], cache)
                        for i in range(10)], dim=2)
     torch.testing.assert_close(steps, layer(x, x, x), rtol=1e-5, atol=1e-6)
+
+
+def graph_size(t: torch.Tensor) -> int:
+    """Autograd nodes reachable from ``t`` (through grad_fn.next_functions)."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(seen)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_decoding_without_no_grad_keeps_no_graph_in_the_cache(backend):
+    """Decoding is inference: the cache holds detached rows, positions and F, so the graph behind a step's output
+    does not grow with the tokens decoded (it grew 37 -> 397 -> 1,597 nodes at steps 1, 10, 40), while the
+    step's own q, k, v and the transform parameters still get gradients."""
+    layer = Attention("selective-ssa", num_heads=2, head_dim=4, backend=backend)
+    project = torch.nn.Linear(4, 12)  # q, k, v computed from x: they carry graphs of their own
+    cache = layer.new_cache(batch=1, budget=None)
+    sizes = {}
+    for step in range(1, 41):
+        q, k, v = project(torch.randn(1, 2, 1, 4)).chunk(3, dim=-1)
+        out = layer.decode(q, k, v, cache)
+        if step in (1, 10, 40):
+            sizes[step] = graph_size(out)
+    # the same graph at every step; step 1 has two nodes fewer (its cache is the new rows, not a concatenation)
+    assert sizes[10] == sizes[40] and sizes[40] - sizes[1] <= 2, sizes
+    held = [cache.keys, cache.values, cache.positions, *cache.state.values()]
+    assert all(t.grad_fn is None and not t.requires_grad for t in held)
+    out.sum().backward()
+    assert project.weight.grad is not None and project.weight.grad.abs().max() > 0
+    assert all(p.grad is not None for p in layer.parameters())

@@ -4,6 +4,8 @@ import inspect
 import json
 import subprocess
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -79,8 +81,8 @@ def test_hook_register_backends():
         name = "echo"
         priority = 50
 
-        def supports(self, plan, device, dtype, requires_grad):
-            return [] if not requires_grad else ["echo has no backward"]
+        def supports(self, plan, device, dtype, mode):
+            return [] if mode != "backward" else ["echo has no backward"]
 
         def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
             return v
@@ -92,6 +94,57 @@ def test_hook_register_backends():
     assert "echo       no: echo has no backward" in attnzoo.explain("vanilla", requires_grad=True, registry=reg)
     with pytest.raises(attnzoo.UnsupportedError, match="echo: echo has no backward"):
         attnzoo.compile("vanilla", backend="echo", registry=reg).backend_for("cpu", torch.float32, True)
+
+
+def test_decode_dispatch_asks_for_the_decode_mode():
+    """A higher-priority plugin backend that implements no decoding is never picked to decode (issue: it used to
+    be, and decode raised NotImplementedError while explain named it)."""
+
+    class ForwardOnly(attnzoo.Backend):
+        name = "forward_only"
+        priority = 50
+
+        def supports(self, plan, device, dtype, mode):
+            return []
+
+        def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+            return v
+
+    reg = isolated(("fo", plugin("fo", register_backends=lambda register: register(ForwardOnly()))))
+    variant = attnzoo.compile("vanilla", registry=reg)
+    x = torch.randn(1, 1, 3, 2)
+    assert variant(x, x, x + 1).equal(x + 1)
+    cache = variant.new_cache(batch=1)
+    out = variant.decode(x[:, :, :1], x[:, :, :1], x[:, :, :1] + 1, cache)
+    assert out.equal(x[:, :, :1] + 1)  # the one key's value: blocked decoded it
+    assert variant.backend_for("cpu", torch.float32, "decode").name == "blocked"
+    text = attnzoo.explain("vanilla", registry=reg, mode="decode")
+    assert "forward_only no: backend 'forward_only' does not implement decoding" in text
+    assert "auto -> blocked" in text
+    named = attnzoo.compile("vanilla", backend="forward_only", registry=reg)
+    with pytest.raises(attnzoo.UnsupportedError, match=r"\(decode\).*does not implement decoding"):
+        named.decode(x[:, :, :1], x[:, :, :1], x[:, :, :1], named.new_cache(batch=1))
+
+
+def test_flex_is_not_offered_for_decoding():
+    variant = attnzoo.compile("ssa", backend="flex")
+    x = torch.randn(1, 2, 1, 8)
+    with pytest.raises(attnzoo.UnsupportedError, match="flex: backend 'flex' does not implement decoding"):
+        variant.decode(x, x, x, variant.new_cache(batch=1))
+    assert "flex       no: backend 'flex' does not implement decoding" in attnzoo.explain("ssa", mode="decode")
+
+
+def test_backend_with_the_old_supports_signature_is_refused_by_name():
+    class Old(attnzoo.Backend):
+        name = "old"
+
+        def supports(self, plan, device, dtype, requires_grad):
+            return []
+
+    match = r"plugin 'old'.*backend 'old': supports\(\) takes \(plan, device, dtype, mode\)"
+    with pytest.warns(PluginWarning, match=match):
+        reg = isolated(("old", plugin("old", register_backends=lambda register: register(Old()))))
+    assert "old" not in reg.backends
 
 
 def test_hook_register_specs(tmp_path):
@@ -189,3 +242,32 @@ def test_plugin_that_raises_on_import_is_reported_by_name(tmp_path):
     assert "plugin 'broken' (broken-plugin)" in run.stderr  # the warning names it
     table = subprocess.run([sys.executable, "-m", "attnzoo.cli", "list"], capture_output=True, text=True, env=env)
     assert "FAILED: failed to load: ImportError" in table.stdout
+
+
+def test_concurrent_first_use_builds_one_registry(monkeypatch):
+    from attnzoo import registry as module
+
+    monkeypatch.setattr(module, "_default", module._default)  # teardown puts the default registry back
+    module.reset_registry()
+    built = []
+
+    def slow_new_registry(**kwargs):
+        built.append(1)
+        time.sleep(0.2)  # long enough for every thread to find no registry yet, were there no lock
+        return new_registry(entry_points=False)
+
+    monkeypatch.setattr(module, "new_registry", slow_new_registry)
+    barrier = threading.Barrier(8)
+    found = [None] * 8
+
+    def worker(i):
+        barrier.wait()
+        found[i] = module.get_registry()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 1
+    assert found[0] is not None and all(r is found[0] for r in found)

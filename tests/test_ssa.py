@@ -137,3 +137,28 @@ def test_full_ssa_at_init_is_next_to_vanilla():
     q, k, v = torch.randn(1, 2, 127, 8, dtype=torch.float64), *torch.randn(2, 1, 2, 127, 8, dtype=torch.float64)
     diff = (attnzoo.attention(q, k, v, "ssa") - attnzoo.attention(q, k, v, "vanilla")).abs().max()
     assert 0 < diff < 1e-2  # logits scaled by at most 1 + 6e-4 log(127), values by the same
+
+
+def half_case(n=24, h=2, d=8):
+    """float16 q, k, v and SSA params (a sizeable position term), and their exact float64 copies."""
+    q, k, v = (torch.randn(1, h, n, d).half() for _ in range(3))
+    variant = attnzoo.compile("ssa")
+    params = {key: (value + 0.3 * torch.randn_like(value)).half()
+              for key, value in variant.init_params(num_heads=h, head_dim=d).items()}
+    params = {**params, "query_temperature.position_logit": torch.tensor(0.3).half(),
+              "value_temperature.position_logit": torch.tensor(0.5).half()}  # c ≈ 0.26 and 0.19
+    wide = {key: value.double() for key, value in params.items()}
+    return (q, k, v, params), (q.double(), k.double(), v.double(), wide)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_float16_positions_past_the_float16_range(backend):
+    """log(position) in float16 is inf once the position rounds past 65,504 (from 65,520 on): the position term is
+    computed in float32 (numerics contract), so long contexts stay finite and accurate."""
+    (q, k, v, params), (q64, k64, v64, params64) = half_case()
+    positions = torch.arange(70_000, 70_024)
+    truth = attnzoo.compile("ssa", backend="reference")(q64, k64, v64, params=params64, positions=positions)
+    out = attnzoo.compile("ssa", backend=backend)(q, k, v, params=params, positions=positions)
+    assert out.dtype == torch.float16 and bool(torch.isfinite(out).all())
+    # float16 rounding (eps ~1e-3) of logits scaled by t_q ≈ 3.9 and values by t_v ≈ 3.1: measured ≤ 2e-3 · max
+    torch.testing.assert_close(out.double(), truth, rtol=0, atol=4e-3 * float(truth.abs().max()))

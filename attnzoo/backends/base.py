@@ -2,31 +2,62 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import ClassVar
 
 import torch
+
+
+class Mode(str, Enum):
+    """What a call asks of a backend: the batch form without gradients, the batch form with gradients, or
+    extending a decode-time cache (:meth:`Backend.extend`: ``decode`` and ``prefill``)."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    DECODE = "decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def batch_mode(requires_grad: bool) -> Mode:
+    """The mode of a batch-form call: BACKWARD when a gradient is wanted, else FORWARD."""
+    return Mode.BACKWARD if requires_grad else Mode.FORWARD
 
 
 class Backend:
     """A way to execute a :class:`attnzoo.plan.Plan`.
 
     ``priority``: higher is preferred by ``backend="auto"`` among backends that support a case (set from
-    measurements). ``supports`` returns the reasons it cannot run a case; an empty list means it can.
+    measurements). ``modes``: the modes the backend implements at all (a backend that implements :meth:`extend`
+    lists :attr:`Mode.DECODE`); dispatch never asks ``supports`` about another mode. ``supports`` returns the
+    reasons it cannot run a case in one of its modes; an empty list means it can.
     """
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     summary: ClassVar[str] = ""
+    modes: ClassVar[frozenset[Mode]] = frozenset({Mode.FORWARD, Mode.BACKWARD})
 
-    def supports(self, plan, device: torch.device, dtype: torch.dtype, requires_grad: bool) -> list[str]:
+    def supports(self, plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
+        """Reasons this backend cannot run ``plan`` on ``device`` in ``dtype`` and ``mode`` (empty: it can)."""
         raise NotImplementedError
+
+    def verdict(self, plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
+        """:meth:`supports`, preceded by the check that the backend implements ``mode`` at all."""
+        mode = Mode(mode)
+        if mode not in self.modes:
+            what = "decoding (no extend)" if mode is Mode.DECODE else f"the {mode} mode"
+            return [f"backend '{self.name}' does not implement {what}"]
+        return list(self.supports(plan, device, dtype, mode))
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection: bool = False):
         """Batch form. q (B, H, N, D), k/v (B, H_kv, N, D), params grouped per transform kind, positions (B, N)
-        int64, key_mask (B, N) bool or None. Returns out (B, H, N, D), or (out, F (B, N, N)) when
-        ``return_selection`` (F is None for a spec without an accumulator)."""
+        int64 strictly increasing along N, key_mask (B, N) bool or None. Returns out (B, H, N, D), or
+        (out, F (B, N, N)) when ``return_selection`` (F is None for a spec without an accumulator)."""
         raise NotImplementedError
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first: bool):
-        """Append T tokens to ``cache`` and attend their queries (B, H, T, D) over it; returns (B, H, T, D)."""
+        """Append T tokens to ``cache`` and attend their queries (B, H, T, D) over it; returns (B, H, T, D).
+        Only called for backends whose ``modes`` include :attr:`Mode.DECODE`."""
         raise NotImplementedError(f"backend '{self.name}' does not implement decoding")

@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
 from ..transforms.selective import SelectiveMask
-from .base import Backend
+from .base import Backend, Mode
 from .selective_kernel import SelectiveCausal
 
 
@@ -44,7 +45,9 @@ class BlockedBackend(Backend):
         self.block_size = block_size
         self.name = name
 
-    def supports(self, plan, device, dtype, requires_grad):
+    modes = frozenset(Mode)
+
+    def supports(self, plan, device, dtype, mode):
         return []
 
     # -- batch form ---------------------------------------------------------------------------------------------
@@ -74,14 +77,18 @@ class BlockedBackend(Backend):
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
                want_probs=False, use_sdpa=True):
         """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
-        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None. Returns (out, F or None, carry, probs or None)."""
+        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None. Returns (out, F or None, carry, probs or None).
+
+        The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract)."""
         b, h, nq, d = qs.shape
         nk = ks.shape[2]
         acc = plan.one(Slot.ACCUMULATOR)
+        wide = accumulator_dtype(qs.dtype)
         if acc is not None and carry is None:
-            carry = qs.new_zeros(b, nk)
+            carry = torch.zeros(b, nk, dtype=wide, device=qs.device)
         out = torch.full_like(qs, float("nan"))  # every element must be written: a missed one stays NaN
-        selection = qs.new_zeros(b, nq, nk) if return_selection and acc is not None else None
+        selection = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
+                     if return_selection and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params)))
         step = self.block_size
@@ -116,7 +123,8 @@ class BlockedBackend(Backend):
         return out, selection, carry, probs
 
     def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, want_probs=False, use_sdpa=True):
-        """One query block against its visible keys. Returns (out, F, column sums of S, probs or None)."""
+        """One query block against its visible keys. Returns (out, F, column sums of S, probs or None); F and the
+        column sums in ``accumulator_dtype(q.dtype)``, like the carry."""
         b, h, nq, d = q.shape
         hkv = k.shape[1]
         group = h // hkv
@@ -128,6 +136,7 @@ class BlockedBackend(Backend):
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
             s = plan.selection(acc, q, k, allowed, ctx, params, scale)  # (B, 1, Bq, Nk)
+            s = s.to(accumulator_dtype(s.dtype))  # sums over queries in at least float32 (numerics contract)
             within = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
             f_blk = (within + carry[:, None, None, :])[:, 0]
             colsum = s.sum(dim=2)[:, 0]
@@ -148,8 +157,8 @@ class BlockedBackend(Backend):
         logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
         for t in plan.many(Slot.LOGITS):
             logits = t.apply(logits, ctx, params[t.kind])
-        if f_blk is not None:
-            logits = logits - f_blk[:, None]
+        if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
+            logits = (logits.to(f_blk.dtype) - f_blk[:, None]).to(logits.dtype)
         logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
         p = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
         out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, d)

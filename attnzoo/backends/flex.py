@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..transforms.base import Context, Dims, Slot
-from .base import Backend
+from .base import Backend, Mode
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAD = 128  # FlexAttention's default block size
@@ -37,7 +37,7 @@ class FlexBackend(Backend):
     priority = 5  # measured on CPU (2 threads, N=4096): ~4x SDPA forward, slower than blocked on shipped specs
     summary = "torch FlexAttention (score_mod + block mask) under torch.compile; forward only on CPU"
 
-    def supports(self, plan, device, dtype, requires_grad):
+    def supports(self, plan, device, dtype, mode):
         reasons = []
         try:
             import torch.nn.attention.flex_attention  # noqa: F401
@@ -46,7 +46,7 @@ class FlexBackend(Backend):
         if plan.one(Slot.ACCUMULATOR) is not None:
             reasons.append(f"'{plan.one(Slot.ACCUMULATOR).kind}' accumulates over queries: not a pointwise "
                            "score_mod (FlexAttention would need F as a captured N×N tensor)")
-        if requires_grad and torch.device(device).type == "cpu":
+        if mode == Mode.BACKWARD and torch.device(device).type == "cpu":
             reasons.append("FlexAttention has no backward on CPU")
         if dtype not in SUPPORTED_DTYPES:
             reasons.append(f"FlexAttention does not compile {str(dtype).removeprefix('torch.')} here")

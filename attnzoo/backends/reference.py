@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
-from .base import Backend
+from .base import Backend, Mode
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -27,14 +28,19 @@ class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
     summary = "eager torch, materialises H·N² logits; the truth every backend is checked against"
+    modes = frozenset(Mode)
 
-    def supports(self, plan, device, dtype, requires_grad):
+    def supports(self, plan, device, dtype, mode):
         return []
 
     # The pieces below are methods so that tests can build deliberately broken backends by overriding one.
     def accumulate(self, selection: torch.Tensor) -> torch.Tensor:
-        """F[i] = sum of S over strictly earlier queries: a shifted cumulative sum along the QUERY axis (dim 2)."""
-        return torch.nn.functional.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
+        """F[i] = sum of S over strictly earlier queries: a shifted cumulative sum along the QUERY axis (dim 2).
+
+        selection S (B, 1, Nq, Nk) in the input dtype → F of the same shape in ``accumulator_dtype`` (at least
+        float32: the numerics contract, docs/backends.md)."""
+        wide = selection.to(accumulator_dtype(selection.dtype))
+        return torch.nn.functional.pad(wide[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
 
     def query_positions(self, cache, count: int, batch: int) -> torch.Tensor:
         """Absolute positions of the ``count`` tokens just appended to ``cache``: (B, count)."""
@@ -76,7 +82,8 @@ class ReferenceBackend(Backend):
             accumulated = self.accumulate(selection)
             if carry is not None:
                 accumulated = accumulated + carry[:, None, None, :]
-            logits = logits - accumulated
+            # subtract in F's (wider) dtype, round the logits once
+            logits = (logits.to(accumulated.dtype) - accumulated).to(logits.dtype)
 
         probs = masked_softmax(logits, allowed)
         out = probs @ vs
@@ -94,5 +101,10 @@ class ReferenceBackend(Backend):
         qpos = self.query_positions(cache, q.shape[2], q.shape[0])
         out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
                                                carry=self.carry(cache))
-        cache.settle(cache.selection() + selection.sum(dim=2)[:, 0] if selection is not None else None, probs)
+        # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
+        total = None
+        if selection is not None:
+            carry = cache.selection()
+            total = carry + selection.to(carry.dtype).sum(dim=2)[:, 0]
+        cache.settle(total, probs)
         return out

@@ -6,8 +6,14 @@ the blocks in reverse, recomputes each block's probabilities from the saved log-
 of the running column sums (the "reverse carry") back into earlier blocks' selector logits. Extra state: the
 carry before each block, O(N · N / block) per batch row, and the log-sum-exp, O(H · N).
 
-The flash op is private (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``); when it is missing or
-its signature changed, :func:`flash_block` computes the same two results eagerly and says so once.
+The flash op is private (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``). Whether it is usable is
+decided once per dtype, by a probe on tiny inputs checked against the eager maths (:func:`flash_available`): when
+the op is missing, its signature changed or its results differ, :func:`flash_block` computes the same two results
+eagerly and warns once, saying why. An error from a real call (out of memory, say) propagates: it never switches
+the process to the slow path.
+
+Numerics: the carry and F are summed in at least float32 (``accumulator_dtype``, docs/backends.md), the log-sum-exp
+is kept in that dtype too; -F is rounded to the input dtype once, where it enters the logits as the additive mask.
 """
 
 from __future__ import annotations
@@ -17,28 +23,64 @@ import warnings
 
 import torch
 
-_FLASH_OK: bool | None = None
+from ..cache import accumulator_dtype
+
+#: Probe verdicts per dtype: True (use the op) or False (eager). Tests reset it.
+_PROBED: dict[torch.dtype, bool] = {}
 
 
-def flash_block(q, k, v, mask, scale):
-    """(out, lse) of softmax(q k^T * scale + mask) v; q (B, H, Bq, D), k/v (B, H, Nk, D), mask (B, 1, Bq, Nk)."""
-    global _FLASH_OK
-    if _FLASH_OK is not False:
-        try:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, False, attn_mask=mask, scale=scale)[:2]
-            _FLASH_OK = True
-            return out, lse
-        except (AttributeError, RuntimeError, TypeError) as exc:
-            if _FLASH_OK:  # it worked before: a genuine error, not a missing op
-                raise
-            _FLASH_OK = False
-            warnings.warn(f"attnzoo blocked backend: torch's private flash-attention CPU op is unusable "
-                          f"({type(exc).__name__}); using the eager equivalent (slower)", RuntimeWarning,
-                          stacklevel=2)
+def _flash_op(q, k, v, mask, scale):
+    """torch's private op: (out (B, H, Bq, D), lse (B, H, Bq)). A wrapper so the probe and tests can replace it."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                      scale=scale)[:2]
+
+
+def _eager_block(q, k, v, mask, scale):
     logits = (q @ k.transpose(-1, -2)) * scale + mask
     lse = torch.logsumexp(logits, dim=-1)
     return torch.exp(logits - lse.unsqueeze(-1)) @ v, lse
+
+
+def _probe(dtype: torch.dtype) -> str | None:
+    """Why the op cannot be used for ``dtype`` (missing, another signature, wrong results), or None if it can."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen).to(dtype) for _ in range(3))
+    mask = torch.randn(1, 1, 3, 3, generator=gen).to(dtype)
+    try:
+        with torch.no_grad():
+            out, lse = _flash_op(q, k, v, mask, 0.5)
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    want_out, want_lse = _eager_block(q.double(), k.double(), v.double(), mask.double(), 0.5)
+    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 5e-2
+    if (not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor)
+            or out.shape != want_out.shape or lse.shape != want_lse.shape
+            or not torch.allclose(out.double(), want_out, rtol=tol, atol=tol)
+            or not torch.allclose(lse.double(), want_lse, rtol=tol, atol=tol)):
+        return "its results on a probe differ from softmax attention (its contract changed)"
+    return None
+
+
+def flash_available(dtype: torch.dtype) -> bool:
+    """Whether :func:`flash_block` uses torch's private op for ``dtype``: probed on the first call for each dtype,
+    with a RuntimeWarning that says why when it cannot."""
+    if dtype not in _PROBED:
+        why = _probe(dtype)
+        _PROBED[dtype] = why is None
+        if why is not None:
+            warnings.warn(f"attnzoo blocked backend: torch's private flash-attention CPU op is unusable for "
+                          f"{str(dtype).removeprefix('torch.')} ({why}); using the eager equivalent (slower)",
+                          RuntimeWarning, stacklevel=3)
+    return _PROBED[dtype]
+
+
+def flash_block(q, k, v, mask, scale):
+    """(out, lse) of softmax(q k^T * scale + mask) v; q (B, H, Bq, D), k/v (B, H, Nk, D), mask (B, 1, Bq, Nk).
+
+    Errors of the op itself propagate (the probe already showed it works for this dtype)."""
+    if flash_available(q.dtype):
+        return _flash_op(q, k, v, mask, scale)
+    return _eager_block(q, k, v, mask, scale)
 
 
 class SelectiveCausal(torch.autograd.Function):
@@ -56,8 +98,9 @@ class SelectiveCausal(torch.autograd.Function):
         ve = v.repeat_interleave(group, dim=1) if group > 1 else v
         bos = protect_bos and first_position == 1
         out = torch.full_like(q, float("nan"))
-        lse = q.new_empty(b, h, n)
-        carry = q.new_zeros(b, n)
+        wide = accumulator_dtype(q.dtype)  # the carry (a running sum) and lse in at least float32
+        lse = torch.empty(b, h, n, dtype=wide, device=q.device)
+        carry = torch.zeros(b, n, dtype=wide, device=q.device)
         carries = []
         for start in range(0, n, block):
             stop = min(start + block, n)
@@ -66,7 +109,7 @@ class SelectiveCausal(torch.autograd.Function):
             mask = _mask(s, carry[:, :stop], start)
             out[:, :, start:stop], lse[:, :, start:stop] = flash_block(q[:, :, start:stop], ke[:, :, :stop],
                                                                        ve[:, :, :stop], mask, scale)
-            carry[:, :stop] += s.sum(dim=2)
+            carry[:, :stop] += s.sum(dim=2, dtype=wide)
         ctx.save_for_backward(q, ke, ve, out, lse, *carries)
         ctx.meta = (scale, sel, bos, self_mask, block, group)
         return out
@@ -136,10 +179,11 @@ def _selection(q, ke, sel, start, stop, scale, bos, self_mask):
 
 
 def _mask(s, carry, start):
-    """The additive mask (B, 1, Bq, Nk): -F (carry + exclusive cumsum of S over the block's queries) and -inf
-    above the diagonal."""
-    f = torch.cumsum(s, dim=2).sub_(s).add_(carry[:, :, None])  # F^T (B, Nk, Bq)
-    mask = f.transpose(1, 2).neg()
+    """The additive mask (B, 1, Bq, Nk) in S's dtype: -F (carry + exclusive cumsum of S over the block's queries,
+    summed in the carry's dtype, at least float32) and -inf above the diagonal."""
+    wide = s.to(carry.dtype)
+    f = torch.cumsum(wide, dim=2).sub_(wide).add_(carry[:, :, None])  # F^T (B, Nk, Bq)
+    mask = f.transpose(1, 2).neg().to(s.dtype)
     bq = s.shape[2]
     future = torch.ones(bq, bq, dtype=torch.bool, device=s.device).triu_(1)
     mask[:, :, start:start + bq].masked_fill_(future, float("-inf"))

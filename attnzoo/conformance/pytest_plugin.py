@@ -1,7 +1,8 @@
 """pytest plugin (entry point ``pytest11``): ``pytest --attnzoo-conformance`` adds one test per conformance case.
 
 Options: ``--attnzoo-spec``, ``--attnzoo-backend``, ``--attnzoo-dtype`` (repeatable), ``--attnzoo-plugin DIST``,
-``--attnzoo-expected-failures FILE``, ``--attnzoo-seed``. Without ``--attnzoo-conformance`` it does nothing and
+``--attnzoo-expected-failures FILE``, ``--attnzoo-seed``, ``--attnzoo-device`` (the device of the backend under
+test, e.g. ``cuda``; the reference always runs on CPU). Without ``--attnzoo-conformance`` it does nothing and
 imports nothing heavy.
 """
 
@@ -21,6 +22,7 @@ def pytest_addoption(parser):
     group.addoption("--attnzoo-plugin", default=None, help="only what this plugin registered")
     group.addoption("--attnzoo-expected-failures", default=None, help="file of test ids expected to fail")
     group.addoption("--attnzoo-seed", type=int, default=0, help="seed of the fresh random inputs")
+    group.addoption("--attnzoo-device", default="cpu", help="device of the backend under test (default cpu)")
 
 
 def _enabled(config) -> bool:
@@ -59,12 +61,13 @@ class ConformanceItem(pytest.Item):
         self.case = case
 
     def runtest(self):
-        from .checks import Unsupported
+        from .runner import run_case
 
-        try:
-            self.case.run()
-        except Unsupported as exc:
-            pytest.skip(f"unsupported: {exc}")
+        result = run_case(self.case)
+        if result.status == "unsupported":
+            pytest.skip(f"unsupported: {result.message}")
+        if result.status == "fail":
+            raise AssertionError(result.message)
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, AssertionError):
@@ -81,7 +84,8 @@ class ConformanceCollector(pytest.Collector):
 
         config = self.config
         reg, specs, backends, dtypes = _selection(config)
-        cases = runner.build_cases(reg, specs, backends, dtypes, seed=config.getoption("--attnzoo-seed"))
+        cases = runner.build_cases(reg, specs, backends, dtypes, seed=config.getoption("--attnzoo-seed"),
+                                   device=config.getoption("--attnzoo-device"))
         expected = runner.read_expected_failures(config.getoption("--attnzoo-expected-failures"))
         used: set[str] = set()
         for case in cases:

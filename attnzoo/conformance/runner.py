@@ -22,7 +22,9 @@ import torch
 from . import checks
 from .vectors import VECTOR_DIR, cases_for
 
-DEFAULT_DTYPES = (torch.float64, torch.float32)
+DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: Specs shipped with attnzoo: a named backend may decline one of these without failing the run.
+BUILTIN_SPECS = "attnzoo.builtin_specs"
 
 
 @dataclass
@@ -34,6 +36,8 @@ class Case:
     check: str
     flags: tuple[str, ...]
     run: Callable[[], None] = field(repr=False, compare=False)
+    #: a decline of the spec itself fails the case (the user named this backend and the spec is a plugin's)
+    decline_fails: bool = False
 
 
 @dataclass
@@ -79,33 +83,51 @@ def select(registry, specs: Iterable[str] | None = None, backends: Iterable[str]
     return spec_names, backend_names
 
 
-def _add_case(cases: list[Case], target: checks.Target, check: str, flags: tuple[str, ...], fn: Callable,
-              *args) -> None:
+def _add_case(cases: list[Case], target: checks.Target, decline_fails: bool, check: str, flags: tuple[str, ...],
+              fn: Callable, *args) -> None:
     dtype = _dtype_name(target.dtype)
     cases.append(Case(f"{target.backend}::{target.spec.name}::{check}[{dtype}]", target.spec.name, target.backend,
-                      dtype, check, flags, functools.partial(fn, target, *args)))
+                      dtype, check, flags, functools.partial(fn, target, *args), decline_fails))
 
 
-def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0) -> list[Case]:
+def _flags(shape: checks.Shape) -> tuple[str, ...]:
+    if shape.masked_rows:
+        return ("masked-row",)
+    if shape.offset:
+        return ("offset-positions", "gqa")
+    return ("long",) if shape.length >= 1000 else ("odd-length",)
+
+
+def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0,
+                device: str = "cpu") -> list[Case]:
+    """Every case of a run. float64 and float32 get every check; float16 and bfloat16 (for backends that claim
+    them) a smaller set: outputs and gradients on a few shapes, ``return_selection`` and decoding. When
+    ``backends`` are named, a backend that declines a plugin's spec outright fails (docs/conformance.md)."""
     spec_names, backend_names = select(registry, specs, backends, plugin)
     cases = []
     for backend in backend_names:
         for spec_name in spec_names:
             spec = registry.specs[spec_name]
+            decline_fails = bool(backends) and registry.origin[("specs", spec_name)] != BUILTIN_SPECS
             for dtype in dtypes:
-                target = checks.Target(spec, backend, dtype, registry, seed)
-                add = functools.partial(_add_case, cases, target)
-                if (VECTOR_DIR / f"{spec_name}.json").exists():
+                target = checks.Target(spec, backend, dtype, registry, seed, device)
+                add = functools.partial(_add_case, cases, target, decline_fails)
+                half = dtype in checks.HALF
+                if (VECTOR_DIR / f"{spec_name}.json").exists() and not half:
                     for vc in cases_for(spec):
                         add(f"vectors/{vc.id}", vc.flags, checks.check_vector, vc)
                 for shape in checks.DIFFERENTIAL_SHAPES:
-                    flags = ("masked-row",) if shape.masked_rows else ("odd-length",)
-                    add(f"outputs/{shape.id}", flags, checks.check_differential, shape, False)
-                    add(f"gradients/{shape.id}", flags, checks.check_differential, shape, True)
+                    if half and shape.id not in checks.HALF_SHAPES:
+                        continue
+                    add(f"outputs/{shape.id}", _flags(shape), checks.check_differential, shape, False)
+                    add(f"gradients/{shape.id}", _flags(shape), checks.check_differential, shape, True)
+                add("selection", ("accumulator",), checks.check_selection)
+                add("decode", ("decode", "offset-positions"), checks.check_decode)
+                if half:
+                    continue
                 add("causality", ("causality",), checks.check_causality)
                 add("batch-invariance", ("batch",), checks.check_batch_invariance)
-                add("decode", ("decode",), checks.check_decode)
-                add("evictor", ("eviction", "bos"), checks.check_evictor)
+                add("evictor", ("eviction", "protected"), checks.check_evictor)
                 add("determinism", ("determinism",), checks.check_determinism)
     return cases
 
@@ -126,6 +148,12 @@ def run_case(case: Case, expected_failure: bool = False) -> Result:
     status, message = "pass", ""
     try:
         case.run()
+    except checks.Declined as exc:
+        status, message = "unsupported", str(exc)
+        if case.decline_fails and exc.spec_level:
+            status = "fail"
+            message = (f"backend '{case.backend}' declines spec '{case.spec}', which was named for it: {exc} "
+                       f"(list it in an expected-failures file if that is intended)")
     except checks.Unsupported as exc:
         status, message = "unsupported", str(exc)
     except AssertionError as exc:
@@ -159,10 +187,11 @@ def run_suite(cases: list[Case], expected_failures: list[str] = (), progress=Non
     return results
 
 
-def header(registry, specs, backends, dtypes) -> dict:
+def header(registry, specs, backends, dtypes, device: str = "cpu") -> dict:
     import attnzoo
 
     return {
+        "device": device,
         "attnzoo": attnzoo.__version__,
         "torch": torch.__version__,
         "python": sys.version.split()[0],
@@ -176,7 +205,12 @@ def header(registry, specs, backends, dtypes) -> dict:
 
 
 def failed(results: list[Result]) -> bool:
-    return any(r.status in ("fail", "xpass") for r in results)
+    """A check failed, an expected failure passed, or nothing was checked at all (every case unsupported)."""
+    return any(r.status in ("fail", "xpass") for r in results) or not checked(results)
+
+
+def checked(results: list[Result]) -> bool:
+    return any(r.status in ("pass", "xfail") for r in results)
 
 
 def matrix(results: list[Result]) -> dict[str, dict[str, str]]:

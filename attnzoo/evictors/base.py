@@ -19,7 +19,11 @@ class EvictorOptions(StrictModel):
 
 
 class Evictor:
-    """Base class of evictors. Subclasses set ``kind``, ``Options`` and implement :meth:`victim`.
+    """Base class of evictors. Subclasses set ``kind``, ``Options`` and declare their rule: :meth:`score` (the
+    per-token score it ranks by), ``largest`` (evict the largest score, else the smallest) and :meth:`protected`
+    (tokens never evicted, e.g. the first ``sink`` tokens). :meth:`victim` applies the rule (ties go to the oldest
+    position); the conformance suite checks on crafted caches that the evictor evicts exactly the token its rule
+    names and never a protected one.
 
     ``per_head``: the kept set may differ between key/value heads (otherwise one set per layer).
     ``evict_after_attention``: evict after the new query attended over ``budget + 1`` tokens (H2O, TOVA score
@@ -30,6 +34,7 @@ class Evictor:
     kind: ClassVar[str]
     Options: ClassVar[type[EvictorOptions]] = EvictorOptions
     summary: ClassVar[str] = ""
+    largest: ClassVar[bool] = True
     per_head: ClassVar[bool] = False
     evict_after_attention: ClassVar[bool] = False
     state_names: ClassVar[tuple[str, ...]] = ()
@@ -53,9 +58,17 @@ class Evictor:
         """Update scores after a step; ``probs`` (B, H, T, M) is the new queries' attention over the cache
         (T = 1 when decoding, the chunk length in a prefill)."""
 
+    def score(self, cache) -> torch.Tensor:
+        """The score the rule ranks cached tokens by: (B, H_kv, M), float32 or wider."""
+        raise NotImplementedError(f"evictor '{self.kind}' declares no score: implement score() (docs/plugins.md)")
+
+    def protected(self, cache) -> torch.Tensor:
+        """Tokens the rule never evicts: (B, H_kv, M) bool. Default: none."""
+        return torch.zeros_like(cache.positions, dtype=torch.bool)
+
     def victim(self, cache) -> torch.Tensor:
-        """Slot index to drop per (batch row, key/value head): (B, H_kv) int64."""
-        raise NotImplementedError
+        """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
+        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest)
 
     @classmethod
     def options_model(cls) -> type[EvictorOptions]:

@@ -7,7 +7,7 @@ from pydantic import Field
 
 from ..cache import SELECTION_STATE
 from ..hookspecs import hookimpl
-from .base import Evictor, EvictorOptions, pick
+from .base import Evictor, EvictorOptions
 
 
 class Selective(Evictor):
@@ -27,8 +27,11 @@ class Selective(Evictor):
             return "evictor 'selective' needs budget >= 2 (BOS is never evicted)"
         return None
 
-    def victim(self, cache):
-        return pick(cache.state[SELECTION_STATE], cache.positions != 1, cache.positions, largest=True)
+    def score(self, cache):
+        return cache.state[SELECTION_STATE]
+
+    def protected(self, cache):
+        return cache.positions == 1
 
 
 class H2OOptions(EvictorOptions):
@@ -60,10 +63,14 @@ class H2O(Evictor):
         per_query_head = probs.detach().sum(dim=2)
         cache.state["attention"] += per_query_head.reshape(b, hkv, h // hkv, m).sum(dim=2)
 
-    def victim(self, cache):
+    largest = False
+
+    def score(self, cache):
+        return cache.state["attention"]
+
+    def protected(self, cache):
         newest = cache.positions.amax(-1, keepdim=True)
-        eligible = cache.positions <= newest - self.recent(cache.budget)
-        return pick(cache.state["attention"], eligible, cache.positions, largest=False)
+        return cache.positions > newest - self.recent(cache.budget)
 
 
 class TOVA(Evictor):
@@ -79,9 +86,10 @@ class TOVA(Evictor):
         mean = probs[:, :, -1].detach().mean(dim=1)
         cache.state["last_attention"] = mean.unsqueeze(1).expand_as(cache.positions).clone()
 
-    def victim(self, cache):
-        return pick(cache.state["last_attention"], torch.ones_like(cache.positions, dtype=torch.bool),
-                    cache.positions, largest=False)
+    largest = False
+
+    def score(self, cache):
+        return cache.state["last_attention"]
 
 
 class SinkWindowOptions(EvictorOptions):
@@ -100,9 +108,13 @@ class SinkWindow(Evictor):
             return f"sink_window.sink ({self.options.sink}) must be smaller than the budget ({budget})"
         return None
 
-    def victim(self, cache):
-        eligible = cache.positions > self.options.sink
-        return pick(cache.positions.to(cache.keys.dtype), eligible, cache.positions, largest=False)
+    largest = False
+
+    def score(self, cache):
+        return cache.positions.to(torch.float64)
+
+    def protected(self, cache):
+        return cache.positions <= self.options.sink
 
 
 BUILTIN_EVICTORS = (Selective, H2O, TOVA, SinkWindow)

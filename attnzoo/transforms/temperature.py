@@ -63,13 +63,18 @@ class _Temperature(RowScaleTransform):
         return out
 
     def scale(self, rows, positions, params):
+        """rows (B, Hx, N, D), positions (B, 1 or Hx, N) → t (B, Hx, N) in at least float32 (the numerics
+        contract, docs/backends.md): in float16 a position from 65,520 on rounds to inf (and so does its log),
+        and the terms are summed before rounding. :meth:`attnzoo.plan.Plan.row_scale` multiplies and rounds
+        back to the rows' dtype once."""
         o = self.options
-        t = torch.ones((), dtype=rows.dtype, device=rows.device)
+        wide = torch.promote_types(rows.dtype, torch.float32)
+        t = torch.ones((), dtype=wide, device=rows.device)
         if o.position_aware:
-            c = position_coefficient(o.position_coefficient, params["position_logit"])
-            t = t + c * torch.log(positions.to(rows.dtype))
+            c = position_coefficient(o.position_coefficient, params["position_logit"].to(wide))
+            t = t + c * torch.log(positions.to(wide))
         if o.token_aware:
-            t = t + gelu_dot_tanh(rows, params["token_weight"])
+            t = t + gelu_dot_tanh(rows.to(wide), params["token_weight"].to(wide))
         return t.expand(rows.shape[:-1])
 
 

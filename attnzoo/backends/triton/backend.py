@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from ...build import interpreting, load_kernels, triton_version
+from ...cache import accumulator_dtype
 from ...transforms.base import Dims, Slot
-from ..base import Backend
+from ..base import Backend, Mode
 from . import codegen
 
 
@@ -257,7 +258,9 @@ class TritonBackend(Backend):
         # the interpreter (the CPU checking mode) below everything.
         return -1 if interpreting() else 8
 
-    def supports(self, plan, device, dtype, requires_grad):
+    modes = frozenset(Mode)
+
+    def supports(self, plan, device, dtype, mode):
         if triton_version() is None:
             return ["triton is not installed (pip install 'attnzoo[triton]')"]
         reasons = []
@@ -386,8 +389,10 @@ class TritonBackend(Backend):
                 total = carry.float() + srow if srow is not None else None
             else:
                 out, lse, total, logits = run.forward(qs, ks, vs, prm)
-        probs = torch.exp(logits - lse[..., None]).to(q.dtype) if want_probs else None
-        cache.settle(total.to(q.dtype) if total is not None else None, probs)
+        # F and the evictor's probabilities stay in float32: the cache keeps running sums in at least float32
+        # (numerics contract), rounding them to a half-precision q every step would lose the small increments
+        probs = torch.exp(logits - lse[..., None]) if want_probs else None
+        cache.settle(total, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
 
 
@@ -400,5 +405,8 @@ def _selection_matrix(plan, qs, ks, positions, key_mask, params):
     b, h, n, d = qs.shape
     dims = Dims(h, d, ks.shape[1])
     ctx = plan.context(positions, positions.unsqueeze(1), dims)
-    selection = plan.selection(acc, qs, ks, plan.allowed(ctx, key_mask), ctx, params, plan.logit_scale(d))
+    wide = accumulator_dtype(qs.dtype)  # F is accumulated state: float32 or wider (numerics contract)
+    wide_params = {kind: {name: p.to(wide) for name, p in group.items()} for kind, group in params.items()}
+    selection = plan.selection(acc, qs.to(wide), ks.to(wide), plan.allowed(ctx, key_mask), ctx, wide_params,
+                               plan.logit_scale(d))
     return F.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))[:, 0]

@@ -1,0 +1,120 @@
+"""Evictor checks on crafted caches: every evictor (built-in or plugin) evicts exactly the token its declared rule
+names (:meth:`Evictor.score`, ``largest``, :meth:`Evictor.protected`, ties to the oldest position) and never a
+protected one.
+
+The rule is read here independently of :func:`attnzoo.evictors.base.pick`, so an evictor that overrides
+``victim`` (or a broken ``pick``) is held to its own declaration.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import SELECTION_STATE, KVCache
+
+
+def rule_victim(score: torch.Tensor, protected: torch.Tensor, positions: torch.Tensor, largest: bool
+                ) -> torch.Tensor:
+    """The slot the declared rule names per (batch row, key/value head): (B, H_kv) int64, or -1 where every
+    token is protected. Plain loops: the suite's own reading of the rule, small caches only."""
+    b, h, m = positions.shape
+    out = torch.full((b, h), -1, dtype=torch.int64)
+    for i in range(b):
+        for j in range(h):
+            best = None
+            for s in range(m):
+                if bool(protected[i, j, s]):
+                    continue
+                value = float(score[i, j, s])
+                key = (-value if largest else value, int(positions[i, j, s]))
+                if best is None or key < best[0]:
+                    best = (key, s)
+            if best is not None:
+                out[i, j] = best[1]
+    return out
+
+
+def crafted_cache(evictor, budget: int, state_names: tuple[str, ...], gen: torch.Generator, first: tuple[int, ...],
+                  head_dim: int = 4, kv_heads: int = 2) -> KVCache:
+    """A cache one token over ``budget`` with positions that start at ``first[row]`` and grow with gaps, and
+    integer-valued scores (so ties occur), the same in every head unless the evictor keeps a set per head."""
+    batch, m = len(first), budget + 1
+    cache = KVCache(batch, budget, evictor, state_names)
+    cache.keys = torch.randn(batch, kv_heads, m, head_dim, generator=gen)
+    cache.values = torch.randn(batch, kv_heads, m, head_dim, generator=gen)
+    gaps = torch.randint(1, 4, (batch, m), generator=gen)
+    gaps[:, 0] = 0
+    positions = torch.tensor(first).view(batch, 1) + gaps.cumsum(-1)
+    cache.positions = positions.view(batch, 1, m).expand(batch, kv_heads, m).clone()
+    heads = kv_heads if evictor.per_head else 1
+    for name in state_names:
+        values = torch.randint(0, 4, (batch, heads, m), generator=gen).to(torch.float32)
+        cache.state[name] = values.expand(batch, kv_heads, m).clone()
+    cache.next_position = int(positions.max()) + 1
+    return cache
+
+
+def check_rule_on_crafted_caches(evictor_factory, budgets: tuple[int, ...], has_accumulator: bool,
+                                 gen: torch.Generator) -> None:
+    """Raise AssertionError (one line) unless the evictor follows its declared rule on crafted caches.
+
+    ``evictor_factory()`` returns a fresh evictor instance with the spec's options."""
+    sample = evictor_factory()
+    kind = sample.kind
+    names = ((SELECTION_STATE,) if has_accumulator else ()) + tuple(sample.state_names)
+    for budget in budgets:
+        if sample.check_budget(budget):
+            continue
+        for first in ((1, 37), (5, 1)):
+            evictor = evictor_factory()
+            cache = crafted_cache(evictor, budget, names, gen, first)
+            try:
+                score, protected = evictor.score(cache), evictor.protected(cache)
+            except NotImplementedError as exc:
+                raise AssertionError(str(exc)) from None
+            if tuple(score.shape) != tuple(cache.positions.shape) or tuple(protected.shape) != tuple(score.shape):
+                raise AssertionError(f"evictor '{kind}': score {tuple(score.shape)} and protected "
+                                     f"{tuple(protected.shape)} must both have the cache's shape "
+                                     f"{tuple(cache.positions.shape)}")
+            if protected.dtype != torch.bool:
+                raise AssertionError(f"evictor '{kind}': protected() must return a bool tensor, got {protected.dtype}")
+            got = evictor.victim(cache)
+            want = rule_victim(score, protected, cache.positions, evictor.largest)
+            for i, j in ((i, j) for i in range(got.shape[0]) for j in range(got.shape[1])):
+                slot, named = int(got[i, j]), int(want[i, j])
+                pos = cache.positions[i, j]
+                if named < 0:
+                    raise AssertionError(f"evictor '{kind}': budget {budget}: every one of {budget + 1} tokens is "
+                                         f"protected, so the budget cannot be kept")
+                if bool(protected[i, j, slot]):
+                    raise AssertionError(f"evictor '{kind}': budget {budget}: evicted protected position "
+                                         f"{int(pos[slot])} (row {i}, head {j})")
+                if slot != named:
+                    rule = "largest" if evictor.largest else "smallest"
+                    raise AssertionError(
+                        f"evictor '{kind}': budget {budget}: evicted position {int(pos[slot])} (score "
+                        f"{float(score[i, j, slot]):g}) but its declared rule ({rule} score among unprotected, "
+                        f"ties to the oldest) names position {int(pos[named])} (score {float(score[i, j, named]):g})")
+            if not evictor.per_head and not bool((got == got[:, :1]).all()):
+                raise AssertionError(f"evictor '{kind}' keeps one set per layer but evicted different tokens in "
+                                     f"different key/value heads")
+
+
+class WatchedVictims:
+    """Wraps an evictor instance's ``victim`` during a real decode: every victim must be unprotected when chosen."""
+
+    def __init__(self, evictor) -> None:
+        self.evictor = evictor
+        self.original = evictor.victim
+        self.problems: list[str] = []
+        evictor.victim = self
+
+    def __call__(self, cache):
+        got = self.original(cache)
+        protected = self.evictor.protected(cache)
+        hit = protected.gather(-1, got.unsqueeze(-1)).squeeze(-1)
+        if bool(hit.any()) and not self.problems:
+            i, j = (int(x) for x in hit.nonzero()[0].tolist())
+            self.problems.append(f"evictor '{self.evictor.kind}' evicted protected position "
+                                 f"{int(cache.positions[i, j, got[i, j]])} while decoding")
+        return got

@@ -1,0 +1,59 @@
+"""Trace a non-finite result to the transform whose own maths produced it.
+
+When a check meets NaN or inf, the suite replays the spec's transforms one slot at a time, with the reference's
+torch maths, on the same inputs in the same dtype, and names the first transform that turns finite inputs into
+non-finite values. That separates "the plugin's formula overflows (its own bug)" from "the backend disagrees".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..transforms.base import Dims, Slot
+
+
+def _bad(t: torch.Tensor, allow_neg_inf: bool = False) -> bool:
+    if allow_neg_inf:
+        return bool((torch.isnan(t) | torch.isposinf(t)).any())
+    return not bool(torch.isfinite(t).all())
+
+
+def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
+    """The first transform whose own maths gives non-finite values on these inputs, as one phrase, or None.
+
+    q (B, H, N, D); k, v (B, H_kv, N, D), all of one dtype; params grouped per transform kind (as backends get
+    them); positions (B, N) int64; key_mask (B, N) bool or None. Logits may be -inf (a mask), never NaN or +inf.
+    """
+    dtype = str(q.dtype).removeprefix("torch.")
+    pos = positions.unsqueeze(1)
+    rows = {}
+    with torch.no_grad():
+        for slot, x in ((Slot.QUERY, q), (Slot.KEY, k), (Slot.VALUE, v)):
+            scaled = plan.row_scale(slot, x, pos, params)
+            t = plan.one(slot)
+            if t is not None and not _bad(x) and _bad(scaled):
+                return f"transform '{t.kind}' ({slot.value} slot) gives non-finite values in {dtype}"
+            rows[slot] = scaled
+        qs, ks = rows[Slot.QUERY], rows[Slot.KEY]
+        dims = Dims(q.shape[1], q.shape[3], k.shape[1])
+        ctx = plan.context(positions, pos, dims)
+        group = dims.num_heads // dims.num_kv_heads
+        logits = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
+        for t in plan.many(Slot.LOGITS):
+            before = _bad(logits, allow_neg_inf=True)
+            logits = t.apply(logits, ctx, params[t.kind])
+            if not before and _bad(logits, allow_neg_inf=True):
+                return f"transform '{t.kind}' (logits slot) gives non-finite logits in {dtype}"
+        allowed = plan.allowed(ctx, key_mask)
+        acc = plan.one(Slot.ACCUMULATOR)
+        if acc is not None and not _bad(logits, allow_neg_inf=True):
+            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
+            selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
+            if _bad(selection):
+                return f"transform '{acc.kind}' (accumulator slot) gives a non-finite selection in {dtype}"
+        t = plan.one(Slot.OUTPUT)
+        if t is not None:
+            probe = torch.ones_like(q)
+            if _bad(plan.row_scale(Slot.OUTPUT, probe, pos, params)):
+                return f"transform '{t.kind}' (output slot) gives non-finite values in {dtype}"
+    return None

@@ -1,0 +1,220 @@
+"""The mutation catalogue: bugs planted one at a time, each of which the conformance suite must catch, in float32
+as well as float64 (docs/conformance.md). A mutation is a backend, transform or evictor that differs from the
+correct one in exactly one way a real implementation could get wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from broken import registry_replacing
+
+import attnzoo
+from attnzoo.backends.blocked import BlockedBackend
+from attnzoo.backends.reference import ReferenceBackend
+from attnzoo.conformance import runner
+from attnzoo.evictors.base import pick
+from attnzoo.evictors.builtin import Selective
+from attnzoo.registry import new_registry
+from attnzoo.transforms.logits import Softcap
+from attnzoo.transforms.lowering import TritonLogits, tanh
+from attnzoo.transforms.masks import SlidingWindow
+
+DTYPES = (torch.float64, torch.float32)
+
+
+class _PlanWith:
+    """The plan with some methods replaced (a backend that computes one piece differently)."""
+
+    def __init__(self, plan, **overrides):
+        self._plan = plan
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+# -- backends ---------------------------------------------------------------------------------------------------
+class CausalityLeak(ReferenceBackend):
+    """Each query also sees the next key."""
+
+    name = "mut_causality_leak"
+
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
+        def allowed(ctx, mask):
+            return plan.allowed(dataclasses.replace(ctx, qpos=ctx.qpos + 1), mask)
+
+        return super().attend(_PlanWith(plan, allowed=allowed), q, k, v, qpos, kpos, params, key_mask, carry)
+
+
+class BatchPooling(ReferenceBackend):
+    """Keys are averaged over the batch (rows leak into each other)."""
+
+    name = "mut_batch_pooling"
+
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
+        return super().attend(plan, q, k.mean(0, keepdim=True).expand_as(k), v, qpos, kpos, params, key_mask, carry)
+
+
+class NanAtOneToken(ReferenceBackend):
+    """A kernel whose row normalisation divides by N - 1: NaN for a single token."""
+
+    name = "mut_nan_n1"
+
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        result = super().forward(plan, q, k, v, params, positions, key_mask, return_selection)
+        if q.shape[2] == 1:
+            out = (result[0] if return_selection else result) * float("nan")
+            return (out, result[1]) if return_selection else out
+        return result
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1.1
+
+
+class GradientTenPercentOff(BlockedBackend):
+    """The blocked backend with the gradient of q 10% too large."""
+
+    def __init__(self):
+        super().__init__(name="mut_grad_off")
+
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        return super().forward(plan, _ScaleGrad.apply(q), k, v, params, positions, key_mask, return_selection)
+
+
+class WrongSelection(ReferenceBackend):
+    """``return_selection`` returns F including each query's own row (the outputs are right)."""
+
+    name = "mut_wrong_selection"
+
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        if not return_selection:
+            return super().forward(plan, q, k, v, params, positions, key_mask)
+        out, f = super().forward(plan, q, k, v, params, positions, key_mask, True)
+        return out, (torch.nn.functional.pad(f[:, 1:], (0, 0, 0, 1)) if f is not None else None)
+
+
+class HalfPrecisionF(ReferenceBackend):
+    """Accumulates F in float16."""
+
+    name = "mut_half_f"
+
+    def accumulate(self, selection):
+        return super().accumulate(selection.to(torch.float16)).to(selection.dtype)
+
+
+MUTANT_BACKENDS = (CausalityLeak, BatchPooling, NanAtOneToken, GradientTenPercentOff, WrongSelection, HalfPrecisionF)
+
+
+def registry_with_mutants():
+    module = types.ModuleType("mutants")
+    module.register_backends = attnzoo.hookimpl(lambda register: [register(cls()) for cls in MUTANT_BACKENDS])
+    return new_registry(entry_points=False, extra_plugins=[("mutants", module)])
+
+
+# -- transforms ---------------------------------------------------------------------------------------------------
+class WindowDecodeOffByOne(SlidingWindow):
+    """Decoding (one query past position 1) reads the query position one too far: the window loses its oldest
+    key. (The same slip in ALiBi would be invisible: under a causal mask it shifts a whole row of logits.)"""
+
+    def allowed(self, ctx):
+        if ctx.qpos.shape[2] == 1 and bool((ctx.qpos > 1).all()):
+            ctx = dataclasses.replace(ctx, qpos=ctx.qpos + 1)
+        return super().allowed(ctx)
+
+
+class SoftcapNanAtOneKey(Softcap):
+    """Rescales by (Nk - 1) / (Nk - 1): 0/0 when a row has one key."""
+
+    def apply(self, logits, ctx, params):
+        keys = logits.shape[-1] - 1
+        return super().apply(logits, ctx, params) * keys / keys
+
+
+class SoftcapTritonGradientOff(Softcap):
+    """The torch maths is right; the Triton lowering's derivative is 10% too large."""
+
+    def triton(self):
+        cap = float(self.options.cap)
+        return TritonLogits(forward=f"{cap!r} * {tanh(f'{{x}} / {cap!r}')}",
+                            derivative=f"1.1 * (1.0 - ({{y}} / {cap!r}) * ({{y}} / {cap!r}))")
+
+
+# -- evictors -------------------------------------------------------------------------------------------------------
+class EvictsSmallestF(Selective):
+    """Evicts the smallest F instead of the largest (protection kept)."""
+
+    def victim(self, cache):
+        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=False)
+
+
+class EvictsProtected(Selective):
+    """Ranks by the largest F but ignores protection (BOS may go)."""
+
+    def victim(self, cache):
+        return pick(self.score(cache), torch.ones_like(self.protected(cache)), cache.positions, largest=True)
+
+
+def caught(registry, spec: str, backend: str, dtype: torch.dtype) -> list[runner.Result]:
+    """Run the suite's cases for one spec, backend and dtype until the first failure; return the failures."""
+    for case in runner.build_cases(registry, [spec], [backend], (dtype,)):
+        result = runner.run_case(case)
+        if result.status == "fail":
+            return [result]
+    return []
+
+
+BACKEND_MUTANTS = [
+    ("mut_causality_leak", "vanilla"),
+    ("mut_batch_pooling", "alibi"),
+    ("mut_nan_n1", "ssa"),
+    ("mut_grad_off", "selective"),
+    ("mut_wrong_selection", "selective-ssa"),
+    ("mut_half_f", "selective"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend, spec", BACKEND_MUTANTS, ids=[m[0] for m in BACKEND_MUTANTS])
+def test_planted_backend_bug_is_caught(backend, spec, dtype):
+    assert caught(registry_with_mutants(), spec, backend, dtype), f"{backend} passed the suite in {dtype}"
+
+
+TRANSFORM_MUTANTS = [
+    ("sliding_window", WindowDecodeOffByOne, "local", "transforms", "decode", "prefill + decode"),
+    ("softcap", SoftcapNanAtOneKey, "softcap", "transforms", "outputs/n1", "transform 'softcap'"),
+    ("selective", EvictsSmallestF, "selective-pruned", "evictors", "evictor", "declared rule"),
+    ("selective", EvictsProtected, "selective-pruned", "evictors", "evictor", "protected"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name, mutant, spec, category, check, message", TRANSFORM_MUTANTS,
+                         ids=[m[1].__name__ for m in TRANSFORM_MUTANTS])
+def test_planted_transform_or_evictor_bug_is_caught(name, mutant, spec, category, check, message, dtype):
+    """A plugin's own transform or evictor, run on the reference backend (its bug is shared by every backend).
+    The check that is meant for it catches it and says what it is (plugin specs have no stored vectors)."""
+    reg = registry_replacing(name, mutant, category)
+    assert caught(reg, spec, "reference", dtype), f"{mutant.__name__} passed the suite in {dtype}"
+    case = next(c for c in runner.build_cases(reg, [spec], ["reference"], (dtype,)) if c.check == check)
+    result = runner.run_case(case)
+    assert result.status == "fail" and message in result.message, result
+
+
+def test_planted_triton_gradient_bug_is_caught():
+    """The Triton lowering's derivative 10% off: caught by the gradients check in the interpreter (float32 only:
+    the Triton backend declines float64)."""
+    reg = registry_replacing("softcap", SoftcapTritonGradientOff)
+    cases = [c for c in runner.build_cases(reg, ["softcap"], ["triton"], (torch.float32,))
+             if c.check == "gradients/gqa-n63"]
+    result = runner.run_case(cases[0])
+    assert result.status == "fail" and "gradients gqa-n63: grad." in result.message, result
