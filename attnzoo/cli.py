@@ -125,7 +125,8 @@ def cmd_conformance(args) -> int:
     except OSError as exc:
         raise BadInput(f"{args.expected_failures}: cannot read: {exc.strerror or exc}") from None
     device = _device(args.device)
-    cases = runner.build_cases(reg, specs, backends, dtypes, seed=args.seed, device=device)
+    cases = runner.build_cases(reg, args.specs, args.backend, dtypes, plugin=args.plugin, seed=args.seed,
+                               device=device)
     console = Console(width=150, stderr=False)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
                   transient=True, disable=not console.is_terminal) as progress:

@@ -209,10 +209,11 @@ def test_conformance_float32(spec):
 
 @pytest.mark.parametrize("spec", ["selective-ssa", "softcap", "h2o"])
 def test_conformance_float16(spec):
-    shapes = [s for s in SMALL_SHAPES if s.id in ("gqa-n63", "masked-rows-n33")]
-    results = runner.run_suite(_triton_cases([spec], torch.float16, shapes))
+    results = runner.run_suite(_triton_cases([spec], torch.float16, SMALL_SHAPES))
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
+    assert {"outputs/offset-gaps-n45", "gradients/offset-gaps-n45", "decode"} <= {
+        r.check for r in results if r.status == "pass"}
 
 
 class WrongSoftcapDerivative(Softcap):

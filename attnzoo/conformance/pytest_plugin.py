@@ -83,9 +83,10 @@ class ConformanceCollector(pytest.Collector):
         from . import runner
 
         config = self.config
-        reg, specs, backends, dtypes = _selection(config)
-        cases = runner.build_cases(reg, specs, backends, dtypes, seed=config.getoption("--attnzoo-seed"),
-                                   device=config.getoption("--attnzoo-device"))
+        reg, _, _, dtypes = _selection(config)
+        cases = runner.build_cases(reg, config.getoption("--attnzoo-spec"), config.getoption("--attnzoo-backend"),
+                                   dtypes, plugin=config.getoption("--attnzoo-plugin"),
+                                   seed=config.getoption("--attnzoo-seed"), device=config.getoption("--attnzoo-device"))
         expected = runner.read_expected_failures(config.getoption("--attnzoo-expected-failures"))
         used: set[str] = set()
         for case in cases:

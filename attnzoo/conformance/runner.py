@@ -91,18 +91,20 @@ def _add_case(cases: list[Case], target: checks.Target, decline_fails: bool, che
 
 
 def _flags(shape: checks.Shape) -> tuple[str, ...]:
-    if shape.masked_rows:
-        return ("masked-row",)
+    flags = ("masked-row",) if shape.masked_rows else ()
     if shape.offset:
-        return ("offset-positions", "gqa")
-    return ("long",) if shape.length >= 1000 else ("odd-length",)
+        flags += ("offset-positions", "gqa")
+    if shape.length >= 1000:
+        flags += ("long",)
+    return flags or ("odd-length",)
 
 
 def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0,
                 device: str = "cpu") -> list[Case]:
     """Every case of a run. float64 and float32 get every check; float16 and bfloat16 (for backends that claim
-    them) a smaller set: outputs and gradients on a few shapes, ``return_selection`` and decoding. When
-    ``backends`` are named, a backend that declines a plugin's spec outright fails (docs/conformance.md)."""
+    them) a smaller set: outputs and gradients on :data:`checks.HALF_SHAPES`, ``return_selection`` and decoding.
+    ``specs``, ``backends`` and ``plugin`` are what the user named (None: all); when ``backends`` are named, a
+    backend that declines a plugin's spec outright fails (docs/conformance.md)."""
     spec_names, backend_names = select(registry, specs, backends, plugin)
     cases = []
     for backend in backend_names:

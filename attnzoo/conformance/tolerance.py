@@ -24,8 +24,8 @@ QUANTILE = 0.99
 FLOOR = {
     torch.float64: 1e-10,
     torch.float32: 5e-4,
-    torch.float16: 2e-3,
-    torch.bfloat16: 2e-2,
+    torch.float16: 5e-3,
+    torch.bfloat16: 4e-2,
 }
 SCALE_MIN = 1e-2  # the smallest magnitude the floor is taken relative to (inputs are O(1))
 
