@@ -199,7 +199,7 @@ def _triton_cases(specs, dtype, shapes, registry=None):
 def test_conformance_float32(spec):
     """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), 127, masked rows and offset
     positions, return_selection, causality, batch invariance, prefill + decode, the evictor, determinism.
-    (N = 300, N = 1,030 and float16 in full run in `make conformance-triton`.)"""
+    (N = 1,030 and float16 in full run in `make conformance-triton`.)"""
     results = runner.run_suite(_triton_cases([spec], torch.float32, SMALL_SHAPES))
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]

@@ -56,9 +56,9 @@ DIFFERENTIAL_SHAPES = (
     Shape("gqa-n63", 2, 4, 2, 63, 8),
     Shape("n127", 1, 2, 2, 127, 16),
     Shape("masked-rows-n33", 2, 2, 1, 33, 8, masked_rows=True),
-    Shape("gqa-n300", 1, 4, 2, 300, 8),  # more than one 256-query block
     Shape("offset-gaps-n45", 2, 4, 2, 45, 8, masked_rows=True, offset=True),  # and a row with no key
-    Shape("n1030", 1, 2, 1, 1030, 8),  # several blocks of every backend (blocked 256, flex 128, triton <= 64)
+    # GQA over several blocks of every backend (blocked 256 queries, flex 128, triton <= 64)
+    Shape("gqa-n1030", 1, 2, 1, 1030, 8),
 )
 #: The shapes checked in float16 and bfloat16: one that has GQA, a masked row and positions past float16's range
 #: (each shape costs a compilation per dtype in the compiling backends, so the default run stays short).
