@@ -330,3 +330,18 @@ def test_compile_for_a_gpu_without_one(tmp_path):
 
 def test_compile_for_refuses_the_interpreter():
     assert main(["build", "vanilla", "--compile-for", "90"]) == 2
+
+
+def test_gpu_check_runs_the_conformance_suite(capsys):
+    """benchmarks/gpu_check.py holds the kernels to the conformance suite itself (here in the interpreter)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    failures = gpu_check.run_checks(["selective"], torch.device("cpu"), [torch.float32], smoke=True)
+    assert failures == {"selective": []}
+    out = capsys.readouterr().out
+    assert f"({len(gpu_check.SMOKE_CHECKS)} pass)" in out
