@@ -41,7 +41,7 @@ bench: $(STAMP)
 build: $(STAMP)
 	$(BIN)/attnzoo build
 
-# the whole conformance suite for the triton backend in Triton's interpreter, float32 and float16 (~15 min on 2 cores)
+# the whole conformance suite for the triton backend in Triton's interpreter, float32 and float16 (~9 min on 2 cores)
 conformance-triton: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/attnzoo conformance --backend triton --dtype float32 --dtype float16 \
 		--report benchmarks/results/conformance-triton.md
