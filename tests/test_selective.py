@@ -1,4 +1,4 @@
-"""Selective attention (PAPERS.md §2) against hand-computed cases; the known bugs are caught."""
+"""Selective attention (docs/papers.md §2) against hand-computed cases; the known bugs are caught."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""SSA temperatures (PAPERS.md §1) against hand-computed cases, and their properties."""
+"""SSA temperatures (docs/papers.md §1) against hand-computed cases, and their properties."""
 
 import math
 

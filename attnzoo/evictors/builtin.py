@@ -1,4 +1,4 @@
-"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (PAPERS.md §2-3)."""
+"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3)."""
 
 from __future__ import annotations
 

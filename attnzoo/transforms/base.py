@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, create_model
 
 
 class Slot(str, enum.Enum):
-    """Where in the attention computation a transform acts (see DESIGN.md)."""
+    """Where in the attention computation a transform acts (docs/specs.md: slots and their order)."""
 
     QUERY = "query"
     KEY = "key"

@@ -1,4 +1,4 @@
-"""Selective attention (Leviathan, Kalman, Matias; ICLR 2025), PAPERS.md §2.
+"""Selective attention (Leviathan, Kalman, Matias; ICLR 2025), docs/papers.md §2.
 
 ``S[k, j] = ReLU(l[selector, k, j])`` on the masked logits of the selector head, with ``S[k, BOS] = 0`` and
 ``S[k, k] = 0``; ``F[i, j] = sum_{k < i} S[k, j]`` (over strictly earlier *queries*) is subtracted from every
@@ -70,7 +70,7 @@ def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tenso
 
 def memory_loss(selection_masks: list[torch.Tensor] | tuple[torch.Tensor, ...], tau: float = 1.0,
                 eps: float = 0.1) -> torch.Tensor:
-    """The auxiliary memory loss of selective attention (PAPERS.md §2; tau and eps are [open] constants):
+    """The auxiliary memory loss of selective attention (docs/papers.md §2; tau and eps are [open] constants):
 
     ``eps * (sum over layers of max_i M_i) / (num_layers * N)``, averaged over the batch.
     ``selection_masks`` holds one F per layer, each (B, N, N) (or (N, N)); add the result to the LM loss.

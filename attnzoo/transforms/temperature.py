@@ -1,7 +1,7 @@
 """SSA temperatures (Zhang et al., NeurIPS 2024): a per-token, per-head inverse temperature on queries, keys or
 values, ``t = t_pos(i) + t_tok(x)`` with ``t_pos(i) = 1 + c * log(i)`` and ``t_tok(x) = tanh(u_h · GELU(x))``.
 
-Certain (PAPERS.md §1): the decomposition, weight sharing (x is the head's own query/key/value row), absolute
+Certain (docs/papers.md §1): the decomposition, weight sharing (x is the head's own query/key/value row), absolute
 1-based positions. Options for the [open] choices: ``position_coefficient`` (``gompertz`` c = exp(-exp(b)), the
 authors' code and the default; ``sigmoid`` c = sigmoid(b); ``linear`` c = b) and ``token_weight`` (``per_head``
 default, or one ``shared`` vector). Initial values: u = 0 (token term exactly 0) and b = 2.0 for gompertz
