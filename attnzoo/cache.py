@@ -148,4 +148,3 @@ class KVCache:
             self.evictor.update(self, probs.detach().to(wide) if probs is not None else None)
             while self.over_budget():
                 self.evict()
-        self.state = {name: t.detach() for name, t in self.state.items()}

@@ -127,7 +127,7 @@ def _backend_problem(backend: Any) -> str | None:
         return None
     if "requires_grad" in params:
         return ("supports() takes (plan, device, dtype, mode) with mode 'forward', 'backward' or 'decode' "
-                "(it was given requires_grad before attnzoo 0.2)")
+                "(older attnzoo passed requires_grad)")
     modes = getattr(backend, "modes", None)
     if not isinstance(modes, (set, frozenset)) or not modes or not all(isinstance(m, Mode) for m in modes):
         return f"modes must be a non-empty frozenset of attnzoo.backends.base.Mode, got {modes!r}"

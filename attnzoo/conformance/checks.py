@@ -19,7 +19,7 @@ from ..plan import check_positions, check_qkv
 from . import eviction
 from .tolerance import check_close
 from .trace import culprit
-from .vectors import VectorCase, load, make_inputs, params_of, run_case
+from .vectors import VectorCase, load, make_inputs, params_of, run_batch, run_case
 
 HALF = (torch.float16, torch.bfloat16)
 #: First position of the offset shapes: past float16's largest finite value (65,504).
@@ -129,37 +129,6 @@ def _random_case(target: Target, shape: Shape) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _batch(variant: Variant, inputs: dict, dtype, grad: bool, device="cpu", selection: bool = False
-           ) -> dict[str, torch.Tensor]:
-    """The batch form on ``inputs`` (float64, CPU) cast to ``dtype`` and moved to ``device``: out, and the
-    gradients of q, k, v and every parameter (``grad``), or F (``selection``)."""
-    # copies: the inputs are shared through the memo, and requires_grad_ below must not touch them
-    q, k, v = (inputs[n].to(device=device, dtype=dtype, copy=True) for n in ("q", "k", "v"))
-    params = {key: p.to(device=device, copy=True) for key, p in params_of(inputs, dtype).items()}
-    positions = inputs.get("positions")
-    positions = positions.to(device) if positions is not None else None
-    key_mask = inputs.get("key_mask")
-    key_mask = key_mask.to(device) if key_mask is not None else None
-    if not grad:
-        with torch.no_grad():
-            result = variant(q, k, v, params=params, positions=positions, key_mask=key_mask,
-                             return_selection=selection)
-        if selection:
-            return {"out": result[0], "F": result[1]}
-        return {"out": result}
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    for p in params.values():
-        p.requires_grad_()
-    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask)
-    grads = torch.autograd.grad(out, [q, k, v, *params.values()], inputs["cotangent"].to(device=device, dtype=dtype),
-                                allow_unused=True)
-    result = {"out": out.detach()}
-    wrt = {"q": q, "k": k, "v": v, **{f"param.{key}": p for key, p in params.items()}}
-    for (name, x), g in zip(wrt.items(), grads, strict=True):
-        result[f"grad.{name}"] = g.detach() if g is not None else torch.zeros_like(x).detach()
-    return result
-
-
 def _trace(target: Target, inputs: dict, dtype) -> str | None:
     variant = target.reference()
     q, k, v = (inputs[n].to(dtype) for n in ("q", "k", "v"))
@@ -218,12 +187,12 @@ def check_differential(target: Target, shape: Shape, grad: bool) -> None:
     target.require(grad=grad)
     inputs = _random_case(target, shape)
     truth = _memo(target, ("batch", shape, grad, torch.float64),
-                  lambda: _batch(target.reference(), inputs, torch.float64, grad))
+                  lambda: run_batch(target.reference(), inputs, torch.float64, grad))
     low = None
     if target.dtype != torch.float64:
         low = _memo(target, ("batch", shape, grad, target.dtype),
-                    lambda: _batch(target.reference(), inputs, target.dtype, grad))
-    got = _batch(target.variant(), inputs, target.dtype, grad, target.device)
+                    lambda: run_batch(target.reference(), inputs, target.dtype, grad))
+    got = run_batch(target.variant(), inputs, target.dtype, grad, target.device)
     _compare(target, f"{'gradients' if grad else 'outputs'} {shape.id}", got, truth, low, inputs)
 
 
@@ -235,12 +204,12 @@ def check_selection(target: Target) -> None:
     shape = Shape("selection", 2, 4, 2, 45, 8, offset=True)
     inputs = _random_case(target, shape)
     truth = _memo(target, ("selection", torch.float64),
-                  lambda: _batch(target.reference(), inputs, torch.float64, False, selection=True))
+                  lambda: run_batch(target.reference(), inputs, torch.float64, False, selection=True))
     low = None
     if target.dtype != torch.float64:
         low = _memo(target, ("selection", target.dtype),
-                    lambda: _batch(target.reference(), inputs, target.dtype, False, selection=True))
-    got = _batch(target.variant(), inputs, target.dtype, False, target.device, selection=True)
+                    lambda: run_batch(target.reference(), inputs, target.dtype, False, selection=True))
+    got = run_batch(target.variant(), inputs, target.dtype, False, target.device, selection=True)
     if got["F"] is None:
         raise AssertionError("return_selection: F is None for a spec with an accumulator")
     wide = (torch.float32, torch.float64)
@@ -262,8 +231,8 @@ def check_causality(target: Target) -> None:
         noise = torch.randn(changed[name][:, :, 25:].shape, generator=gen, dtype=torch.float64)
         changed[name] = torch.cat([changed[name][:, :, :25], changed[name][:, :, 25:] + 3 * noise], dim=2)
     variant = target.variant()
-    a = _batch(variant, inputs, target.dtype, False, target.device)["out"][:, :, :25]
-    b = _batch(variant, changed, target.dtype, False, target.device)["out"][:, :, :25]
+    a = run_batch(variant, inputs, target.dtype, False, target.device)["out"][:, :, :25]
+    b = run_batch(variant, changed, target.dtype, False, target.device)["out"][:, :, :25]
     check_close("causality: outputs before the perturbed tokens", b, a.to(torch.float64), None, target.dtype)
 
 
@@ -272,10 +241,10 @@ def check_batch_invariance(target: Target) -> None:
     target.require()
     inputs = _random_case(target, Shape("batch", 3, 2, 1, 21, 8))
     variant = target.variant()
-    whole = _batch(variant, inputs, target.dtype, False, target.device)["out"]
+    whole = run_batch(variant, inputs, target.dtype, False, target.device)["out"]
     for row in range(3):
         alone = {k: (v[row:row + 1] if k in ("q", "k", "v") else v) for k, v in inputs.items()}
-        one = _batch(variant, alone, target.dtype, False, target.device)["out"]
+        one = run_batch(variant, alone, target.dtype, False, target.device)["out"]
         check_close(f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, target.dtype)
 
 
@@ -314,20 +283,14 @@ def check_decode(target: Target) -> None:
     for first in (1, OFFSET):
         inputs = {**base, "positions": torch.arange(first, first + n)}
         truth = _memo(target, ("decode-truth", first),
-                      lambda inputs=inputs: _batch(target.reference(), inputs, torch.float64, False))["out"]
+                      lambda inputs=inputs: run_batch(target.reference(), inputs, torch.float64, False))["out"]
         low = None
         if target.dtype != torch.float64:
             low = _memo(target, ("decode-low", first, target.dtype),
-                        lambda inputs=inputs: _batch(target.reference(), inputs, target.dtype, False))["out"]
+                        lambda inputs=inputs: run_batch(target.reference(), inputs, target.dtype, False))["out"]
         got, _, _ = _decode(target.variant(), inputs, target.dtype, target.device, prefill=11, first_position=first)
-        try:
-            check_close(f"prefill + decode from position {first} vs batch", got, truth, low, target.dtype)
-        except AssertionError as exc:
-            blame = _trace(target, inputs, target.dtype) if "non-finite" in str(exc) else None
-            if blame:
-                raise AssertionError(f"prefill + decode from position {first}: {blame} (the transform's own "
-                                     f"maths, not the backend)") from None
-            raise
+        _compare(target, f"prefill + decode from position {first} vs batch", {"out": got}, {"out": truth},
+                 {"out": low} if low is not None else None, inputs)
 
 
 def check_evictor(target: Target) -> None:
@@ -341,11 +304,11 @@ def check_evictor(target: Target) -> None:
     eviction.check_rule_on_crafted_caches(lambda: variant.plan.evictor_cls(target.spec.cache), (2, 5, 8),
                                           "accumulator" in target.spec.slots(), target.generator("crafted"))
     inputs = _random_case(target, Shape("evict", 1, 2, 1, 24, 8))
-    truth = _memo(target, ("evict-truth",), lambda: _batch(target.reference(), inputs, torch.float64, False))["out"]
+    truth = _memo(target, ("evict-truth",), lambda: run_batch(target.reference(), inputs, torch.float64, False))["out"]
     low = None
     if target.dtype != torch.float64:
         low = _memo(target, ("evict-low", target.dtype),
-                    lambda: _batch(target.reference(), inputs, target.dtype, False))["out"]
+                    lambda: run_batch(target.reference(), inputs, target.dtype, False))["out"]
     full, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=24, watch=True)
     check_close("budget >= N", full, truth, low, target.dtype)
     if cache.evicted or problems:
@@ -375,8 +338,8 @@ def check_determinism(target: Target) -> None:
         raise Unsupported(f"backend '{target.backend}' does not claim determinism")
     target.require(grad=True)
     inputs = _random_case(target, Shape("determinism", 1, 2, 1, 37, 8))
-    first = _batch(target.variant(), inputs, target.dtype, True, target.device)
-    second = _batch(target.variant(), inputs, target.dtype, True, target.device)
+    first = run_batch(target.variant(), inputs, target.dtype, True, target.device)
+    second = run_batch(target.variant(), inputs, target.dtype, True, target.device)
     for key in first:
         if not _same(first[key], second[key]):
             raise AssertionError(f"determinism: {key} differs between two identical runs")

@@ -91,6 +91,37 @@ def params_of(tensors: dict[str, torch.Tensor], dtype=None, requires_grad=False)
     return out
 
 
+def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection: bool = False
+           ) -> dict[str, torch.Tensor]:
+    """The batch form on ``inputs`` (float64, CPU) cast to ``dtype`` and moved to ``device``: out, and the
+    gradients of q, k, v and every parameter (``grad``), or F (``selection``)."""
+    # copies: the inputs are shared through the memo, and requires_grad_ below must not touch them
+    q, k, v = (inputs[n].to(device=device, dtype=dtype, copy=True) for n in ("q", "k", "v"))
+    params = {key: p.to(device=device, copy=True) for key, p in params_of(inputs, dtype).items()}
+    positions = inputs.get("positions")
+    positions = positions.to(device) if positions is not None else None
+    key_mask = inputs.get("key_mask")
+    key_mask = key_mask.to(device) if key_mask is not None else None
+    if not grad:
+        with torch.no_grad():
+            result = variant(q, k, v, params=params, positions=positions, key_mask=key_mask,
+                             return_selection=selection)
+        if selection:
+            return {"out": result[0], "F": result[1]}
+        return {"out": result}
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for p in params.values():
+        p.requires_grad_()
+    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask)
+    grads = torch.autograd.grad(out, [q, k, v, *params.values()], inputs["cotangent"].to(device=device, dtype=dtype),
+                                allow_unused=True)
+    result = {"out": out.detach()}
+    wrt = {"q": q, "k": k, "v": v, **{f"param.{key}": p for key, p in params.items()}}
+    for (name, x), g in zip(wrt.items(), grads, strict=True):
+        result[f"grad.{name}"] = g.detach() if g is not None else torch.zeros_like(x).detach()
+    return result
+
+
 def run_case(variant, case: VectorCase, tensors: dict[str, torch.Tensor], dtype=torch.float64):
     """Run one case on ``variant``; returns the results as a dict of tensors (out, grad.*, kept positions)."""
     q, k, v = (tensors[name].to(dtype) for name in ("q", "k", "v"))
@@ -101,15 +132,7 @@ def run_case(variant, case: VectorCase, tensors: dict[str, torch.Tensor], dtype=
             steps = [variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params)
                      for i in range(case.length)]
         return {"out": torch.cat(steps, dim=2), "kept_positions": cache.positions.clone()}
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    params = params_of(tensors, dtype, requires_grad=True)
-    out = variant(q, k, v, params=params, key_mask=tensors.get("key_mask"))
-    grads = torch.autograd.grad(out, [q, k, v, *params.values()], tensors["cotangent"].to(dtype),
-                                allow_unused=True)
-    result = {"out": out.detach()}
-    for name, grad in zip(["q", "k", "v", *(f"param.{p}" for p in params)], grads, strict=True):
-        result[f"grad.{name}"] = grad if grad is not None else torch.zeros_like(tensors.get(name, q))
-    return result
+    return run_batch(variant, tensors, dtype, grad=True)
 
 
 def generate(spec, registry=None) -> tuple[bytes, str]:
