@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import nn  # ``attnzoo.nn`` works after ``import attnzoo``
 from .backends.base import Backend
 from .cache import KVCache
 from .dispatch import Variant, attention, compile, explain
@@ -32,5 +33,5 @@ __all__ = [
     "KVCache", "LogitsTransform", "MaskTransform", "ParamSpec", "PluginError", "Registry", "RowScaleTransform",
     "Slot", "Spec", "SpecError", "Transform", "TransformOptions", "UnsupportedError", "Variant", "__version__",
     "attention", "compile", "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss",
-    "new_registry",
+    "new_registry", "nn",
 ]

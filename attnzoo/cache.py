@@ -1,7 +1,18 @@
-"""The decode-time KV cache: keys, values, absolute positions and per-token scores, evicting permanently.
+"""The decode-time KV cache: transformed keys and values, absolute positions and per-token scores, evicting
+permanently.
 
 Every (batch row, key/value head) holds the same number of tokens, so the cache stays dense: (B, H_kv, M, D).
 Evictors that keep one set per layer drop the same token in every head; per-head evictors (H2O) may differ.
+
+What is stored (docs/decoding.md): the keys and values *after* the key and value slots' row transforms (SSA's
+temperatures), computed once per token when it is appended, never again; rows live in buffers that grow by
+doubling, so appending a token copies one row, not the cache. The transforms' parameters are assumed constant
+while a cache is in use: a cache remembers which parameter tensors (and versions) transformed its rows and refuses,
+with one line, a step that brings different ones.
+
+Padding (left-padded batches, per-row positions): ``prefill``/``decode`` take a key mask for the new tokens.
+Positions are per row: the first real token of each row is position 1 (the protected BOS), padding tokens are
+never attended and are the first tokens evicted; they take the position of the next real token of their row.
 
 Numerics (docs/backends.md, "Numerics contract"): per-token scores (selective attention's F, evictor scores) are
 accumulated over every decode step, so they are kept in :func:`accumulator_dtype` (at least float32), whatever the
@@ -24,13 +35,23 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def new_token_positions(start: torch.Tensor, count: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Positions (B, count) of ``count`` new tokens for rows whose next position is ``start`` (B,): consecutive,
+    or with ``key_mask`` (B, count) real tokens consecutive and each padding token at the next real one's."""
+    if key_mask is None:
+        return start[:, None] + torch.arange(count, device=start.device)
+    real = key_mask.to(torch.int64)
+    return start[:, None] + real.cumsum(-1) - real
+
+
 class KVCache:
     """A cache for one attention layer. Create it with ``variant.new_cache(batch=B, budget=K)``.
 
-    ``keys``/``values``: (B, H_kv, M, D) raw rows (transforms are applied when attending); ``positions``:
-    (B, H_kv, M) int64; ``state[name]``: (B, H_kv, M) per-token scores kept by the accumulator and the evictor, in
-    ``accumulator_dtype(keys.dtype)``. ``budget=None`` never evicts. Between decode steps every tensor is
-    detached from autograd (:meth:`settle`); during a step the rows just appended may still carry gradient.
+    ``keys``/``values``: (B, H_kv, M, D) rows after the key/value transforms; ``positions``: (B, H_kv, M) int64;
+    ``valid``: (B, H_kv, M) bool, False for padding, or None when every token is real; ``state[name]``:
+    (B, H_kv, M) per-token scores kept by the accumulator and the evictor, in ``accumulator_dtype(keys.dtype)``;
+    ``next_position``: (B,) int64, the position the next real token of each row gets. ``budget=None`` never
+    evicts. Between decode steps every tensor is detached from autograd (:meth:`settle`).
     """
 
     def __init__(self, batch: int, budget: int | None, evictor=None, state_names: tuple[str, ...] = ()) -> None:
@@ -42,92 +63,288 @@ class KVCache:
         self.budget = budget
         self.evictor = evictor
         self.state_names = tuple(state_names)
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
-        self.next_position = 1
+        self.valid: torch.Tensor | None = None
         self.evicted = 0
+        self.params_key: tuple | None = None
+        self._k: torch.Tensor | None = None  # buffers (B, H_kv, capacity, D); the first _m slots hold tokens
+        self._v: torch.Tensor | None = None
+        self._pos: torch.Tensor | None = None
+        self._m = 0
+        self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rows with gradient
+        self._next: torch.Tensor | int = 1
+        self._last: torch.Tensor | None = None  # positions of the tokens appended last
+
+    # -- storage --------------------------------------------------------------------------------------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._live is not None:
+            return self._live[0]
+        return None if self._k is None else self._k[:, :, :self._m]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor) -> None:
+        self._k = value.detach()
+        self._m = value.shape[2]
+        self._live = None
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._live is not None:
+            return self._live[1]
+        return None if self._v is None else self._v[:, :, :self._m]
+
+    @values.setter
+    def values(self, value: torch.Tensor) -> None:
+        self._v = value.detach()
+        self._live = None
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        return None if self._pos is None else self._pos[:, :, :self._m]
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._pos = value
+
+    @property
+    def next_position(self) -> torch.Tensor:
+        """(B,) int64: the position the next real token of each row takes."""
+        if isinstance(self._next, int):
+            device = self._k.device if self._k is not None else None
+            return torch.full((self.batch,), self._next, dtype=torch.int64, device=device)
+        return self._next
+
+    @next_position.setter
+    def next_position(self, value) -> None:
+        """An int (every row) or a (B,) tensor; set before the first token to start at an offset."""
+        if isinstance(value, torch.Tensor):
+            if value.shape != (self.batch,):
+                raise ValueError(f"next_position must have shape ({self.batch},), got {tuple(value.shape)}")
+            value = value.to(torch.int64)
+        elif int(value) < 1:
+            raise ValueError(f"positions are 1-based: next_position must be >= 1, got {value}")
+        self._next = value if isinstance(value, torch.Tensor) else int(value)
+
+    def _grow(self, need: int) -> None:
+        """Make room for ``need`` tokens, doubling the buffers (so appends cost one row, amortised)."""
+        capacity = self._k.shape[2]
+        if need <= capacity:
+            return
+        new_capacity = max(need, 2 * capacity, 16)
+        if self.budget is not None and self.evictor is not None:
+            new_capacity = max(need, min(new_capacity, self.budget + 1))
+
+        def grown(buf: torch.Tensor) -> torch.Tensor:
+            out = buf.new_empty(*buf.shape[:2], new_capacity, *buf.shape[3:])
+            out[:, :, :self._m] = buf[:, :, :self._m]
+            return out
+
+        self._k, self._v, self._pos = grown(self._k), grown(self._v), grown(self._pos)
 
     # -- reporting -----------------------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self._m
 
     @property
     def num_tokens(self) -> int:
-        """Tokens held per (batch row, key/value head)."""
-        return len(self)
+        """Tokens held per (batch row, key/value head), padding included."""
+        return self._m
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by keys, values, positions and per-token scores."""
-        tensors = [self.keys, self.values, self.positions, *self.state.values()]
+        """Bytes held by keys, values, positions, validity and per-token scores (the tokens held, not the spare
+        capacity of the buffers: see :attr:`capacity_bytes`)."""
+        tensors = [self.keys, self.values, self.positions, self.valid, *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes allocated, spare room of the growing buffers included."""
+        tensors = [self._k, self._v, self._pos, self.valid, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def memory(self) -> dict:
+        """A report: tokens held per row and head, budget, tokens evicted, bytes held and allocated."""
+        return {"tokens": self._m, "budget": self.budget, "evicted": self.evicted, "bytes": self.nbytes,
+                "allocated_bytes": self.capacity_bytes}
+
     def over_budget(self) -> bool:
-        return self.budget is not None and len(self) > self.budget
+        return self.budget is not None and self._m > self.budget
 
     def __repr__(self) -> str:
-        return (f"KVCache(batch={self.batch}, tokens={len(self)}, budget={self.budget}, "
-                f"next_position={self.next_position}, bytes={self.nbytes})")
+        nxt = self._next if isinstance(self._next, int) else self._next.tolist()
+        return (f"KVCache(batch={self.batch}, tokens={self._m}, budget={self.budget}, "
+                f"next_position={nxt}, bytes={self.nbytes})")
 
     # -- mutation -------------------------------------------------------------------------------------------------
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append T tokens: key, value (B, H_kv, T, D), at the next T positions. New per-token scores are 0 (in
-        ``accumulator_dtype(key.dtype)``).
+    def append(self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append T tokens: key, value (B, H_kv, T, D) as they are to be attended (already transformed), at the
+        next positions of each row (see :func:`new_token_positions`). Returns their positions (B, T). New
+        per-token scores are 0 (in ``accumulator_dtype(key.dtype)``).
 
-        The new rows are kept as given until :meth:`settle` (so the step's output can reach them); rows from
-        earlier steps are detached here too, in case a backend never settled."""
-        count = key.shape[2]
-        new_pos = torch.arange(self.next_position, self.next_position + count, device=key.device)
-        new_pos = new_pos.expand(*key.shape[:2], count)
-        if self.keys is None:
-            if key.shape[0] != self.batch:
-                raise ValueError(f"cache was made for batch {self.batch}, got k of batch {key.shape[0]}")
-            self.keys, self.values = key, value
-            shape = key.shape[:3]
-            self.positions = new_pos.clone()
-            dtype = accumulator_dtype(key.dtype)
-            self.state = {n: torch.zeros(shape, dtype=dtype, device=key.device) for n in self.state_names}
+        Rows that carry gradient are attended as given during this step (:meth:`settle` drops them); the
+        buffers only ever hold detached copies."""
+        b, hkv, count, d = key.shape
+        if b != self.batch:
+            raise ValueError(f"cache was made for batch {self.batch}, got k of batch {b}")
+        if key_mask is not None and bool(key_mask.all()):
+            key_mask = None
+        if key_mask is None and isinstance(self._next, int):
+            new_pos = torch.arange(self._next, self._next + count, device=key.device).expand(b, count)
+            self._next += count
         else:
-            if key.shape[:2] != self.keys.shape[:2] or key.shape[3] != self.keys.shape[3]:
-                raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
-            if key.dtype != self.keys.dtype:
-                raise ValueError(f"k has dtype {key.dtype} but the cache holds {self.keys.dtype}")
-            self.keys = torch.cat([self.keys.detach(), key], dim=2)
-            self.values = torch.cat([self.values.detach(), value], dim=2)
-            self.positions = torch.cat([self.positions, new_pos], dim=2)
-            for name, t in self.state.items():
-                self.state[name] = torch.cat([t.detach(), t.new_zeros(*t.shape[:2], count)], dim=2)
-        self.next_position += count
+            start = self.next_position.to(key.device)
+            new_pos = new_token_positions(start, count, key_mask)
+            self._next = start + (count if key_mask is None else key_mask.sum(-1))
+        old = self._m
+        if self._k is None:
+            self._k = key.new_empty(b, hkv, 0, d)
+            self._v = value.new_empty(b, hkv, 0, d)
+            self._pos = torch.empty(b, hkv, 0, dtype=torch.int64, device=key.device)
+            wide = accumulator_dtype(key.dtype)
+            self.state = {n: torch.zeros(b, hkv, 0, dtype=wide, device=key.device) for n in self.state_names}
+        elif key.shape[1] != self._k.shape[1] or key.shape[3] != self._k.shape[3]:
+            raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
+        elif key.dtype != self._k.dtype:
+            raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
+        self._grow(old + count)
+        with torch.no_grad():
+            self._k[:, :, old:old + count] = key
+            self._v[:, :, old:old + count] = value
+            self._pos[:, :, old:old + count] = new_pos.unsqueeze(1)
+        self._m = old + count
+        self._last = new_pos
+        for name, t in self.state.items():
+            self.state[name] = torch.cat([t.detach(), t.new_zeros(b, hkv, count)], dim=2)
+        if key_mask is not None or self.valid is not None:
+            new_valid = (key_mask if key_mask is not None else torch.ones(b, count, dtype=torch.bool,
+                                                                          device=key.device))
+            new_valid = new_valid.to(key.device).unsqueeze(1).expand(b, hkv, count)
+            previous = self.valid if self.valid is not None else torch.ones(b, hkv, old, dtype=torch.bool,
+                                                                            device=key.device)
+            self.valid = torch.cat([previous, new_valid], dim=2)
+        if key.requires_grad or value.requires_grad:
+            self._live = (torch.cat([self._k[:, :, :old], key], dim=2), torch.cat([self._v[:, :, :old], value], dim=2))
+        else:
+            self._live = None
+        return new_pos
+
+    def key_mask(self) -> torch.Tensor | None:
+        """(B, M) bool, False for padding tokens, or None when every cached token is real."""
+        return None if self.valid is None else self.valid[:, 0]
 
     def remove(self, victim: torch.Tensor) -> None:
         """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""
-        m = len(self)
-        keep = torch.arange(m - 1, device=victim.device).view(1, 1, -1)
-        keep = keep + (keep >= victim.unsqueeze(-1)).long()
-        self.keys = self.keys.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[3]))
-        self.values = self.values.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, self.values.shape[3]))
-        self.positions = self.positions.gather(2, keep)
+        keep = torch.arange(self._m - 1, device=victim.device).view(1, 1, -1)
+        self._keep(keep + (keep >= victim.unsqueeze(-1)).long())
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Keep the slots ``keep`` (B, H_kv, M') (ascending) of every row and head, in place."""
+        m, kept = self._m, keep.shape[-1]
+        self._live = None
+        idx = keep.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
+        self._k[:, :, :kept] = self._k[:, :, :m].gather(2, idx)
+        self._v[:, :, :kept] = self._v[:, :, :m].gather(2, idx)
+        self._pos[:, :, :kept] = self._pos[:, :, :m].gather(2, keep)
+        self._m = kept
         self.state = {name: t.gather(2, keep) for name, t in self.state.items()}
-        self.evicted += 1
+        if self.valid is not None:
+            self.valid = self.valid.gather(2, keep)
+            if bool(self.valid.all()):
+                self.valid = None
+        self.evicted += m - kept
 
     def evict(self) -> None:
-        """Ask the evictor for one victim per row and drop it."""
-        self.remove(self.evictor.victim(self))
+        """Drop one token per row: a padding token first (the oldest), else the evictor's victim."""
+        victim = self.evictor.victim(self) if self.evictor is not None else None
+        if self.valid is not None:
+            padding = ~self.valid
+            first_pad = padding.to(torch.int8).argmax(-1)
+            victim = first_pad if victim is None else torch.where(padding.any(-1), first_pad, victim)
+        self.remove(victim)
 
-    # -- one decoding step, the part every backend shares ------------------------------------------------------
-    def admit(self, key: torch.Tensor, value: torch.Tensor, evict_first: bool) -> None:
-        """Append T tokens; an evictor that works before attention (selective, sink + window) evicts now."""
-        self.append(key, value)
-        if evict_first and self.evictor is not None and not self.evictor.evict_after_attention:
+    def evict_to_budget(self) -> None:
+        """Evict until the budget holds: padding first, then by the evictor's rule. An evictor that declares
+        ``independent_scores`` (removing a token changes no other token's score or protection) and keeps the
+        default :meth:`~attnzoo.Evictor.victim` has all its victims chosen at once (the same tokens, in one
+        gather instead of one per token); any other evicts one token at a time."""
+        excess = self._m - self.budget if self.budget is not None else 0
+        if excess <= 0:
+            return
+        evictor = self.evictor
+        from .evictors.base import Evictor  # the cache is below the evictors in the import graph
+
+        rule_only = getattr(getattr(evictor, "victim", None), "__func__", None) is Evictor.victim
+        if excess == 1 or not rule_only or not evictor.independent_scores:
             while self.over_budget():
                 self.evict()
+        else:
+            positions = self.positions
+            score = evictor.score(self)
+            eligible = ~evictor.protected(self)
+            if not evictor.largest:
+                score = -score
+            # victims first: padding, then eligible tokens by score (largest first), ties to the oldest position
+            order = positions.argsort(dim=-1, stable=True)
+            order = order.gather(-1, score.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+            order = order.gather(-1, eligible.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True,
+                                                                                        stable=True))
+            if self.valid is not None:
+                pad = (~self.valid).gather(-1, order).to(torch.int8)
+                order = order.gather(-1, pad.argsort(dim=-1, descending=True, stable=True))
+            doomed = torch.zeros_like(eligible).scatter_(-1, order[..., :excess], True)
+            self._keep(torch.argsort(doomed.to(torch.int8), dim=-1, stable=True)[..., :self._m - excess])
+        self._compact()
+
+    def _compact(self) -> None:
+        """Give back the spare room of buffers that grew past what the budget needs (after a long prefill)."""
+        if self.budget is None or self._k is None:
+            return
+        room = max(self.budget + 1, self._m)
+        if self._k.shape[2] > 2 * room:
+            self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the batch rows ``index`` (LongTensor (B',)) in that order: beam search's reorder, batch selection
+        and repetition all reduce to it. The batch size becomes B'."""
+        index = torch.as_tensor(index, dtype=torch.int64)
+        if index.dim() != 1 or index.numel() < 1:
+            raise ValueError(f"reorder takes a non-empty 1-D index of rows, got shape {tuple(index.shape)}")
+        if bool(((index < 0) | (index >= self.batch)).any()):
+            raise ValueError(f"reorder index out of range for a cache of batch {self.batch}: {index.tolist()}")
+        self._live = None
+        if self._k is not None:
+            index = index.to(self._k.device)
+            self._k, self._v, self._pos = (t.index_select(0, index) for t in (self._k, self._v, self._pos))
+            self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
+            if self.valid is not None:
+                self.valid = self.valid.index_select(0, index)
+        if isinstance(self._next, torch.Tensor):
+            self._next = self._next.index_select(0, index.to(self._next.device))
+        if self._last is not None:
+            self._last = self._last.index_select(0, index.to(self._last.device))
+        self.batch = int(index.numel())
+
+    # -- one decoding step, the part every backend shares ------------------------------------------------------
+    def admit(self, key: torch.Tensor, value: torch.Tensor, evict_first: bool,
+              key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Append T (transformed) tokens; an evictor that works before attention (selective, sink + window)
+        evicts now. Returns the new tokens' positions (B, T)."""
+        positions = self.append(key, value, key_mask)
+        if evict_first and self.evictor is not None and not self.evictor.evict_after_attention:
+            self.evict_to_budget()
+        return positions
+
+    def upcoming_positions(self, count: int, key_mask: torch.Tensor | None, device) -> torch.Tensor:
+        """The positions (B, count) that the next ``count`` tokens will take (see :func:`new_token_positions`)."""
+        if key_mask is None and isinstance(self._next, int):
+            return torch.arange(self._next, self._next + count, device=device).expand(self.batch, count)
+        return new_token_positions(self.next_position.to(device), count, key_mask)
 
     def query_positions(self, count: int, batch: int) -> torch.Tensor:
-        """Absolute positions of the ``count`` tokens just appended: (B, count)."""
-        first = self.next_position - count
-        return torch.arange(first, self.next_position, device=self.keys.device).expand(batch, count)
+        """Absolute positions of the ``count`` tokens just appended (the new queries' positions): (B, count)."""
+        return self._last[:, -count:]
 
     def selection(self) -> torch.Tensor | None:
         """The running F of every cached token (B, M), or None without an accumulator."""
@@ -139,12 +356,12 @@ class KVCache:
 
         F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys
         (at least float32): a backend that computed either in half precision cannot round the running state."""
-        wide = accumulator_dtype(self.keys.dtype)
-        self.keys, self.values = self.keys.detach(), self.values.detach()
+        wide = accumulator_dtype(self._k.dtype)
+        self._live = None
         if selection is not None:
             selection = selection.detach().to(wide)
             self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
         if self.evictor is not None:
             self.evictor.update(self, probs.detach().to(wide) if probs is not None else None)
-            while self.over_budget():
-                self.evict()
+        if self.evictor is not None or self.valid is not None:
+            self.evict_to_budget()

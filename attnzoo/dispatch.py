@@ -39,6 +39,7 @@ class Variant:
             raise ValueError(f"unknown backend '{backend}' (registered: {known})")
         self.backend_name = backend
         self._chosen: dict[tuple, Any] = {}
+        self._initial: dict[tuple, dict[str, torch.Tensor]] = {}
 
     def __repr__(self) -> str:
         return f"Variant(spec='{self.spec.name}', backend='{self.backend_name}')"
@@ -79,13 +80,14 @@ class Variant:
 
         q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
         initial values); positions (N,) or (B, N) 1-based (default 1..N); key_mask (B, N) bool, True where a key
-        may be attended (padding). Returns (B, H, N, D); with ``return_selection`` also the accumulated F
+        may be attended (padding: the positions given for padding tokens are ignored, see
+        ``check_positions``). Returns (B, H, N, D); with ``return_selection`` also the accumulated F
         (B, N, N), or None for a spec without an accumulator.
         """
         dims = check_qkv(q, k, v)
         b, _, n, _ = q.shape
-        pos = check_positions(positions, b, n, q.device)
         mask = check_key_mask(key_mask, b, n, q.device)
+        pos = check_positions(positions, b, n, q.device, mask)
         self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
@@ -112,28 +114,53 @@ class Variant:
             names.insert(0, SELECTION_STATE)
         return KVCache(batch, budget, evictor, tuple(names))
 
-    def decode(self, q_t, k_t, v_t, cache: KVCache, params=None):
+    def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D). Appends to ``cache``, evicts when over
-        budget, returns the output (B, H, 1, D). Positions come from the cache."""
+        budget, returns the output (B, H, 1, D). Positions come from the cache; ``key_mask`` (B, 1) bool marks
+        padding (False) as in :meth:`prefill`."""
         if q_t.dim() == 4 and q_t.shape[2] != 1:
             raise ValueError(f"decode takes one token (N = 1), got q of shape {tuple(q_t.shape)}; use prefill")
-        return self._extend(q_t, k_t, v_t, cache, params, evict_first=True)
+        return self._extend(q_t, k_t, v_t, cache, params, key_mask, evict_first=True)
 
-    def prefill(self, q, k, v, cache: KVCache, params=None):
+    def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None):
         """Several new tokens at once (B, H, T, D): they attend over the cache and each other, then the cache
-        is evicted down to its budget. With no eviction this equals T calls of :meth:`decode`."""
-        return self._extend(q, k, v, cache, params, evict_first=False)
+        is evicted down to its budget. With no eviction this equals T calls of :meth:`decode`.
 
-    def _extend(self, q, k, v, cache, params, evict_first):
+        ``key_mask`` (B, T) bool, False for padding (a left-padded batch): positions are per row, the first real
+        token of each row is position 1 (the protected BOS), padding tokens are never attended and are evicted
+        first (docs/decoding.md)."""
+        return self._extend(q, k, v, cache, params, key_mask, evict_first=False)
+
+    def _extend(self, q, k, v, cache, params, key_mask, evict_first):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
         dims = check_qkv(q, k, v)
         if q.shape[0] != cache.batch:
             raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
+        mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)
+        fingerprint = _fingerprint(params)
+        if cache.params_key is None:
+            cache.params_key = fingerprint
+        elif cache.params_key != fingerprint:
+            raise ValueError("the transform parameters differ from those that transformed the keys and values "
+                             "already in this cache (it stores them transformed): start a new cache after changing "
+                             "parameters")
         self.plan.check_dims(dims)
+        if params is None:  # the initial values, made once per shape rather than at every decoding step
+            key = (dims, q.dtype, q.device)
+            if key not in self._initial:
+                self._initial[key] = self.plan.init_params(dims, dtype=q.dtype, device=q.device)
+            params = self._initial[key]
         grouped = self.plan.split_params(params, dims, q)
         backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
-        return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first)
+        return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
+
+
+def _fingerprint(params) -> tuple:
+    """Which parameter tensors, at which in-place version, a cache's rows were transformed with."""
+    if params is None:
+        return ("initial",)
+    return tuple(sorted((key, id(t), t._version) for key, t in params.items() if isinstance(t, torch.Tensor)))
 
 
 def _needs_grad(q, k, v, grouped) -> bool:

@@ -1,29 +1,37 @@
-"""``attnzoo.nn.Attention``: a spec's attention core as a torch module that owns the transforms' parameters.
+"""``attnzoo.nn``: a spec's attention core as a torch module that owns the transforms' parameters, plus the
+helpers a training loop needs (optimizer groups, the selective memory loss summed over layers).
 
-It takes already projected (and RoPE'd) q, k, v, like ``scaled_dot_product_attention``, so it drops into an
-existing attention layer in place of that call. Parameter names are the params keys with ``.`` replaced by
-``__`` (``query_temperature__token_weight``), because torch module names cannot contain dots.
+``Attention`` takes already projected (and RoPE'd) q, k, v, like ``scaled_dot_product_attention``, so it drops
+into an existing attention layer in place of that call. Parameter names are the params keys with ``.`` replaced
+by ``__`` (``query_temperature__token_weight``), because torch module names cannot contain dots.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from .dispatch import compile as compile_spec
+from .transforms.selective import memory_loss
 
 
 class Attention(torch.nn.Module):
-    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None)``; decoding with
-    ``new_cache`` and ``decode``."""
+    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None, return_selection=False)``;
+    decoding with ``new_cache``, ``prefill`` and ``decode``."""
 
     def __init__(self, spec, num_heads: int, head_dim: int, num_kv_heads: int | None = None, backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device=None, registry=None) -> None:
         super().__init__()
         self.variant = compile_spec(spec, backend=backend, registry=registry)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         initial = self.variant.init_params(num_heads=num_heads, head_dim=head_dim, num_kv_heads=num_kv_heads,
                                            dtype=dtype, device=device)
         self.transform_params = torch.nn.ParameterDict(
             {key.replace(".", "__"): torch.nn.Parameter(value) for key, value in initial.items()})
+        self._recording: list[torch.Tensor] | None = None
 
     @property
     def spec(self):
@@ -33,26 +41,102 @@ class Attention(torch.nn.Module):
         """The parameters keyed as the variant expects them (``"<kind>.<name>"``)."""
         return {key.replace("__", "."): value for key, value in self.transform_params.items()}
 
-    def forward(self, q, k, v, positions=None, key_mask=None):
-        return self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask)
+    def forward(self, q, k, v, positions=None, key_mask=None, return_selection: bool = False):
+        """The batch form (training, or a whole sequence): q (B, H, N, D), k and v (B, H_kv, N, D). With
+        ``return_selection`` also returns F (B, N, N) (None without an accumulator); inside
+        :func:`recording_selection` F is recorded for the memory loss either way."""
+        want = return_selection or (self._recording is not None and self.has_accumulator)
+        result = self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask,
+                              return_selection=want)
+        if not want:
+            return result
+        out, selection = result
+        if self._recording is not None and selection is not None:
+            self._recording.append(selection)
+        return (out, selection) if return_selection else out
+
+    @property
+    def has_accumulator(self) -> bool:
+        return "accumulator" in self.spec.slots()
 
     def new_cache(self, batch: int, **kwargs):
         return self.variant.new_cache(batch=batch, **kwargs)
 
-    def decode(self, q_t, k_t, v_t, cache):
+    def prefill(self, q, k, v, cache, key_mask=None):
+        """Several new tokens (B, H, T, D) into ``cache``: they attend over it and each other; ``key_mask`` (B, T)
+        marks left padding (docs/decoding.md)."""
+        return self.variant.prefill(q, k, v, cache, params=self.params(), key_mask=key_mask)
+
+    def decode(self, q_t, k_t, v_t, cache, key_mask=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D) → the output (B, H, 1, D).
 
         Decoding is inference, with or without ``torch.no_grad()``: the cache keeps detached keys, values,
         positions and F between steps, so memory and the autograd graph do not grow with the tokens decoded. The
         output's gradient reaches this step's q_t, k_t, v_t and the transform parameters (through this step's
         computation); earlier steps' rows and the F carried from them are constants. Train with the batch form."""
-        return self.variant.decode(q_t, k_t, v_t, cache, params=self.params())
+        return self.variant.decode(q_t, k_t, v_t, cache, params=self.params(), key_mask=key_mask)
 
-    def parameter_groups(self, lr_scale: float = 1.0) -> list[dict]:
-        """The transforms' parameters as one optimizer group without weight decay (the SSA authors train their
-        temperature scalars that way, often at a higher learning rate: pass ``lr_scale`` and multiply it into
-        the group's ``lr`` in your optimizer set-up)."""
-        return [{"params": list(self.transform_params.values()), "weight_decay": 0.0, "lr_scale": lr_scale}]
+    def parameter_groups(self, lr: float | None = None, weight_decay: float = 0.0) -> list[dict]:
+        """The transforms' parameters as one optimizer group, without weight decay by default (the SSA authors
+        train their temperature scalars that way, often at a higher learning rate). ``lr`` sets the group's own
+        learning rate (omitted: the optimizer's default applies)."""
+        group = {"params": list(self.transform_params.values()), "weight_decay": weight_decay}
+        if lr is not None:
+            group["lr"] = lr
+        return [group]
 
     def extra_repr(self) -> str:
         return f"spec='{self.spec.name}', backend='{self.variant.backend_name}'"
+
+
+def attention_layers(model: torch.nn.Module) -> Iterator[Attention]:
+    """Every :class:`Attention` inside ``model``, in module order."""
+    return (m for m in model.modules() if isinstance(m, Attention))
+
+
+def parameter_groups(model: torch.nn.Module, lr: float, transform_lr: float | None = None,
+                     weight_decay: float = 0.0, transform_weight_decay: float = 0.0) -> list[dict]:
+    """Optimizer groups for a whole model: the attnzoo transforms' parameters (``transform_lr``, default ``lr``;
+    no weight decay by default) and every other trainable parameter (``lr``, ``weight_decay``). Each group
+    carries its own ``lr``, so ``torch.optim.AdamW(parameter_groups(model, lr=3e-4, transform_lr=3e-3))``
+    really trains the temperatures ten times faster."""
+    transform = {id(p): p for layer in attention_layers(model) for p in layer.transform_params.values()}
+    rest = [p for p in model.parameters() if id(p) not in transform and p.requires_grad]
+    groups = [{"params": rest, "lr": lr, "weight_decay": weight_decay}]
+    if transform:
+        groups.append({"params": list(transform.values()), "lr": lr if transform_lr is None else transform_lr,
+                       "weight_decay": transform_weight_decay})
+    return groups
+
+
+class SelectionRecord:
+    """The F of every accumulator layer recorded during a forward pass (see :func:`recording_selection`)."""
+
+    def __init__(self) -> None:
+        self.selections: list[torch.Tensor] = []
+
+    def memory_loss(self, tau: float = 1.0, eps: float = 0.1) -> torch.Tensor:
+        """Selective attention's auxiliary memory loss over the recorded layers (``attnzoo.memory_loss``)."""
+        if not self.selections:
+            raise ValueError("no layer recorded an F: the model has no attnzoo layer with an accumulator, or no "
+                             "forward pass ran inside recording_selection()")
+        return memory_loss(self.selections, tau=tau, eps=eps)
+
+
+@contextmanager
+def recording_selection(model: torch.nn.Module) -> Iterator[SelectionRecord]:
+    """Record the F of every attnzoo layer with an accumulator during the forward passes run inside::
+
+        with attnzoo.nn.recording_selection(model) as record:
+            loss = lm_loss(model(x))
+        loss = loss + record.memory_loss()
+    """
+    record = SelectionRecord()
+    layers = list(attention_layers(model))
+    for layer in layers:
+        layer._recording = record.selections
+    try:
+        yield record
+    finally:
+        for layer in layers:
+            layer._recording = None

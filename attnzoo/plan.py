@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from .transforms.base import Context, Dims, ParamSpec, Slot, Transform, restrict_heads
 
@@ -97,6 +98,16 @@ class Plan:
             wide = rows.to(torch.promote_types(rows.dtype, scale.dtype))
         return (wide * scale.unsqueeze(-1)).to(rows.dtype)
 
+    def admit(self, cache, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
+              key_mask: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
+        """The step every decoding backend shares: transform the new keys and values (B, H_kv, T, D) once, at
+        their positions, and append them to ``cache`` (which evicts first when its evictor says so). Returns
+        the new tokens' positions (B, T), which are also the new queries' positions."""
+        positions = cache.upcoming_positions(k.shape[2], key_mask, k.device).unsqueeze(1)
+        ks = self.row_scale(Slot.KEY, k, positions, params, widen=widen)
+        vs = self.row_scale(Slot.VALUE, v, positions, params, widen=widen)
+        return cache.admit(ks, vs, evict_first, key_mask)
+
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims) -> Context:
         """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk)."""
         group = dims.num_heads // dims.num_kv_heads
@@ -170,12 +181,18 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length:
     return Dims(num_heads=h, head_dim=d, num_kv_heads=k.shape[1])
 
 
-def check_positions(positions: Any, batch: int, n: int, device) -> torch.Tensor:
+def check_positions(positions: Any, batch: int, n: int, device, key_mask: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Default 1..N; accept (N,) or (B, N) integer tensors of 1-based positions that increase strictly along each
     row (offsets and gaps are fine). Returns (B, N) int64.
 
     The positions contract (docs/backends.md): no backend infers structure from order, and a row whose positions
-    repeat or go back (packed documents) is refused here with one line rather than computed wrongly."""
+    repeat or go back (packed documents) is refused here with one line rather than computed wrongly.
+
+    Padding (``key_mask`` False): the positions given for padding tokens are ignored, and only the real tokens
+    must increase strictly. Each padding token takes the position of the next real token of its row (one past
+    the last real token at the end of a row), so a row stays non-decreasing and its first real token keeps its
+    position (1 in a left-padded row): backends see ties only at padding tokens, which are never attended."""
     if positions is None:
         return torch.arange(1, n + 1, device=device).expand(batch, n)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
@@ -184,16 +201,30 @@ def check_positions(positions: Any, batch: int, n: int, device) -> torch.Tensor:
         positions = positions.unsqueeze(0).expand(batch, -1)
     if positions.shape != (batch, n):
         raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
-    if bool((positions < 1).any()):
+    positions = positions.to(device=device, dtype=torch.int64)
+    real = key_mask.to(device) if key_mask is not None else None
+    if bool(((positions < 1) if real is None else ((positions < 1) & real)).any()):
         raise ValueError("positions are 1-based: every position must be >= 1")
     if n > 1:
-        steps = positions[:, 1:] - positions[:, :-1]
-        if bool((steps <= 0).any()):
-            row, col = (int(i) for i in (steps <= 0).nonzero()[0].tolist())
+        if real is None:
+            bad = F.pad(positions[:, 1:] <= positions[:, :-1], (1, 0))
+        else:
+            seen = torch.cummax(torch.where(real, positions, 0), dim=-1).values
+            bad = real & (positions <= F.pad(seen[:, :-1], (1, 0)))
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0].tolist())
+            earlier = positions[row, :col] if real is None else positions[row, :col][real[row, :col]]
+            before = int(earlier[-1])
             raise ValueError(f"positions must increase strictly along each row (offsets and gaps are fine): row "
-                             f"{row} goes from {int(positions[row, col])} to {int(positions[row, col + 1])} at index "
-                             f"{col + 1}; restarting positions (packed documents) are not supported yet")
-    return positions.to(device=device, dtype=torch.int64)
+                             f"{row} goes from {before} to {int(positions[row, col])} at index {col}; restarting "
+                             f"positions (packed documents) are not supported yet")
+    if real is not None and not bool(real.all()):
+        big = torch.iinfo(torch.int64).max
+        following = torch.where(real, positions, big).flip(-1).cummin(-1).values.flip(-1)
+        last = torch.cummax(torch.where(real, positions, 0), dim=-1).values[:, -1:] + 1
+        following = torch.where(following == big, last, following)
+        positions = torch.where(real, positions, following)
+    return positions
 
 
 def check_key_mask(key_mask: Any, batch: int, n: int, device) -> torch.Tensor | None:

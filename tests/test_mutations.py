@@ -164,6 +164,17 @@ class EvictsProtected(Selective):
         return pick(self.score(cache), torch.ones_like(self.protected(cache)), cache.positions, largest=True)
 
 
+class ScoresFromOthers(Selective):
+    """Ranks tokens by their distance from the mean position (a score that moves when a token goes) but still
+    declares independent scores, so the cache's all-at-once eviction would keep other tokens."""
+
+    independent_scores = True
+
+    def score(self, cache):
+        positions = cache.positions.to(torch.float64)
+        return (positions - positions.mean(-1, keepdim=True)).abs()
+
+
 def caught(registry, spec: str, backend: str, dtype: torch.dtype) -> list[runner.Result]:
     """Run the suite's cases for one spec, backend and dtype until the first failure; return the failures."""
     for case in runner.build_cases(registry, [spec], [backend], (dtype,)):
@@ -194,6 +205,7 @@ TRANSFORM_MUTANTS = [
     ("softcap", SoftcapNanAtOneKey, "softcap", "transforms", "outputs/n1", "transform 'softcap'"),
     ("selective", EvictsSmallestF, "selective-pruned", "evictors", "evictor", "declared rule"),
     ("selective", EvictsProtected, "selective-pruned", "evictors", "evictor", "protected"),
+    ("selective", ScoresFromOthers, "selective-pruned", "evictors", "evictor", "independent_scores"),
 ]
 
 

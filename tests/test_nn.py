@@ -19,8 +19,8 @@ def test_module_matches_functional_form_and_trains_its_parameters():
     torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
     out.square().sum().backward()
     assert all(p.grad is not None and p.grad.abs().max() > 0 for p in layer.parameters())
-    groups = layer.parameter_groups(lr_scale=10.0)
-    assert groups[0]["weight_decay"] == 0.0 and len(groups[0]["params"]) == 4
+    groups = layer.parameter_groups(lr=0.5)
+    assert groups[0]["weight_decay"] == 0.0 and len(groups[0]["params"]) == 4 and groups[0]["lr"] == 0.5
 
 
 def test_module_decodes_and_round_trips_state_dict():

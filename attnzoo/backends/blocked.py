@@ -165,16 +165,47 @@ class BlockedBackend(Backend):
         return out, f_blk, colsum, (p if want_probs else None)
 
     # -- decoding -------------------------------------------------------------------------------------------------
-    def extend(self, plan, q, k, v, cache, params, *, evict_first):
-        cache.admit(k, v, evict_first)
+    def decode_one(self, plan, qs, ks, vs, qpos, kpos, params, carry):
+        """One query (B, H, 1, D) at the newest position against every cached key, with no mask: the lean
+        decoding step (a handful of tensor operations). Returns (out, the new carry or None)."""
+        b, h, _, d = qs.shape
+        hkv, m = ks.shape[1], ks.shape[2]
+        acc, logits_transforms = plan.one(Slot.ACCUMULATOR), plan.many(Slot.LOGITS)
+        scale = plan.logit_scale(d)
+        if acc is None and not logits_transforms:
+            out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=h != hkv)
+            return out, None
+        group = h // hkv
+        logits = (qs.reshape(b, hkv, group, d) @ ks.transpose(-1, -2)).reshape(b, h, 1, m) * scale
+        ctx = plan.context(qpos, kpos, Dims(h, d, hkv))
+        for t in logits_transforms:
+            logits = t.apply(logits, ctx, params[t.kind])
+        if acc is not None:
+            every = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device)
+            index, sel_allowed, sel_ctx = plan.selector_view(acc, every, ctx)
+            s = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
+            wide = accumulator_dtype(qs.dtype)  # subtract in F's (wider) dtype, round the logits once
+            logits = (logits.to(wide) - carry[:, None, None, :]).to(logits.dtype)
+            carry = carry + s.to(wide)[:, 0, 0]
+        probs = torch.softmax(logits, dim=-1)
+        out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
+        return out, carry
+
+    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
+        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask)
         qpos = cache.query_positions(q.shape[2], q.shape[0])
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params)
-        vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params)
+        ks, vs, mask = cache.keys, cache.values, cache.key_mask()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
-        out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, None, cache.selection(),
-                                           want_probs=want_probs, use_sdpa=cache.positions.shape[1] == 1)
-        cache.settle(carry, probs)
+        if q.shape[2] == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
+            # one query at the newest position: every cached key is visible and no mask applies
+            out, carry = self.decode_one(plan, qs, ks, vs, qpos, cache.positions, params, cache.selection())
+            cache.settle(carry, None)
+        else:
+            out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, mask,
+                                               cache.selection(), want_probs=want_probs,
+                                               use_sdpa=cache.positions.shape[1] == 1)
+            cache.settle(carry, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
 

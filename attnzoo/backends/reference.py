@@ -50,11 +50,12 @@ class ReferenceBackend(Backend):
         """The running F of every cached token (B, M), or None without an accumulator."""
         return cache.selection()
 
-    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False):
         """The whole composition for queries at ``qpos`` against keys at ``kpos``.
 
         q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
-        carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None.
+        carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None;
+        ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so).
         Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None).
         """
         b, h, nq, d = q.shape
@@ -62,8 +63,8 @@ class ReferenceBackend(Backend):
         dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
 
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = plan.row_scale(Slot.KEY, k, kpos, params)
-        vs = plan.row_scale(Slot.VALUE, v, kpos, params)
+        ks = k if transformed_kv else plan.row_scale(Slot.KEY, k, kpos, params)
+        vs = v if transformed_kv else plan.row_scale(Slot.VALUE, v, kpos, params)
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
@@ -96,11 +97,12 @@ class ReferenceBackend(Backend):
             return out, (accumulated[:, 0] if accumulated is not None else None)
         return out
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first):
-        cache.admit(k, v, evict_first)
+    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
+        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask)
         qpos = self.query_positions(cache, q.shape[2], q.shape[0])
         out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
-                                               carry=self.carry(cache))
+                                               key_mask=cache.key_mask(), carry=self.carry(cache),
+                                               transformed_kv=True)
         # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
         total = None
         if selection is not None:

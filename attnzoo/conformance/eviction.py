@@ -98,6 +98,38 @@ def check_rule_on_crafted_caches(evictor_factory, budgets: tuple[int, ...], has_
             if not evictor.per_head and not bool((got == got[:, :1]).all()):
                 raise AssertionError(f"evictor '{kind}' keeps one set per layer but evicted different tokens in "
                                      f"different key/value heads")
+            if evictor.independent_scores:
+                check_bulk_eviction(evictor_factory, cache, budget)
+
+
+def _copy(cache: KVCache, evictor) -> KVCache:
+    twin = KVCache(cache.batch, cache.budget, evictor, cache.state_names)
+    twin.keys, twin.values = cache.keys.clone(), cache.values.clone()
+    twin.positions = cache.positions.clone()
+    twin.state = {name: t.clone() for name, t in cache.state.items()}
+    twin.next_position = cache.next_position.clone()
+    return twin
+
+
+def check_bulk_eviction(evictor_factory, cache: KVCache, budget: int) -> None:
+    """An evictor declaring ``independent_scores`` lets the cache choose several victims at once: that must keep
+    the same tokens as evicting one at a time (three tokens over a smaller budget)."""
+    smaller = budget - 2
+    if smaller < 1 or evictor_factory().check_budget(smaller):
+        return
+    kept = []
+    for bulk in (True, False):
+        evictor = evictor_factory()
+        evictor.independent_scores = bulk
+        twin = _copy(cache, evictor)
+        twin.budget = smaller
+        twin.evict_to_budget()
+        kept.append(twin.positions)
+    if not torch.equal(kept[0], kept[1]):
+        raise AssertionError(f"evictor '{evictor.kind}' declares independent_scores, but choosing 3 victims at once "
+                             f"kept positions {kept[0][0, 0].tolist()} where one at a time keeps "
+                             f"{kept[1][0, 0].tolist()}: removing a token changes other tokens' scores (set "
+                             f"independent_scores = False)")
 
 
 class WatchedVictims:

@@ -29,6 +29,9 @@ class Evictor:
     ``evict_after_attention``: evict after the new query attended over ``budget + 1`` tokens (H2O, TOVA score
     with the current query's attention) rather than before (selective, sink + window).
     ``state_names``: per-token scores the cache keeps for this evictor, (B, H_kv, M) each, starting at 0.
+    ``independent_scores``: removing a token changes no other token's score or protection, so the cache may pick
+    several victims at once (after a long prefill) with the same result as one at a time; the conformance suite
+    checks the claim on crafted caches.
     """
 
     kind: ClassVar[str]
@@ -38,6 +41,7 @@ class Evictor:
     per_head: ClassVar[bool] = False
     evict_after_attention: ClassVar[bool] = False
     state_names: ClassVar[tuple[str, ...]] = ()
+    independent_scores: ClassVar[bool] = False
     _options_model: ClassVar[type[EvictorOptions] | None] = None
 
     def __init__(self, options: EvictorOptions) -> None:

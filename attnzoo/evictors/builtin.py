@@ -14,6 +14,7 @@ class Selective(Evictor):
     """Evict the non-BOS token with the largest accumulated F; ties go to the oldest. Needs ``selective_mask``
     (or another accumulator) in the spec: F is the same quantity the model subtracted from its logits."""
 
+    independent_scores = True
     kind = "selective"
     summary = "drop the largest F (never BOS, ties -> oldest)"
 
@@ -42,6 +43,7 @@ class H2O(Evictor):
     """Heavy-Hitter Oracle: keep a window of recent tokens plus the tokens with the most attention accumulated
     over all queries so far, per key/value head (summed over its query heads; kept per batch row)."""
 
+    independent_scores = True
     kind = "h2o"
     Options = H2OOptions
     summary = "keep recent window + highest accumulated attention, per head"
@@ -77,6 +79,7 @@ class TOVA(Evictor):
     """Token Omission Via Attention: drop the token the current query attends to least, averaged over heads;
     one kept set per layer; no accumulation."""
 
+    independent_scores = True
     kind = "tova"
     summary = "drop the lowest current-query attention (mean over heads)"
     evict_after_attention = True
@@ -99,6 +102,7 @@ class SinkWindowOptions(EvictorOptions):
 class SinkWindow(Evictor):
     """StreamingLLM: keep the first ``sink`` tokens and the most recent ``budget - sink``."""
 
+    independent_scores = True
     kind = "sink_window"
     Options = SinkWindowOptions
     summary = "keep the first `sink` tokens + a recent window"

@@ -370,21 +370,20 @@ class TritonBackend(Backend):
         return out, _selection_matrix(plan, qs, ks, positions, key_mask, params)
 
     # -- decoding -------------------------------------------------------------------------------------------------
-    def extend(self, plan, q, k, v, cache, params, *, evict_first):
+    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("the triton backend decodes without gradients: run decoding under torch.no_grad()")
-        cache.admit(k, v, evict_first)
+        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=True)
         count = q.shape[2]
         qpos = cache.query_positions(count, q.shape[0])
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params, widen=True).contiguous()
-        ks = plan.row_scale(Slot.KEY, cache.keys, cache.positions, params, widen=True).contiguous()
-        vs = plan.row_scale(Slot.VALUE, cache.values, cache.positions, params, widen=True).contiguous()
+        ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         carry = cache.selection()
-        run = self._run(plan, q, qpos, cache.positions, None, carry, False, want_probs)
+        run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
         prm = self._prm(plan, params, q.shape[1], q)
         with torch.no_grad():
-            if count == 1:
+            if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way
                 out, lse, srow, logits = run.decode(qs, ks, vs, prm)
                 total = carry.float() + srow if srow is not None else None
             else:

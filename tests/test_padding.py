@@ -1,0 +1,178 @@
+"""Left-padded batches, per-row positions, beam reordering and bulk eviction in the decode cache."""
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.cache import KVCache
+
+DECODING = ("reference", "blocked")
+SPECS = ("vanilla", "ssa", "selective", "selective-pruned", "local-global", "h2o", "tova", "streaming")
+
+
+def params_for(variant, h=4, d=8, hkv=2):
+    base = variant.init_params(num_heads=h, head_dim=d, num_kv_heads=hkv, dtype=torch.float64)
+    return {key: value + 0.4 * torch.randn_like(value) for key, value in base.items()}
+
+
+def decode_rows(variant, q, k, v, cache, params, prefill, key_mask=None):
+    outs = [variant.prefill(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache, params=params,
+                            key_mask=key_mask)] if prefill else []
+    for i in range(prefill, q.shape[2]):
+        outs.append(variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params))
+    return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("backend", DECODING)
+@pytest.mark.parametrize("spec", SPECS)
+def test_left_padded_batch_decodes_what_each_row_decodes_alone(spec, backend):
+    """Rows with 0, 3 and 9 padding tokens: every real output, the kept positions and F equal the row run alone
+    (its first real token is position 1, the protected one)."""
+    torch.manual_seed(0)
+    variant = attnzoo.compile(spec, backend=backend)
+    params = params_for(variant)
+    budget = 10 if variant.spec.cache is not None else None
+    lengths, prompt, steps = (20, 17, 11), 20, 14
+    b, n = len(lengths), prompt + steps
+    q = torch.randn(b, 4, n, 8, dtype=torch.float64)
+    k, v = torch.randn(2, b, 2, n, 8, dtype=torch.float64)
+    key_mask = torch.zeros(b, prompt, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        key_mask[row, prompt - length:] = True
+    # garbage in the padding slots must not matter
+    q[:, :, :prompt][~key_mask[:, None].expand(b, 4, prompt)] = 1e3
+    cache = variant.new_cache(batch=b, budget=budget)
+    with torch.no_grad():
+        batched = decode_rows(variant, q, k, v, cache, params, prompt, key_mask)
+    assert budget is None or cache.num_tokens <= budget
+    for row, length in enumerate(lengths):
+        pad = prompt - length
+        alone_cache = variant.new_cache(batch=1, budget=budget)
+        rows = (t[row:row + 1, :, pad:] for t in (q, k, v))
+        with torch.no_grad():
+            alone = decode_rows(variant, *rows, alone_cache, params, length)
+        torch.testing.assert_close(batched[row:row + 1, :, pad:], alone, rtol=0, atol=1e-10)
+        assert int(cache.next_position[row]) == length + steps + 1
+        if budget is not None and cache.valid is None:
+            assert sorted(cache.positions[row, 0].tolist()) == sorted(alone_cache.positions[0, 0].tolist())
+            if cache.selection() is not None:
+                torch.testing.assert_close(cache.selection()[row], alone_cache.selection()[0], rtol=0, atol=1e-10)
+
+
+def test_padding_is_evicted_first_and_never_attended():
+    variant = attnzoo.compile("selective-pruned", backend="reference")
+    q, k, v = (torch.randn(2, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+    key_mask = torch.tensor([[False] * 5 + [True] * 3, [True] * 8])
+    cache = variant.new_cache(batch=2, budget=6)
+    variant.prefill(q, k, v, cache, key_mask=key_mask)
+    # row 0 had 5 padding tokens: the 2 evicted first are padding, 3 padding tokens are left (row 1 evicted 2 by F)
+    assert cache.num_tokens == 6 and cache.valid is not None
+    assert cache.valid[0, 0].tolist() == [False, False, False, True, True, True]
+    assert cache.positions[0, 0, 3:].tolist() == [1, 2, 3]
+    assert cache.next_position.tolist() == [4, 9]
+    for _ in range(3):  # three more tokens: the padding goes first, then F decides
+        variant.decode(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache)
+    assert cache.valid is None and cache.positions[0, 0].tolist() == [1, 2, 3, 4, 5, 6]
+
+
+def test_batch_form_ignores_positions_of_padding():
+    """The batch form with a key mask: padding positions are ignored (any values), real ones must increase."""
+    variant = attnzoo.compile("ssa", backend="reference")
+    params = params_for(variant)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 12, 8, dtype=torch.float64)
+    key_mask = torch.ones(2, 12, dtype=torch.bool)
+    key_mask[0, :4] = False
+    positions = torch.arange(1, 13).repeat(2, 1)
+    positions[0] = torch.tensor([7, 7, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+    alone = variant(q[:1, :, 4:], k[:1, :, 4:], v[:1, :, 4:], params=params)
+    for backend, dtype, atol in (("reference", torch.float64, 1e-10), ("blocked", torch.float64, 1e-10),
+                                 ("flex", torch.float32, 1e-5)):
+        cast = {key: p.to(dtype) for key, p in params.items()}
+        out = attnzoo.compile("ssa", backend=backend)(q.to(dtype), k.to(dtype), v.to(dtype), params=cast,
+                                                      positions=positions, key_mask=key_mask)
+        torch.testing.assert_close(out[:1, :, 4:].double(), alone, rtol=0, atol=atol)
+    positions[0, 6] = 2  # a real token repeats its predecessor's position
+    with pytest.raises(ValueError, match="increase strictly along each row"):
+        variant(q, k, v, params=params, positions=positions, key_mask=key_mask)
+
+
+@pytest.mark.parametrize("backend", DECODING)
+def test_reorder_selects_rows_like_beam_search(backend):
+    """After reorder([2, 0, 0]) the cache continues exactly as if those rows had been decoded from the start."""
+    torch.manual_seed(1)
+    variant = attnzoo.compile("selective-pruned", backend=backend)
+    q = torch.randn(3, 4, 30, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 2, 30, 8, dtype=torch.float64)
+    index = torch.tensor([2, 0, 0])
+    cache = variant.new_cache(batch=3, budget=12)
+    with torch.no_grad():
+        decode_rows(variant, q[:, :, :20], k[:, :, :20], v[:, :, :20], cache, None, 9)
+        cache.reorder(index)
+        got = decode_rows(variant, q[index, :, 20:], k[index, :, 20:], v[index, :, 20:], cache, None, 0)
+        fresh = variant.new_cache(batch=3, budget=12)
+        want = decode_rows(variant, q[index], k[index], v[index], fresh, None, 9)[:, :, 20:]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert cache.batch == 3 and torch.equal(cache.positions, fresh.positions)
+    with pytest.raises(ValueError, match="out of range"):
+        cache.reorder(torch.tensor([3]))
+
+
+@pytest.mark.parametrize("spec", ["selective-pruned", "h2o", "tova", "streaming"])
+def test_bulk_eviction_equals_one_at_a_time(spec):
+    """A long prefill into a small budget chooses all victims at once; the same tokens as one at a time."""
+    torch.manual_seed(2)
+    variant = attnzoo.compile(spec, backend="reference")
+    q = torch.randn(2, 4, 60, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 60, 8, dtype=torch.float64)
+    caches = []
+    for bulk in (True, False):
+        cache = variant.new_cache(batch=2, budget=9)
+        if not bulk:
+            cache.evictor.independent_scores = False
+        decode_rows(variant, q, k, v, cache, None, 50)
+        caches.append(cache)
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    assert caches[0].evicted == caches[1].evicted == 51
+    for name in caches[0].state:
+        torch.testing.assert_close(caches[0].state[name], caches[1].state[name], rtol=0, atol=0)
+
+
+def test_appending_copies_one_row_and_a_long_prefill_gives_its_room_back():
+    variant = attnzoo.compile("selective-pruned", backend="blocked")
+    cache = variant.new_cache(batch=1, budget=8)
+    x = torch.randn(1, 2, 300, 4)
+    variant.prefill(x, x, x, cache)
+    assert cache.num_tokens == 8 and cache.capacity_bytes <= 2 * cache.nbytes
+    pointers = set()
+    for i in range(40):
+        variant.decode(x[:, :, i:i + 1], x[:, :, i:i + 1], x[:, :, i:i + 1], cache)
+        pointers.add(cache.keys.data_ptr())
+    assert len(pointers) == 1  # the same buffer every step: no reallocation, no concatenation
+    vanilla = attnzoo.compile("vanilla", backend="blocked").new_cache(batch=1)
+    grown = set()
+    for i in range(100):
+        attnzoo.compile("vanilla", backend="blocked").decode(x[:, :, i:i + 1], x[:, :, i:i + 1], x[:, :, i:i + 1],
+                                                             vanilla)
+        grown.add(vanilla._k.shape[2])
+    assert sorted(grown) == [16, 32, 64, 128]  # doubling: a handful of copies for 100 tokens
+
+
+def test_changing_parameters_mid_cache_is_refused():
+    layer = attnzoo.nn.Attention("ssa", num_heads=2, head_dim=4)
+    cache = layer.new_cache(batch=1)
+    x = torch.randn(1, 2, 1, 4)
+    with torch.no_grad():
+        layer.decode(x, x, x, cache)
+        layer.decode(x, x, x, cache)
+        next(layer.parameters()).add_(0.1)
+        with pytest.raises(ValueError, match="start a new cache"):
+            layer.decode(x, x, x, cache)
+
+
+def test_cache_memory_report():
+    cache = KVCache(batch=1, budget=None)
+    cache.append(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    report = cache.memory()
+    assert report["tokens"] == 5 and report["bytes"] == cache.nbytes == 2 * 2 * 5 * 4 * 4 + 2 * 5 * 8
+    assert report["allocated_bytes"] >= report["bytes"]
