@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(BIN)/python -m pip install -q -e '.[dev,triton]'
+	$(BIN)/python -m pip install -q -e '.[dev,triton,transformers]'
 	for p in plugins/*/; do $(BIN)/python -m pip install -q --force-reinstall --no-deps "./$$p" || exit 1; done
 	touch $@
 
