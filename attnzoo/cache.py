@@ -74,6 +74,9 @@ class KVCache:
         self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rows with gradient
         self._next: torch.Tensor | int = 1
         self._last: torch.Tensor | None = None  # positions of the tokens appended last
+        #: positions increase strictly along the slots of every row and head (kept by append and removal;
+        #: padding ties with the next real token, and padding is never picked by an evictor's rule)
+        self.ordered = True
 
     # -- storage --------------------------------------------------------------------------------------------------
     @property
@@ -106,6 +109,7 @@ class KVCache:
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
         self._pos = value
+        self.ordered = value.shape[-1] < 2 or bool((value[..., 1:] > value[..., :-1]).all())
 
     @property
     def next_position(self) -> torch.Tensor:
@@ -236,8 +240,25 @@ class KVCache:
 
     def remove(self, victim: torch.Tensor) -> None:
         """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""
+        first = victim.reshape(-1)[0]
+        if victim.numel() == 1 or bool((victim == first).all()):
+            self._remove_slot(int(first))  # the same slot everywhere: shift the tail, no gather
+            return
         keep = torch.arange(self._m - 1, device=victim.device).view(1, 1, -1)
         self._keep(keep + (keep >= victim.unsqueeze(-1)).long())
+
+    def _remove_slot(self, slot: int) -> None:
+        m = self._m
+        self._live = None
+        for buf in (self._k, self._v, self._pos):
+            buf[:, :, slot:m - 1] = buf[:, :, slot + 1:m].clone()
+        self._m = m - 1
+        self.state = {name: torch.cat([t[:, :, :slot], t[:, :, slot + 1:]], dim=2) for name, t in self.state.items()}
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid[:, :, :slot], self.valid[:, :, slot + 1:]], dim=2)
+            if bool(self.valid.all()):
+                self.valid = None
+        self.evicted += 1
 
     def _keep(self, keep: torch.Tensor) -> None:
         """Keep the slots ``keep`` (B, H_kv, M') (ascending) of every row and head, in place."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..cache import accumulator_dtype
-from ..transforms.base import Dims, Slot
+from ..transforms.base import Context, Dims, Slot
 from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode
 from .selective_kernel import SelectiveCausal
@@ -44,6 +44,7 @@ class BlockedBackend(Backend):
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.name = name
+        self._decode_consts: dict = {}
 
     modes = frozenset(Mode)
 
@@ -167,7 +168,8 @@ class BlockedBackend(Backend):
     # -- decoding -------------------------------------------------------------------------------------------------
     def decode_one(self, plan, qs, ks, vs, qpos, kpos, params, carry):
         """One query (B, H, 1, D) at the newest position against every cached key, with no mask: the lean
-        decoding step (a handful of tensor operations). Returns (out, the new carry or None)."""
+        decoding step (a handful of tensor operations). kpos (B, 1 or H_kv, M). Returns (out, the new carry or
+        None)."""
         b, h, _, d = qs.shape
         hkv, m = ks.shape[1], ks.shape[2]
         acc, logits_transforms = plan.one(Slot.ACCUMULATOR), plan.many(Slot.LOGITS)
@@ -177,16 +179,29 @@ class BlockedBackend(Backend):
             return out, None
         group = h // hkv
         logits = (qs.reshape(b, hkv, group, d) @ ks.transpose(-1, -2)).reshape(b, h, 1, m) * scale
-        ctx = plan.context(qpos, kpos, Dims(h, d, hkv))
+        dims = Dims(h, d, hkv)
+        key = (h, qs.device)
+        if key not in self._decode_consts:
+            self._decode_consts[key] = (torch.arange(h, device=qs.device).view(1, -1, 1, 1),
+                                        torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device))
+        heads, every = self._decode_consts[key]
+        if kpos.shape[1] > 1:
+            kpos = kpos.repeat_interleave(group, dim=1)
+        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims)
         for t in logits_transforms:
             logits = t.apply(logits, ctx, params[t.kind])
         if acc is not None:
-            every = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device)
-            index, sel_allowed, sel_ctx = plan.selector_view(acc, every, ctx)
-            s = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
+            index = heads[:, acc.heads()].reshape(-1)
+            sel_ctx = Context(qpos=ctx.qpos, kpos=ctx.kpos if ctx.kpos.shape[1] == 1 else ctx.kpos[:, index],
+                              heads=index.view(1, -1, 1, 1), dims=dims)
+            s = acc.selection(logits[:, index], every, sel_ctx, params[acc.kind])
             wide = accumulator_dtype(qs.dtype)  # subtract in F's (wider) dtype, round the logits once
-            logits = (logits.to(wide) - carry[:, None, None, :]).to(logits.dtype)
-            carry = carry + s.to(wide)[:, 0, 0]
+            if wide == logits.dtype:
+                logits = logits - carry[:, None, None, :]
+                carry = carry + s[:, 0, 0]
+            else:
+                logits = (logits.to(wide) - carry[:, None, None, :]).to(logits.dtype)
+                carry = carry + s.to(wide)[:, 0, 0]
         probs = torch.softmax(logits, dim=-1)
         out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
         return out, carry
@@ -199,7 +214,9 @@ class BlockedBackend(Backend):
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         if q.shape[2] == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
             # one query at the newest position: every cached key is visible and no mask applies
-            out, carry = self.decode_one(plan, qs, ks, vs, qpos, cache.positions, params, cache.selection())
+            per_head = cache.evictor is not None and cache.evictor.per_head
+            kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
+            out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.selection())
             cache.settle(carry, None)
         else:
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, mask,

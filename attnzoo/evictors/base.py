@@ -72,7 +72,8 @@ class Evictor:
 
     def victim(self, cache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
-        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest)
+        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest,
+                    ordered=getattr(cache, "ordered", False))
 
     @classmethod
     def options_model(cls) -> type[EvictorOptions]:
@@ -89,11 +90,17 @@ class Evictor:
         return None
 
 
-def pick(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool) -> torch.Tensor:
+def pick(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool,
+         ordered: bool = False) -> torch.Tensor:
     """Among eligible slots, the one with the largest (or smallest) score; ties go to the oldest position.
 
     score, eligible, positions: (B, H_kv, M) → (B, H_kv) slot indices. Every row must have an eligible slot.
+    ``ordered``: positions increase along the slots (a cache's invariant), so the oldest of tied slots is the
+    first one, which is what ``argmax``/``argmin`` return.
     """
+    if ordered:
+        masked = score.masked_fill(~eligible, float("-inf") if largest else float("inf"))
+        return masked.argmax(-1) if largest else masked.argmin(-1)
     fill = float("-inf") if largest else float("inf")
     masked = torch.where(eligible, score, torch.full_like(score, fill))
     best = masked.amax(-1, keepdim=True) if largest else masked.amin(-1, keepdim=True)

@@ -1,0 +1,194 @@
+"""Decoding speed and cache memory, measured in one run against a hand-written baseline.
+
+Baseline: a preallocated key/value buffer and one ``scaled_dot_product_attention`` call per token, the fastest
+plain-torch decode loop. Candidates: attnzoo ``decode`` for each spec and backend, with the spec's budget or none.
+Each candidate prefills ``--context`` tokens (not timed) and decodes ``--steps`` tokens (timed); rounds are
+interleaved and the median per candidate is kept. Reports tokens/s, the ratio to the baseline and to attnzoo
+``vanilla``, and the cache bytes held at the end (attnzoo ``KVCache.nbytes``).
+
+    python benchmarks/decode.py [--context 4096] [--steps 128] [--out benchmarks/results]
+
+With ``--hf`` it also times Hugging Face ``generate()`` on a small Llama-style model built from a config (no
+download): HF's own ``DynamicCache`` against the attnzoo integration at several budgets, tokens/s and peak
+memory (see docs/transformers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import attnzoo
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def inputs(batch, heads, kv_heads, head_dim, length, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, length, head_dim, generator=gen)
+    k = torch.randn(batch, kv_heads, length, head_dim, generator=gen)
+    v = torch.randn(batch, kv_heads, length, head_dim, generator=gen)
+    return q, k, v
+
+
+def baseline(q, k, v, context):
+    """Hand-written: preallocated buffers, one SDPA call per token. Returns (seconds, bytes held)."""
+    b, hkv, n, d = k.shape
+    kbuf, vbuf = k.new_empty(b, hkv, n, d), v.new_empty(b, hkv, n, d)
+    kbuf[:, :, :context], vbuf[:, :, :context] = k[:, :, :context], v[:, :, :context]
+    gqa = q.shape[1] != hkv
+    start = time.perf_counter()
+    for i in range(context, n):
+        kbuf[:, :, i:i + 1], vbuf[:, :, i:i + 1] = k[:, :, i:i + 1], v[:, :, i:i + 1]
+        F.scaled_dot_product_attention(q[:, :, i:i + 1], kbuf[:, :, :i + 1], vbuf[:, :, :i + 1], enable_gqa=gqa)
+    return time.perf_counter() - start, 2 * kbuf.numel() * kbuf.element_size()
+
+
+def attnzoo_decode(spec, backend, budget, q, k, v, context):
+    variant = attnzoo.compile(spec, backend=backend)
+    cache = variant.new_cache(batch=q.shape[0], budget=budget)
+    variant.prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context], cache)
+    n = q.shape[2]
+    start = time.perf_counter()
+    for i in range(context, n):
+        variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache)
+    return time.perf_counter() - start, cache.nbytes
+
+
+def run_kernels(args) -> dict:
+    q, k, v = inputs(args.batch, args.heads, args.kv_heads, args.head_dim, args.context + args.steps)
+    candidates = {"hand-written SDPA loop": lambda: baseline(q, k, v, args.context)}
+    for spec, backend, budget in (("vanilla", "blocked", None), ("ssa", "blocked", None),
+                                  ("selective", "blocked", None), ("selective-pruned", "blocked", args.budget),
+                                  ("selective-pruned", "reference", args.budget)):
+        label = f"attnzoo {spec} ({backend}, budget {budget})"
+        candidates[label] = (lambda s=spec, bk=backend, bu=budget: attnzoo_decode(s, bk, bu, q, k, v, args.context))
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    held: dict[str, int] = {}
+    with torch.no_grad():
+        for fn in candidates.values():  # warm-up
+            fn()
+        for _ in range(args.repeats):
+            for name, fn in candidates.items():
+                seconds, nbytes = fn()
+                times[name].append(seconds)
+                held[name] = nbytes
+    rows = []
+    base = statistics.median(times["hand-written SDPA loop"])
+    vanilla = statistics.median(times["attnzoo vanilla (blocked, budget None)"])
+    base_bytes = held["hand-written SDPA loop"]
+    for name in candidates:
+        t = statistics.median(times[name])
+        rows.append({"candidate": name, "tokens_per_s": args.steps / t, "vs_baseline": base / t,
+                     "vs_attnzoo_vanilla": vanilla / t, "cache_bytes": held[name],
+                     "bytes_vs_baseline": held[name] / base_bytes})
+    return {"rows": rows}
+
+
+def run_hf(args) -> dict:
+    """HF generate() on a small Llama-style model: DynamicCache vs the attnzoo cache at several budgets."""
+    import resource  # noqa: F401 - peak memory is read per subprocess-free run from the tensors held
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.integrations import transformers as integration
+
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 512, (1, args.hf_context))
+    rows = []
+
+    def timed(model, cache_factory):
+        kwargs = dict(max_new_tokens=args.hf_steps, min_new_tokens=args.hf_steps, do_sample=False)
+        if cache_factory is not None:
+            kwargs["past_key_values"] = cache_factory()
+        start = time.perf_counter()
+        out = model.generate(prompt, **kwargs)
+        return time.perf_counter() - start, out, kwargs.get("past_key_values")
+
+    with torch.no_grad():
+        model = LlamaForCausalLM(config).eval()
+        timed(model, None)
+        seconds, _, _ = timed(model, None)
+        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (args.hf_context + args.hf_steps) \
+            * (config.hidden_size // config.num_attention_heads) * 4
+        rows.append({"candidate": "HF DynamicCache (sdpa)", "tokens_per_s": args.hf_steps / seconds,
+                     "cache_bytes": kv_bytes})
+        base = seconds
+        for budget in args.hf_budgets:
+            zoo = LlamaForCausalLM(config).eval()
+            zoo.load_state_dict(model.state_dict())
+            integration.apply(zoo, "selective-pruned", budget=budget)
+            timed(zoo, lambda z=zoo: integration.AttnzooCache(z))
+            seconds, _, cache = timed(zoo, lambda z=zoo: integration.AttnzooCache(z))
+            nbytes = sum(layer["bytes"] for layer in cache.memory())
+            rows.append({"candidate": f"attnzoo selective-pruned, budget {budget}",
+                         "tokens_per_s": args.hf_steps / seconds, "vs_dynamic_cache": base / seconds,
+                         "cache_bytes": nbytes, "bytes_vs_dynamic_cache": nbytes / kv_bytes})
+    return {"rows": rows}
+
+
+def table(rows) -> str:
+    keys = list(rows[0])
+    for row in rows[1:]:
+        keys += [k for k in row if k not in keys]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        cells = []
+        for key in keys:
+            value = row.get(key, "")
+            cells.append(f"{value:.3g}" if isinstance(value, float) else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hf", action="store_true", help="also time HF generate() (needs the transformers extra)")
+    parser.add_argument("--hf-context", type=int, default=1024)
+    parser.add_argument("--hf-steps", type=int, default=64)
+    parser.add_argument("--hf-budgets", type=int, nargs="+", default=[4096, 512, 128])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+              "config": {k: v for k, v in vars(args).items() if k != "out"}}
+    result["kernels"] = run_kernels(args)
+    print(f"{result['cpu']}, {args.threads} threads; context {args.context} + {args.steps} decoded, "
+          f"B{args.batch} H{args.heads}/{args.kv_heads} D{args.head_dim} float32")
+    print(table(result["kernels"]["rows"]))
+    if args.hf:
+        result["hf"] = run_hf(args)
+        print(f"\nHF generate(): Llama 4 layers, width 256, context {args.hf_context} + {args.hf_steps}")
+        print(table(result["hf"]["rows"]))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
