@@ -100,47 +100,101 @@ def run_kernels(args) -> dict:
     return {"rows": rows}
 
 
-def run_hf(args) -> dict:
-    """HF generate() on a small Llama-style model: DynamicCache vs the attnzoo cache at several budgets."""
-    import resource  # noqa: F401 - peak memory is read per subprocess-free run from the tensors held
+class _PeakRss:
+    """Samples the process's resident memory every millisecond in a thread; ``peak`` is the largest seen."""
 
-    from transformers import LlamaConfig, LlamaForCausalLM
+    def __init__(self) -> None:
+        import threading
+
+        self.peak = self.now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self):
+        self.start = self.now()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def hf_one(candidate: str, context: int, steps: int) -> dict:
+    """One HF generate() measurement (run in a fresh process): tokens/s of the decoding steps (timed from the
+    first token's logits to the last), cache bytes at the end and the peak resident memory growth during
+    generate()."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
     from attnzoo.integrations import transformers as integration
 
+    class Clock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.stamps: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
+
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=8192)
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=context + steps + 8)
     torch.manual_seed(0)
-    prompt = torch.randint(0, 512, (1, args.hf_context))
-    rows = []
-
-    def timed(model, cache_factory):
-        kwargs = dict(max_new_tokens=args.hf_steps, min_new_tokens=args.hf_steps, do_sample=False)
-        if cache_factory is not None:
-            kwargs["past_key_values"] = cache_factory()
-        start = time.perf_counter()
-        out = model.generate(prompt, **kwargs)
-        return time.perf_counter() - start, out, kwargs.get("past_key_values")
-
+    model = LlamaForCausalLM(config).eval()
+    prompt = torch.randint(0, 512, (1, context))
+    if candidate != "dynamic":
+        spec, _, budget = candidate.partition(":")
+        integration.apply(model, spec, budget=int(budget) if budget else None)
+    kwargs = dict(do_sample=False, return_dict_in_generate=True)
     with torch.no_grad():
-        model = LlamaForCausalLM(config).eval()
-        timed(model, None)
-        seconds, _, _ = timed(model, None)
-        kv_bytes = 2 * config.num_hidden_layers * config.num_key_value_heads * (args.hf_context + args.hf_steps) \
-            * (config.hidden_size // config.num_attention_heads) * 4
-        rows.append({"candidate": "HF DynamicCache (sdpa)", "tokens_per_s": args.hf_steps / seconds,
-                     "cache_bytes": kv_bytes})
-        base = seconds
-        for budget in args.hf_budgets:
-            zoo = LlamaForCausalLM(config).eval()
-            zoo.load_state_dict(model.state_dict())
-            integration.apply(zoo, "selective-pruned", budget=budget)
-            timed(zoo, lambda z=zoo: integration.AttnzooCache(z))
-            seconds, _, cache = timed(zoo, lambda z=zoo: integration.AttnzooCache(z))
-            nbytes = sum(layer["bytes"] for layer in cache.memory())
-            rows.append({"candidate": f"attnzoo selective-pruned, budget {budget}",
-                         "tokens_per_s": args.hf_steps / seconds, "vs_dynamic_cache": base / seconds,
-                         "cache_bytes": nbytes, "bytes_vs_dynamic_cache": nbytes / kv_bytes})
+        model.generate(prompt[:, :64], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        clock = Clock()
+        with _PeakRss() as rss:
+            out = model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                                 logits_processor=LogitsProcessorList([clock]), **kwargs)
+    cache = out.past_key_values
+    if candidate == "dynamic":
+        nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    else:
+        nbytes = sum(layer["bytes"] for layer in cache.memory())
+    return {"decode_tokens_per_s": (len(clock.stamps) - 1) / (clock.stamps[-1] - clock.stamps[0]),
+            "cache_bytes": nbytes, "peak_rss_growth_mb": (rss.peak - rss.start) / 2**20,
+            "tokens": out.sequences[0, context:].tolist()}
+
+
+def run_hf(args) -> dict:
+    """HF generate() on a small Llama-style model: DynamicCache vs the attnzoo cache at several budgets, each
+    candidate in a fresh process (peak memory)."""
+    import subprocess
+    import sys
+
+    candidates = ["dynamic", "vanilla", "selective"] + [f"selective-pruned:{b}" for b in args.hf_budgets]
+    rows, results = [], {}
+    for candidate in candidates:
+        run = subprocess.run([sys.executable, __file__, "--hf-one", candidate, "--hf-context", str(args.hf_context),
+                              "--hf-steps", str(args.hf_steps), "--threads", str(args.threads)],
+                             capture_output=True, text=True, check=True)
+        result = results[candidate] = json.loads(run.stdout.strip().splitlines()[-1])
+        base = results["dynamic"]
+        label = {"dynamic": "HF DynamicCache (sdpa)", "vanilla": "attnzoo vanilla (no budget)",
+                 "selective": "attnzoo selective (no budget)"}.get(
+            candidate, f"attnzoo {candidate.replace(':', ', budget ')}")
+        # the same model's tokens: vanilla against HF's own attention, selective-pruned against no eviction
+        same_as = "dynamic" if candidate in ("dynamic", "vanilla") else "selective"
+        rows.append({"candidate": label, "tokens_per_s": result["decode_tokens_per_s"],
+                     "vs_dynamic_cache": result["decode_tokens_per_s"] / base["decode_tokens_per_s"],
+                     "cache_bytes": result["cache_bytes"],
+                     "bytes_vs_dynamic_cache": result["cache_bytes"] / base["cache_bytes"],
+                     "peak_rss_growth_mb": result["peak_rss_growth_mb"],
+                     "same_tokens_as": f"{same_as}: {result['tokens'] == results[same_as]['tokens']}"})
     return {"rows": rows}
 
 
@@ -170,12 +224,16 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--hf", action="store_true", help="also time HF generate() (needs the transformers extra)")
-    parser.add_argument("--hf-context", type=int, default=1024)
+    parser.add_argument("--hf-context", type=int, default=4096)
     parser.add_argument("--hf-steps", type=int, default=64)
     parser.add_argument("--hf-budgets", type=int, nargs="+", default=[4096, 512, 128])
+    parser.add_argument("--hf-one", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.hf_one:
+        print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps)))
+        return
     result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
               "config": {k: v for k, v in vars(args).items() if k != "out"}}
     result["kernels"] = run_kernels(args)
@@ -184,7 +242,8 @@ def main(argv=None) -> None:
     print(table(result["kernels"]["rows"]))
     if args.hf:
         result["hf"] = run_hf(args)
-        print(f"\nHF generate(): Llama 4 layers, width 256, context {args.hf_context} + {args.hf_steps}")
+        print(f"\nHF generate(): Llama 4 layers, width 256, H8/2, context {args.hf_context} + {args.hf_steps} "
+              f"decoded, float32")
         print(table(result["hf"]["rows"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(result, indent=2, default=str))

@@ -176,3 +176,25 @@ def test_cache_memory_report():
     report = cache.memory()
     assert report["tokens"] == 5 and report["bytes"] == cache.nbytes == 2 * 2 * 5 * 4 * 4 + 2 * 5 * 8
     assert report["allocated_bytes"] >= report["bytes"]
+
+
+@pytest.mark.parametrize("spec", ["ssa", "selective-pruned", "h2o"])
+def test_triton_decodes_a_left_padded_batch_like_the_reference(spec):
+    """The triton backend (interpreter) with padding in the cache: its general path (the decode kernel has no key
+    mask) against the reference, float32."""
+    pytest.importorskip("triton")
+    torch.manual_seed(3)
+    ref = attnzoo.compile(spec, backend="reference")
+    params = {key: value.float() for key, value in params_for(ref).items()}
+    budget = 9 if ref.spec.cache is not None else None
+    q = torch.randn(2, 4, 16, 8)
+    k, v = torch.randn(2, 2, 2, 16, 8)
+    key_mask = torch.tensor([[False] * 4 + [True] * 8, [True] * 12])
+    outs = []
+    for backend in ("reference", "triton"):
+        variant = attnzoo.compile(spec, backend=backend)
+        cache = variant.new_cache(batch=2, budget=budget)
+        with torch.no_grad():
+            outs.append(decode_rows(variant, q, k, v, cache, params, 12, key_mask))
+    real = torch.cat([key_mask, torch.ones(2, 4, dtype=torch.bool)], dim=1)[:, None, :, None].expand_as(outs[0])
+    torch.testing.assert_close(outs[1][real], outs[0][real], rtol=0, atol=2e-5)

@@ -102,6 +102,12 @@ def test_ssa_parameters_belong_to_the_model_and_round_trip_through_save_pretrain
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())["attnzoo"]
     assert saved["hash"] == record["hash"] and saved["spec"]["name"] == "ssa"
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", framework="pt") as fh:
+        meta = fh.metadata()
+    assert meta["attnzoo_spec_hash"] == record["hash"] and meta["format"] == "pt"
+    assert json.loads(meta["attnzoo_spec"])["name"] == "ssa"
 
     loaded = zt.from_pretrained(tmp_path)
     assert loaded.config._attn_implementation == "attnzoo"
@@ -116,6 +122,17 @@ def test_ssa_parameters_belong_to_the_model_and_round_trip_through_save_pretrain
     message = str(caught.value)
     assert "\n" not in message and str(tmp_path / "config.json") in message
     assert record["hash"][:12] in message and other.config.attnzoo["hash"][:12] in message
+
+
+def test_weights_stamped_with_another_spec_are_refused(tmp_path):
+    """The safetensors metadata is checked too: a config.json edited to match cannot smuggle in other weights."""
+    model = zt.apply(make("llama"), "ssa")
+    model.save_pretrained(tmp_path)
+    zt.stamp_safetensors(str(tmp_path / "model.safetensors"), {"hash": "f" * 64, "name": "other", "spec": None})
+    with pytest.raises(zt.CheckpointSpecMismatchError) as caught:
+        zt.load_transform_params(model, tmp_path)
+    assert "\n" not in str(caught.value) and "model.safetensors" in str(caught.value) and "ffffffffffff" in \
+        str(caught.value)
 
 
 def test_load_refuses_missing_parameters_and_pickles(tmp_path):

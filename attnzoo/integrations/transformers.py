@@ -15,9 +15,12 @@ line naming it.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
+import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +42,7 @@ from ..spec import load_spec
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "CheckpointSpecMismatchError", "IntegrationError", "SUPPORTED_FAMILIES",
     "apply", "attention_forward", "attention_mask", "from_pretrained", "is_applied", "load_transform_params",
+    "stamp_safetensors",
 ]
 
 #: The name under which the attention and mask functions are registered with transformers.
@@ -549,6 +553,7 @@ def apply(model, spec, *, budget=_UNSET, backend: str = "auto"):
     setattr(config, CONFIG_KEY, {"spec": loaded.model_dump(mode="json"), "name": loaded.name, "hash": loaded.hash,
                                  "budget": _budget_record(budgets), "backend": backend})
     _install_generate_default(model)
+    model.save_pretrained = _SaveWithSpec(model)
     return model
 
 
@@ -582,6 +587,48 @@ def _install_generate_default(model) -> None:
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
+#: Keys of the spec record in each safetensors file's metadata (beside the record in config.json).
+METADATA_HASH, METADATA_NAME, METADATA_SPEC = "attnzoo_spec_hash", "attnzoo_spec_name", "attnzoo_spec"
+
+
+class _SaveWithSpec:
+    """``save_pretrained`` of an applied model, set on the instance: transformers' own, then the spec (name, hash,
+    the spec itself) written into the metadata of every safetensors file saved, so the weights carry it too. An
+    object rather than a bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        record = getattr(self.model.config, CONFIG_KEY, None)
+        if isinstance(record, dict) and "hash" in record:
+            for file in sorted(glob.glob(os.path.join(os.fspath(save_directory), "*.safetensors"))):
+                stamp_safetensors(file, record)
+        return result
+
+
+def stamp_safetensors(file: str, record: dict) -> None:
+    """Write the spec ``record`` (as in ``config.attnzoo``) into the ``__metadata__`` of a safetensors file. The
+    header is rewritten and the tensor bytes streamed after it unchanged, into a temporary file that replaces the
+    original only once complete (an interrupted stamp loses nothing)."""
+    with open(file, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+        meta = dict(header.get("__metadata__") or {})
+        meta.update({METADATA_HASH: str(record["hash"]), METADATA_NAME: str(record.get("name", "")),
+                     METADATA_SPEC: json.dumps(record.get("spec"), sort_keys=True)})
+        header["__metadata__"] = meta
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; keeps the data 8-byte aligned
+        tmp = f"{file}.attnzoo-tmp"
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            shutil.copyfileobj(fh, out, 1 << 20)
+    os.replace(tmp, file)
+
+
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
@@ -713,6 +760,14 @@ def load_transform_params(model, path_or_name, **hub_kwargs) -> list[str]:
     if extra:
         raise IntegrationError(f"{shown}: holds {len(extra)} attnzoo parameter(s) the model does not have (first: "
                                f"{extra[0]})")
+    for file in files:
+        with safe_open(file, framework="pt") as fh:
+            meta = fh.metadata() or {}
+        stamped = meta.get(METADATA_HASH)
+        if stamped is not None and stamped != mine["hash"]:
+            raise CheckpointSpecMismatchError(
+                f"{file}: weights saved with spec '{meta.get(METADATA_NAME)}' (hash {stamped[:12]}), the model uses "
+                f"spec '{mine['name']}' (hash {mine['hash'][:12]})")
     tensors = {}
     for key, source in mapping.items():
         file, name = found[source]
