@@ -237,16 +237,20 @@ def main(argv=None) -> None:
     result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
               "config": {k: v for k, v in vars(args).items() if k != "out"}}
     result["kernels"] = run_kernels(args)
-    print(f"{result['cpu']}, {args.threads} threads; context {args.context} + {args.steps} decoded, "
-          f"B{args.batch} H{args.heads}/{args.kv_heads} D{args.head_dim} float32")
-    print(table(result["kernels"]["rows"]))
+    lines = [f"# Decoding ({result['cpu']}, {args.threads} threads, torch {torch.__version__})", "",
+             f"Context {args.context} + {args.steps} decoded, B{args.batch} H{args.heads}/{args.kv_heads} "
+             f"D{args.head_dim} float32; median of {args.repeats} interleaved rounds "
+             "(`python benchmarks/decode.py`).", "", table(result["kernels"]["rows"])]
+    print("\n".join(lines))
     if args.hf:
         result["hf"] = run_hf(args)
-        print(f"\nHF generate(): Llama 4 layers, width 256, H8/2, context {args.hf_context} + {args.hf_steps} "
-              f"decoded, float32")
-        print(table(result["hf"]["rows"]))
+        hf = ["", f"HF generate(): Llama 4 layers, width 256, H8/2, context {args.hf_context} + {args.hf_steps} "
+              "decoded, float32, each candidate in a fresh process (`--hf`).", "", table(result["hf"]["rows"])]
+        print("\n".join(hf))
+        lines += hf
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
+    (args.out / "decode.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

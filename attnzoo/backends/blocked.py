@@ -212,16 +212,23 @@ class BlockedBackend(Backend):
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
         ks, vs, mask = cache.keys, cache.values, cache.key_mask()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
-        if q.shape[2] == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
+        per_head = cache.evictor is not None and cache.evictor.per_head
+        kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
+        count = q.shape[2]
+        plain = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
+                 and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS))
+        if plain and count > 1 and cache.num_tokens == count and _consecutive(qpos):
+            # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
+                                                 enable_gqa=q.shape[1] != ks.shape[1])
+            cache.settle(None, None)
+        elif count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
             # one query at the newest position: every cached key is visible and no mask applies
-            per_head = cache.evictor is not None and cache.evictor.per_head
-            kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
             out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.selection())
             cache.settle(carry, None)
         else:
-            out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, cache.positions, params, mask,
-                                               cache.selection(), want_probs=want_probs,
-                                               use_sdpa=cache.positions.shape[1] == 1)
+            out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.selection(),
+                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1)
             cache.settle(carry, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
