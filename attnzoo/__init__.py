@@ -21,6 +21,7 @@ from .transforms.base import (
     LogitsTransform,
     MaskTransform,
     ParamSpec,
+    RowMapTransform,
     RowScaleTransform,
     Slot,
     Transform,
@@ -30,7 +31,8 @@ from .transforms.selective import memory_counts, memory_loss
 
 __all__ = [
     "AccumulatorTransform", "AttnzooError", "Backend", "Context", "Dims", "Evictor", "EvictorOptions",
-    "KVCache", "LogitsTransform", "MaskTransform", "ParamSpec", "PluginError", "Registry", "RowScaleTransform",
+    "KVCache", "LogitsTransform", "MaskTransform", "ParamSpec", "PluginError", "Registry", "RowMapTransform",
+    "RowScaleTransform",
     "Slot", "Spec", "SpecError", "Transform", "TransformOptions", "UnsupportedError", "Variant", "__version__",
     "attention", "compile", "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss",
     "new_registry", "nn",

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .transforms.base import Context, Dims, ParamSpec, Slot, Transform, restrict_heads
+from .transforms.base import Context, Dims, ParamSpec, RowScaleTransform, Slot, Transform, restrict_heads
 
 
 @dataclass
@@ -78,25 +78,37 @@ class Plan:
     # -- the pieces every backend computes the same way ----------------------------------------------------------
     def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params,
                   widen: bool = False) -> torch.Tensor:
-        """rows (B, Hx, N, D) times the slot's per-row scale (unchanged when the slot is empty); same dtype as rows.
+        """rows (B, Hx, N, D) through the slot's row maps in spec order (unchanged when the slot is empty); same
+        dtype as rows.
 
-        The product is taken in the wider of the rows' and the scale's dtypes and rounded to the rows' dtype once:
-        the built-in scales (SSA temperatures) come in at least float32 (the numerics contract, docs/backends.md),
-        so half-precision rows are scaled in float32 and rounded once.
+        A row scale (SSA temperatures) multiplies in the wider of the rows' and the scale's dtypes and rounds to
+        the rows' dtype once: the built-in scales come in at least float32 (the numerics contract,
+        docs/backends.md), so half-precision rows are scaled in float32 and rounded once. Any other row map
+        gets the rows as they are, and its result is rounded to the rows' dtype.
 
-        ``widen``: for float16/bfloat16 rows, also hand the transform float32 rows and parameters (fast backends
-        use it: the gradient of a per-token scale reduces over D and over every position, which loses too much in
+        ``widen``: for float16/bfloat16 rows, hand every transform float32 rows and parameters (fast backends use
+        it: the gradient of a per-token scale reduces over D and over every position, which loses too much in
         half precision; it matters for transforms that compute in the dtype they are given)."""
-        t = self.one(slot)
-        if t is None:
+        transforms = self.many(slot)
+        if not transforms:
             return rows
-        if widen and rows.dtype in (torch.float16, torch.bfloat16):
-            wide = rows.float()
-            scale = t.scale(wide, positions, {name: p.float() for name, p in params[t.kind].items()})
-        else:
-            scale = t.scale(rows, positions, params[t.kind])
-            wide = rows.to(torch.promote_types(rows.dtype, scale.dtype))
-        return (wide * scale.unsqueeze(-1)).to(rows.dtype)
+        out = rows
+        for t in transforms:
+            group = params[t.kind]
+            if widen and out.dtype in (torch.float16, torch.bfloat16):
+                x, group = out.float(), {name: p.float() for name, p in group.items()}
+            else:
+                x = out
+            if isinstance(t, RowScaleTransform):
+                scale = t.scale(x, positions, group)
+                x = x.to(torch.promote_types(x.dtype, scale.dtype)) * scale.unsqueeze(-1)
+            else:
+                x = t.map(x, positions, group)
+                if tuple(x.shape) != tuple(rows.shape):
+                    raise ValueError(f"transform '{t.kind}' ({slot.value}) returned rows of shape {tuple(x.shape)} "
+                                     f"for rows of shape {tuple(rows.shape)}: a row map must keep the shape")
+            out = x.to(rows.dtype)
+        return out
 
     def admit(self, cache, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
               key_mask: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:

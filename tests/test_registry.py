@@ -185,7 +185,7 @@ def test_duplicate_is_refused_and_reported_by_plugin_name():
         (object, "subclass of Transform"),
         (type("NoKind", (attnzoo.LogitsTransform,), {"kind": "Bad Name", "slot": attnzoo.Slot.LOGITS}), "must match"),
         (type("WrongBase", (attnzoo.LogitsTransform,), {"kind": "wrong_base", "slot": attnzoo.Slot.QUERY}),
-         "must subclass RowScaleTransform"),
+         "must subclass RowMapTransform"),
     ],
 )
 def test_register_validates_the_contract(bad, match):

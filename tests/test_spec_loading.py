@@ -430,19 +430,23 @@ def test_cli_uses_the_registered_name_in_a_shadowing_cwd(shadowing_cwd, capsys):
 
 
 def test_two_transforms_in_one_non_composing_slot():
-    """Two *different* kinds in the query slot (only logits and mask compose): a plugin adds a second one."""
+    """Two *different* accumulators (a plugin adds a second one): refused; row maps in one slot compose."""
 
-    class OtherQueryScale(attnzoo.RowScaleTransform):
-        kind = "other_query_scale"
-        slot = attnzoo.Slot.QUERY
+    class OtherAccumulator(attnzoo.AccumulatorTransform):
+        kind = "other_accumulator"
+        slot = attnzoo.Slot.ACCUMULATOR
 
-    module = types.ModuleType("other_query_plugin")
-    module.register_transforms = attnzoo.hookimpl(lambda register: register(OtherQueryScale))
-    reg = new_registry(entry_points=False, extra_plugins=(("other_query_plugin", module),))
-    data = {"name": "x", "transforms": [{"kind": "query_temperature"}, {"kind": "other_query_scale"}]}
-    with pytest.raises(attnzoo.SpecError, match=r"^<mapping>: transforms\[1\]: slot 'query' already holds "
-                                                r"transforms\[0\] \(only logits and mask transforms compose\)$"):
+    module = types.ModuleType("other_accumulator_plugin")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(OtherAccumulator))
+    reg = new_registry(entry_points=False, extra_plugins=(("other_accumulator_plugin", module),))
+    data = {"name": "x", "attention": {"causal": True},
+            "transforms": [{"kind": "selective_mask"}, {"kind": "other_accumulator"}]}
+    with pytest.raises(attnzoo.SpecError, match=r"^<mapping>: transforms\[1\]: slot 'accumulator' already holds "
+                                                r"transforms\[0\] \(one accumulator per spec; row maps, logits and "
+                                                r"masks compose in spec order\)$"):
         attnzoo.load_spec(data, registry=reg)
+    rows = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "query_norm"}, {"kind": "query_temperature"}]})
+    assert [t.kind for t in rows.transforms] == ["query_norm", "query_temperature"]
     # logits compose: two different logits transforms are fine
     ok = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "softcap", "cap": 30.0}, {"kind": "alibi"}]})
     assert [t.kind for t in ok.transforms] == ["softcap", "alibi"]

@@ -27,7 +27,7 @@ class Slot(str, enum.Enum):
 
 
 #: Slots where a spec may list several transforms (applied in the order listed, masks intersected).
-COMPOSING_SLOTS = frozenset({Slot.LOGITS, Slot.MASK})
+COMPOSING_SLOTS = frozenset({Slot.QUERY, Slot.KEY, Slot.VALUE, Slot.OUTPUT, Slot.LOGITS, Slot.MASK})
 
 
 class StrictModel(BaseModel):
@@ -131,24 +131,42 @@ class Transform:
             return "slot must be an attnzoo.Slot"
         if not (isinstance(cls.Options, type) and issubclass(cls.Options, TransformOptions)):
             return "Options must subclass attnzoo.TransformOptions"
-        bases = {Slot.QUERY: RowScaleTransform, Slot.KEY: RowScaleTransform, Slot.VALUE: RowScaleTransform,
-                 Slot.OUTPUT: RowScaleTransform, Slot.LOGITS: LogitsTransform, Slot.MASK: MaskTransform,
+        bases = {Slot.QUERY: RowMapTransform, Slot.KEY: RowMapTransform, Slot.VALUE: RowMapTransform,
+                 Slot.OUTPUT: RowMapTransform, Slot.LOGITS: LogitsTransform, Slot.MASK: MaskTransform,
                  Slot.ACCUMULATOR: AccumulatorTransform}
         if not issubclass(cls, bases[cls.slot]):
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
         return None
 
 
-class RowScaleTransform(Transform):
-    """Slots ``query``, ``key``, ``value``, ``output``: a scalar per token and head multiplies that row.
+class RowMapTransform(Transform):
+    """Slots ``query``, ``key``, ``value``, ``output``: a shape-preserving map of each token's rows, with
+    parameters (QK-norm's RMS normalisation with a per-dimension gain, say).
 
-    The row is the raw query, key or value row given to attention (after any RoPE the model applied), or for
-    ``output`` the attention output row.
+    The rows are the query, key or value rows given to attention (after any RoPE the model applied), or for
+    ``output`` the attention output rows. A map is **per token**: the rows of token i (all heads of it) and its
+    position decide its result, never other tokens (so causality holds and a decode cache can store transformed
+    keys and values, computed once). Several transforms in one of these slots apply in spec order. A map runs
+    outside the attention kernels of every backend (Triton included): it costs O(N·D), not O(N²).
     """
+
+    def map(self, rows: torch.Tensor, positions: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """rows (B, Hx, N, D), positions (B, 1 or Hx, N) → new rows of the same shape (any floating dtype: the
+        caller rounds to the rows' dtype once)."""
+        raise NotImplementedError
+
+
+class RowScaleTransform(RowMapTransform):
+    """The fast special case of a row map: a scalar per token and head multiplies that row (SSA's
+    temperatures). Implement :meth:`scale`; :meth:`map` follows from it."""
 
     def scale(self, rows: torch.Tensor, positions: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """rows (B, Hx, N, D), positions (B, 1 or Hx, N) → the scale t (B, Hx, N)."""
         raise NotImplementedError
+
+    def map(self, rows, positions, params):
+        scale = self.scale(rows, positions, params)
+        return rows.to(torch.promote_types(rows.dtype, scale.dtype)) * scale.unsqueeze(-1)
 
 
 class LogitsTransform(Transform):

@@ -5,11 +5,13 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from .logits import Alibi, ConstantTemperature, Softcap, YarnScale
 from .masks import Causal, LocalGlobal, Prefix, SlidingWindow
+from .norm import KeyNorm, QueryNorm
 from .selective import SelectiveMask
 from .temperature import KeyTemperature, QueryTemperature, ValueTemperature
 
 BUILTIN_TRANSFORMS = (
     QueryTemperature, KeyTemperature, ValueTemperature,
+    QueryNorm, KeyNorm,
     Softcap, Alibi, ConstantTemperature, YarnScale,
     SelectiveMask,
     Causal, SlidingWindow, LocalGlobal, Prefix,

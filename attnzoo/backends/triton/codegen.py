@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...transforms.base import RowScaleTransform, Slot
+from ...transforms.base import RowMapTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
@@ -33,7 +33,7 @@ def problems(plan) -> list[str]:
     """Why this spec cannot be lowered to Triton (empty: it can)."""
     reasons = []
     for t in plan.transforms:
-        if isinstance(t, RowScaleTransform):
+        if isinstance(t, RowMapTransform):
             continue
         lowering = t.triton()
         want = {Slot.LOGITS: TritonLogits, Slot.MASK: TritonMask, Slot.ACCUMULATOR: TritonSelection}[t.slot]
@@ -144,7 +144,7 @@ def generate(plan) -> dict[str, str]:
     if reasons:
         raise ValueError("; ".join(reasons))
     spec = plan.spec
-    rows = [t for t in plan.transforms if isinstance(t, RowScaleTransform)]
+    rows = [t for t in plan.transforms if isinstance(t, RowMapTransform)]
     logits, logits_bwd = _logits_helpers(plan)
     has_acc = plan.one(Slot.ACCUMULATOR) is not None
     select, select_grad = _selection_helpers(plan) if has_acc else ([], [])
