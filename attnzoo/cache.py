@@ -74,6 +74,9 @@ class KVCache:
         self._live: tuple[torch.Tensor, torch.Tensor] | None = None  # this step's rows with gradient
         self._next: torch.Tensor | int = 1
         self._last: torch.Tensor | None = None  # positions of the tokens appended last
+        # per-token scores live in growing buffers too; ``state[name]`` is a view of the first _m slots (a
+        # tensor assigned to ``state[name]`` by an evictor is adopted into a buffer at the next append)
+        self._state_buf: dict[str, torch.Tensor] = {}
         #: positions increase strictly along the slots of every row and head (kept by append and removal;
         #: padding ties with the next real token, and padding is never picked by an evictor's rule)
         self.ordered = True
@@ -208,19 +211,27 @@ class KVCache:
             self._pos = torch.empty(b, hkv, 0, dtype=torch.int64, device=key.device)
             wide = accumulator_dtype(key.dtype)
             self.state = {n: torch.zeros(b, hkv, 0, dtype=wide, device=key.device) for n in self.state_names}
+            self._state_buf = {}
         elif key.shape[1] != self._k.shape[1] or key.shape[3] != self._k.shape[3]:
             raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
         elif key.dtype != self._k.dtype:
             raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
         self._grow(old + count)
         with torch.no_grad():
-            self._k[:, :, old:old + count] = key
-            self._v[:, :, old:old + count] = value
-            self._pos[:, :, old:old + count] = new_pos.unsqueeze(1)
+            if count == 1:
+                self._k[:, :, old] = key[:, :, 0]
+                self._v[:, :, old] = value[:, :, 0]
+                self._pos[:, :, old] = new_pos
+            else:
+                self._k[:, :, old:old + count] = key
+                self._v[:, :, old:old + count] = value
+                self._pos[:, :, old:old + count] = new_pos.unsqueeze(1)
         self._m = old + count
         self._last = new_pos
         for name, t in self.state.items():
-            self.state[name] = torch.cat([t.detach(), t.new_zeros(b, hkv, count)], dim=2)
+            buf = self._state_room(name, t, old, count)
+            buf[:, :, old:old + count] = 0
+            self.state[name] = buf[:, :, :old + count]
         if key_mask is not None or self.valid is not None:
             new_valid = (key_mask if key_mask is not None else torch.ones(b, count, dtype=torch.bool,
                                                                           device=key.device))
@@ -234,14 +245,31 @@ class KVCache:
             self._live = None
         return new_pos
 
+    def _state_room(self, name: str, t: torch.Tensor, old: int, count: int) -> torch.Tensor:
+        """The buffer behind ``state[name]`` with room for ``count`` more slots after the first ``old``. A state
+        tensor that is not a view of its buffer (an evictor assigned a new one) is copied into a new buffer."""
+        buf = self._state_buf.get(name)
+        ours = (buf is not None and t.dim() == 3 and t.shape[:2] == buf.shape[:2] and t.shape[2] == old
+                and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride() and t.dtype == buf.dtype)
+        if ours and buf.shape[2] >= old + count:
+            return buf
+        capacity = max(self._k.shape[2], old + count)
+        new = t.new_empty(*t.shape[:2], capacity)
+        new[:, :, :old] = t.detach()
+        self._state_buf[name] = new
+        return new
+
     def key_mask(self) -> torch.Tensor | None:
         """(B, M) bool, False for padding tokens, or None when every cached token is real."""
         return None if self.valid is None else self.valid[:, 0]
 
     def remove(self, victim: torch.Tensor) -> None:
         """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""
+        if victim.numel() == 1:
+            self._remove_slot(int(victim))
+            return
         first = victim.reshape(-1)[0]
-        if victim.numel() == 1 or bool((victim == first).all()):
+        if bool((victim == first).all()):
             self._remove_slot(int(first))  # the same slot everywhere: shift the tail, no gather
             return
         keep = torch.arange(self._m - 1, device=victim.device).view(1, 1, -1)
@@ -251,9 +279,14 @@ class KVCache:
         m = self._m
         self._live = None
         for buf in (self._k, self._v, self._pos):
-            buf[:, :, slot:m - 1] = buf[:, :, slot + 1:m].clone()
+            if slot < m - 1:
+                buf[:, :, slot:m - 1] = buf[:, :, slot + 1:m].clone()
         self._m = m - 1
-        self.state = {name: torch.cat([t[:, :, :slot], t[:, :, slot + 1:]], dim=2) for name, t in self.state.items()}
+        for name, t in self.state.items():
+            buf = self._state_room(name, t, m, 0)
+            if slot < m - 1:
+                buf[:, :, slot:m - 1] = buf[:, :, slot + 1:m].clone()
+            self.state[name] = buf[:, :, :m - 1]
         if self.valid is not None:
             self.valid = torch.cat([self.valid[:, :, :slot], self.valid[:, :, slot + 1:]], dim=2)
             if bool(self.valid.all()):
@@ -293,11 +326,15 @@ class KVCache:
         excess = self._m - self.budget if self.budget is not None else 0
         if excess <= 0:
             return
+        if excess == 1:
+            self.evict()
+            self._compact()
+            return
         evictor = self.evictor
         from .evictors.base import Evictor  # the cache is below the evictors in the import graph
 
         rule_only = getattr(getattr(evictor, "victim", None), "__func__", None) is Evictor.victim
-        if excess == 1 or not rule_only or not evictor.independent_scores:
+        if not rule_only or not evictor.independent_scores:
             while self.over_budget():
                 self.evict()
         else:
@@ -381,7 +418,13 @@ class KVCache:
         self._live = None
         if selection is not None:
             selection = selection.detach().to(wide)
-            self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
+            held = self.state.get(SELECTION_STATE)
+            buf = self._state_buf.get(SELECTION_STATE)
+            if (held is not None and buf is not None and held.data_ptr() == buf.data_ptr()
+                    and held.shape == self.positions.shape):
+                held.copy_(selection.unsqueeze(1))  # in place: the buffer keeps its room for the next append
+            else:
+                self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
         if self.evictor is not None:
             self.evictor.update(self, probs.detach().to(wide) if probs is not None else None)
         if self.evictor is not None or self.valid is not None:

@@ -72,8 +72,11 @@ class Evictor:
 
     def victim(self, cache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
-        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest,
-                    ordered=getattr(cache, "ordered", False))
+        if getattr(cache, "ordered", False):  # the oldest of tied slots is the first: argmax/argmin decide
+            fill = float("-inf") if self.largest else float("inf")
+            masked = self.score(cache).masked_fill(self.protected(cache), fill)
+            return masked.argmax(-1) if self.largest else masked.argmin(-1)
+        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest)
 
     @classmethod
     def options_model(cls) -> type[EvictorOptions]:
