@@ -20,6 +20,7 @@ from .transforms.base import (
     Dims,
     LogitsTransform,
     MaskTransform,
+    NormaliserTransform,
     ParamSpec,
     RowMapTransform,
     RowScaleTransform,
@@ -31,7 +32,8 @@ from .transforms.selective import memory_counts, memory_loss
 
 __all__ = [
     "AccumulatorTransform", "AttnzooError", "Backend", "Context", "Dims", "Evictor", "EvictorOptions",
-    "KVCache", "LogitsTransform", "MaskTransform", "ParamSpec", "PluginError", "Registry", "RowMapTransform",
+    "KVCache", "LogitsTransform", "MaskTransform", "NormaliserTransform", "ParamSpec", "PluginError", "Registry",
+    "RowMapTransform",
     "RowScaleTransform",
     "Slot", "Spec", "SpecError", "Transform", "TransformOptions", "UnsupportedError", "Variant", "__version__",
     "attention", "compile", "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss",

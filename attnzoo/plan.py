@@ -45,8 +45,7 @@ class Plan:
         return {f"{t.kind}.{p.name}": (t, p) for t in self.transforms for p in t.parameters()}
 
     def init_params(self, dims: Dims, dtype=torch.float32, device=None) -> dict[str, torch.Tensor]:
-        return {key: torch.full(dims.resolve(p.shape), p.init, dtype=dtype, device=device)
-                for key, (_, p) in self.param_specs().items()}
+        return {key: p.initial(dims, dtype=dtype, device=device) for key, (_, p) in self.param_specs().items()}
 
     def split_params(self, params: dict[str, torch.Tensor] | None, dims: Dims, like: torch.Tensor
                      ) -> dict[str, dict[str, torch.Tensor]]:
@@ -115,17 +114,21 @@ class Plan:
         """The step every decoding backend shares: transform the new keys and values (B, H_kv, T, D) once, at
         their positions, and append them to ``cache`` (which evicts first when its evictor says so). Returns
         the new tokens' positions (B, T), which are also the new queries' positions."""
-        positions = cache.upcoming_positions(k.shape[2], key_mask, k.device).unsqueeze(1)
-        ks = self.row_scale(Slot.KEY, k, positions, params, widen=widen)
-        vs = self.row_scale(Slot.VALUE, v, positions, params, widen=widen)
-        return cache.admit(ks, vs, evict_first, key_mask)
+        if self.many(Slot.KEY) or self.many(Slot.VALUE):
+            positions = cache.upcoming_positions(k.shape[2], key_mask, k.device).unsqueeze(1)
+            k = self.row_scale(Slot.KEY, k, positions, params, widen=widen)
+            v = self.row_scale(Slot.VALUE, v, positions, params, widen=widen)
+        return cache.admit(k, v, evict_first, key_mask)
 
-    def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims) -> Context:
-        """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk)."""
+    def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
+                key_mask: torch.Tensor | None = None) -> Context:
+        """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk), with the
+        key mask (B, Nk) or None."""
         group = dims.num_heads // dims.num_kv_heads
         kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
         heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
-        return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims)
+        return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims,
+                       key_mask=key_mask[:, None, None, :] if key_mask is not None else None)
 
     def allowed(self, ctx: Context, key_mask: torch.Tensor | None) -> torch.Tensor:
         """Which (query, key) pairs may attend: the spec's causal flag, every mask transform, the key mask."""
@@ -155,6 +158,12 @@ class Plan:
         for t in self.many(Slot.LOGITS):
             logits = t.apply(logits, sel_ctx, params[t.kind])
         return acc.selection(logits, sel_allowed, sel_ctx, params[acc.kind])
+
+    def sink(self, heads: torch.Tensor, params, like: torch.Tensor) -> torch.Tensor | None:
+        """The normaliser's sink logit of the query heads ``heads`` (1, H', 1, 1) in ``like``'s dtype, or None
+        when the spec has no normaliser."""
+        t = self.one(Slot.NORMALISER)
+        return None if t is None else t.sink(heads, params[t.kind]).to(like.dtype)
 
     def earliest_key(self, query_position: int) -> int | None:
         """The smallest key position that queries at ``query_position`` or later may see under every mask (keys

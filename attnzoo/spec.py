@@ -57,7 +57,7 @@ class SpecBase(StrictModel):
             if cls.slot not in COMPOSING_SLOTS and cls.slot.value in seen_slots:
                 raise ValueError(
                     f"{where}: slot '{cls.slot.value}' already holds transforms[{seen_slots[cls.slot.value]}]"
-                    " (one accumulator per spec; row maps, logits and masks compose in spec order)"
+                    " (one accumulator and one normaliser per spec; row maps, logits and masks compose in spec order)"
                 )
             seen_slots.setdefault(cls.slot.value, index)
             problem = cls(entry).check_spec(self)

@@ -442,8 +442,8 @@ def test_two_transforms_in_one_non_composing_slot():
     data = {"name": "x", "attention": {"causal": True},
             "transforms": [{"kind": "selective_mask"}, {"kind": "other_accumulator"}]}
     with pytest.raises(attnzoo.SpecError, match=r"^<mapping>: transforms\[1\]: slot 'accumulator' already holds "
-                                                r"transforms\[0\] \(one accumulator per spec; row maps, logits and "
-                                                r"masks compose in spec order\)$"):
+                                                r"transforms\[0\] \(one accumulator and one normaliser per spec; "
+                                                r"row maps, logits and masks compose in spec order\)$"):
         attnzoo.load_spec(data, registry=reg)
     rows = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "query_norm"}, {"kind": "query_temperature"}]})
     assert [t.kind for t in rows.transforms] == ["query_norm", "query_temperature"]

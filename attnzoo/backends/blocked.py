@@ -58,7 +58,8 @@ class BlockedBackend(Backend):
         ks = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
         vs = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
         simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
-                  and plan.causal and _consecutive(positions) and not return_selection)
+                  and plan.one(Slot.NORMALISER) is None and plan.causal and _consecutive(positions)
+                  and not return_selection)
         acc = plan.one(Slot.ACCUMULATOR)
         if simple and acc is None:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
@@ -130,7 +131,7 @@ class BlockedBackend(Backend):
         hkv = k.shape[1]
         group = h // hkv
         scale = plan.logit_scale(d)
-        ctx = plan.context(qpos, kpos, Dims(h, d, hkv))
+        ctx = plan.context(qpos, kpos, Dims(h, d, hkv), key_mask)
         allowed = plan.allowed(ctx, key_mask)
 
         f_blk = colsum = None
@@ -144,12 +145,20 @@ class BlockedBackend(Backend):
 
         allowed = allowed.expand(b, allowed.shape[1], nq, allowed.shape[-1])
         has_key = allowed.any(-1, keepdim=True)
+        sink = plan.sink(ctx.heads, params, q)  # (1, H, 1, 1) or None
         biases = [t.bias(ctx, params[t.kind], q.dtype) for t in plan.many(Slot.LOGITS)]
         if use_sdpa and not want_probs and all(bias is not None for bias in biases):
             # every logits transform is additive: the whole block is SDPA with a float mask
             zero = torch.zeros((), dtype=q.dtype, device=q.device)
             total = sum(biases, zero) if f_blk is None else sum(biases, -f_blk[:, None])
             mask = torch.where(allowed, total.to(q.dtype), float("-inf"))
+            if sink is not None:
+                # the sink is one more key: its key row gives logit 0 and its value row is 0, the mask adds the
+                # sink logit (no row is then empty)
+                mask = torch.cat([mask.expand(b, h, nq, mask.shape[-1]), sink.expand(b, h, nq, 1)], dim=-1)
+                k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+                return out, f_blk, colsum, None
             mask = torch.where(has_key, mask, zero)  # a row with no key: any finite row, zeroed below
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             return torch.where(has_key, out, zero), f_blk, colsum, None
@@ -160,8 +169,12 @@ class BlockedBackend(Backend):
             logits = t.apply(logits, ctx, params[t.kind])
         if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
             logits = (logits.to(f_blk.dtype) - f_blk[:, None]).to(logits.dtype)
-        logits = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0)
-        p = torch.softmax(logits, dim=-1).masked_fill(~allowed, 0.0)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if sink is not None:
+            column = sink.expand(b, h, nq, 1)
+            p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].masked_fill(~allowed, 0.0)
+        else:
+            p = torch.softmax(logits.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~allowed, 0.0)
         out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, d)
         return out, f_blk, colsum, (p if want_probs else None)
 
@@ -173,33 +186,39 @@ class BlockedBackend(Backend):
         b, h, _, d = qs.shape
         hkv, m = ks.shape[1], ks.shape[2]
         acc, logits_transforms = plan.one(Slot.ACCUMULATOR), plan.many(Slot.LOGITS)
+        normaliser = plan.one(Slot.NORMALISER)
         scale = plan.logit_scale(d)
-        if acc is None and not logits_transforms and qs.dtype not in (torch.float32, torch.float64):
+        plain = acc is None and not logits_transforms and normaliser is None
+        if plain and qs.dtype not in (torch.float32, torch.float64):
             out = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=h != hkv)
             return out, None
         # one query: two matrix products and a softmax (measured about 2x faster on CPU than SDPA's flash kernel,
         # which is built for query blocks; half precision keeps SDPA, which accumulates in float32)
         group = h // hkv
         logits = (qs.reshape(b, hkv, group, d) @ ks.transpose(-1, -2)).reshape(b, h, 1, m) * scale
-        if acc is None and not logits_transforms:
+        if plain:
             probs = torch.softmax(logits, dim=-1)
             return (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d), None
         dims = Dims(h, d, hkv)
-        key = (h, qs.device)
-        if key not in self._decode_consts:
-            self._decode_consts[key] = (torch.arange(h, device=qs.device).view(1, -1, 1, 1),
-                                        torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device))
-        heads, every = self._decode_consts[key]
+        selector = tuple(acc.heads()) if acc is not None else ()
+        key = (h, qs.device, selector)
+        if key not in self._decode_consts:  # made once: indexing with a list costs more than the step's maths
+            heads = torch.arange(h, device=qs.device).view(1, -1, 1, 1)
+            index = torch.tensor(selector, dtype=torch.int64, device=qs.device)
+            contiguous = bool(selector) and list(selector) == list(range(selector[0], selector[0] + len(selector)))
+            self._decode_consts[key] = (heads, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device),
+                                        index, index.view(1, -1, 1, 1),
+                                        slice(selector[0], selector[0] + len(selector)) if contiguous else index)
+        heads, every, _, index_heads, pick = self._decode_consts[key]
         if kpos.shape[1] > 1:
             kpos = kpos.repeat_interleave(group, dim=1)
         ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims)
         for t in logits_transforms:
             logits = t.apply(logits, ctx, params[t.kind])
         if acc is not None:
-            index = heads[:, acc.heads()].reshape(-1)
-            sel_ctx = Context(qpos=ctx.qpos, kpos=ctx.kpos if ctx.kpos.shape[1] == 1 else ctx.kpos[:, index],
-                              heads=index.view(1, -1, 1, 1), dims=dims)
-            s = acc.selection(logits[:, index], every, sel_ctx, params[acc.kind])
+            sel_ctx = Context(qpos=ctx.qpos, kpos=ctx.kpos if ctx.kpos.shape[1] == 1 else ctx.kpos[:, pick],
+                              heads=index_heads, dims=dims)
+            s = acc.selection(logits[:, pick], every, sel_ctx, params[acc.kind])
             wide = accumulator_dtype(qs.dtype)  # subtract in F's (wider) dtype, round the logits once
             if wide == logits.dtype:
                 logits = logits - carry[:, None, None, :]
@@ -207,7 +226,11 @@ class BlockedBackend(Backend):
             else:
                 logits = (logits.to(wide) - carry[:, None, None, :]).to(logits.dtype)
                 carry = carry + s.to(wide)[:, 0, 0]
-        probs = torch.softmax(logits, dim=-1)
+        if normaliser is not None:
+            sink = plan.sink(heads, params, logits).expand(b, h, 1, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
         out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
         return out, carry
 
@@ -221,7 +244,8 @@ class BlockedBackend(Backend):
         kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
         count = q.shape[2]
         plain = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
-                 and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS))
+                 and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS)
+                 and plan.one(Slot.NORMALISER) is None)
         if plain and count > 1 and cache.num_tokens == count and _consecutive(qpos):
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),

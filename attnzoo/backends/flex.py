@@ -46,6 +46,9 @@ class FlexBackend(Backend):
         if plan.one(Slot.ACCUMULATOR) is not None:
             reasons.append(f"'{plan.one(Slot.ACCUMULATOR).kind}' accumulates over queries: not a pointwise "
                            "score_mod (FlexAttention would need F as a captured N×N tensor)")
+        if plan.one(Slot.NORMALISER) is not None:
+            reasons.append(f"'{plan.one(Slot.NORMALISER).kind}' adds a term to the softmax denominator: neither a "
+                           "score_mod nor a mask_mod")
         if mode == Mode.BACKWARD and torch.device(device).type == "cpu":
             reasons.append("FlexAttention has no backward on CPU")
         if dtype not in SUPPORTED_DTYPES:
@@ -72,7 +75,8 @@ class FlexBackend(Backend):
         masks = plan.many(Slot.MASK)
 
         def context(batch, head, q_idx, kv_idx):
-            return Context(qpos=padded_pos[batch, q_idx], kpos=padded_pos[batch, kv_idx], heads=head, dims=dims)
+            return Context(qpos=padded_pos[batch, q_idx], kpos=padded_pos[batch, kv_idx], heads=head, dims=dims,
+                           key_mask=valid[batch, kv_idx])
 
         def score_mod(score, batch, head, q_idx, kv_idx):
             ctx = context(batch, head, q_idx, kv_idx)

@@ -13,15 +13,23 @@ from ..transforms.base import Dims, Slot
 from .base import Backend, Mode
 
 
-def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """Softmax over the last dim restricted to ``allowed``; a row with no allowed entry gives zeros (not NaN)."""
+def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last dim restricted to ``allowed``; a row with no allowed entry gives zeros (not NaN).
+
+    ``sink`` (broadcastable to (B, H, Nq, 1)): one more logit in every row's denominator, attending to nothing
+    (the normaliser slot); the weights of the real keys then sum to less than 1."""
     allowed = allowed.expand_as(logits)
     neg_inf = torch.full((), float("-inf"), dtype=logits.dtype, device=logits.device)
-    has_any = allowed.any(-1, keepdim=True)
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
     safe = torch.where(allowed, logits, neg_inf)
-    safe = torch.where(has_any, safe, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    if sink is not None:  # the sink's column is always finite: no row is empty
+        column = sink.to(logits.dtype).expand(*logits.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([safe, column], dim=-1), dim=-1)[..., :-1]
+        return torch.where(allowed, probs, zero)
+    has_any = allowed.any(-1, keepdim=True)
+    safe = torch.where(has_any, safe, zero)
     probs = torch.softmax(safe, dim=-1)
-    return torch.where(allowed, probs, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.where(allowed, probs, zero)
 
 
 class ReferenceBackend(Backend):
@@ -68,7 +76,7 @@ class ReferenceBackend(Backend):
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
-        ctx = plan.context(qpos, kpos, dims)
+        ctx = plan.context(qpos, kpos, dims, key_mask)
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):
@@ -86,7 +94,7 @@ class ReferenceBackend(Backend):
             # subtract in F's (wider) dtype, round the logits once
             logits = (logits.to(accumulated.dtype) - accumulated).to(logits.dtype)
 
-        probs = masked_softmax(logits, allowed)
+        probs = masked_softmax(logits, allowed, plan.sink(ctx.heads, params, logits))
         out = probs @ vs
         out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated

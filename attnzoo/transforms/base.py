@@ -7,6 +7,7 @@ tokens, D head dim. Positions are 1-based absolute token positions (int64).
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
@@ -23,6 +24,7 @@ class Slot(str, enum.Enum):
     LOGITS = "logits"
     ACCUMULATOR = "accumulator"
     MASK = "mask"
+    NORMALISER = "normaliser"
     OUTPUT = "output"
 
 
@@ -58,11 +60,24 @@ class Dims:
 @dataclass(frozen=True)
 class ParamSpec:
     """A learnable parameter: its short name (the params key is ``"<kind>.<name>"``), its shape in symbols of
-    :class:`Dims` (e.g. ``("H", "D")``; ``()`` is a scalar) and its initial value (filled everywhere)."""
+    :class:`Dims` (e.g. ``("H", "D")``; ``()`` is a scalar) and its initial value: a float filled everywhere, or a
+    function of the call's :class:`Dims` returning the values (a nested list or tensor of the resolved shape;
+    e.g. one ALiBi slope per head)."""
 
     name: str
     shape: tuple[str | int, ...]
-    init: float
+    init: float | Callable[[Dims], Any]
+
+    def initial(self, dims: Dims, dtype=torch.float32, device=None) -> torch.Tensor:
+        """The initial value at the call's sizes."""
+        shape = dims.resolve(self.shape)
+        if callable(self.init):
+            value = torch.as_tensor(self.init(dims), dtype=dtype, device=device)
+            if tuple(value.shape) != shape:
+                raise ValueError(f"parameter '{self.name}': its init gave shape {tuple(value.shape)}, "
+                                 f"declared {shape}")
+            return value.clone()
+        return torch.full(shape, self.init, dtype=dtype, device=device)
 
 
 @dataclass
@@ -70,13 +85,16 @@ class Context:
     """What logits, mask and accumulator transforms may look at, broadcastable against logits (B, H, Nq, Nk).
 
     ``qpos``: (B, 1, Nq, 1) query positions; ``kpos``: (B, 1 or H', 1, Nk) key positions; ``heads``: (1, H', 1, 1)
-    indices of the query heads the logits hold (all H of them, or a subset); ``dims``: the sizes of this call.
+    indices of the query heads the logits hold (all H of them, or a subset); ``dims``: the sizes of this call;
+    ``key_mask``: (B, 1, 1, Nk) bool, False for padding keys, or None when every key is real (padding is never
+    attended whatever a transform does; a transform that counts tokens may need to skip it).
     """
 
     qpos: torch.Tensor
     kpos: torch.Tensor
     heads: torch.Tensor
     dims: Dims
+    key_mask: torch.Tensor | None = None
 
 
 def restrict_heads(ctx: Context, heads: list[int]) -> Context:
@@ -133,7 +151,7 @@ class Transform:
             return "Options must subclass attnzoo.TransformOptions"
         bases = {Slot.QUERY: RowMapTransform, Slot.KEY: RowMapTransform, Slot.VALUE: RowMapTransform,
                  Slot.OUTPUT: RowMapTransform, Slot.LOGITS: LogitsTransform, Slot.MASK: MaskTransform,
-                 Slot.ACCUMULATOR: AccumulatorTransform}
+                 Slot.ACCUMULATOR: AccumulatorTransform, Slot.NORMALISER: NormaliserTransform}
         if not issubclass(cls, bases[cls.slot]):
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
         return None
@@ -216,6 +234,20 @@ class AccumulatorTransform(Transform):
     ) -> torch.Tensor:
         """logits (B, len(heads()), Nq, Nk) of :meth:`heads` after the logits slot; ``allowed`` and ``ctx``
         restricted to those heads (``ctx.heads`` holds their indices) → S (B, 1, Nq, Nk) >= 0."""
+        raise NotImplementedError
+
+
+class NormaliserTransform(Transform):
+    """Slot ``normaliser``: an extra logit per head that joins every row's softmax denominator and attends to
+    nothing (an attention sink, gpt-oss style; a fixed 0 is the "off-by-one" softmax):
+
+    ``p[h, i, j] = exp(l[h, i, j]) / (exp(sink[h]) + sum over allowed j' of exp(l[h, i, j']))``
+
+    so a row's weights sum to less than 1 and a row with no allowed key outputs 0. One per spec.
+    """
+
+    def sink(self, heads: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sink logit of the query heads ``heads`` (1, H', 1, 1) int64 → a float tensor of that shape."""
         raise NotImplementedError
 
 

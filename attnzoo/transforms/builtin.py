@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
-from .logits import Alibi, ConstantTemperature, Softcap, YarnScale
+from .logits import Alibi, ConstantTemperature, LearnableAlibi, Softcap, YarnScale
 from .masks import Causal, LocalGlobal, Prefix, SlidingWindow
 from .norm import KeyNorm, QueryNorm
 from .selective import SelectiveMask
+from .sinks import AttentionSink
 from .temperature import KeyTemperature, QueryTemperature, ValueTemperature
 
 BUILTIN_TRANSFORMS = (
     QueryTemperature, KeyTemperature, ValueTemperature,
     QueryNorm, KeyNorm,
-    Softcap, Alibi, ConstantTemperature, YarnScale,
+    Softcap, Alibi, LearnableAlibi, ConstantTemperature, YarnScale,
     SelectiveMask,
+    AttentionSink,
     Causal, SlidingWindow, LocalGlobal, Prefix,
 )
 

@@ -77,6 +77,36 @@ class Alibi(LogitsTransform):
         return TritonLogits(forward=forward, derivative="1.0")
 
 
+class LearnableAlibiOptions(TransformOptions):
+    max_bias: float = Field(8.0, gt=0, description="the initial slopes are ALiBi's for this max_bias")
+
+
+class LearnableAlibi(LogitsTransform):
+    """ALiBi with a learnable slope per head: ``l' = l - slope_h * |i - j|``, the slopes starting at ALiBi's
+    geometric ones (:func:`alibi_slopes`) and trained like any parameter (parameter ``slope``, shape (H,))."""
+
+    kind = "alibi_learnable"
+    slot = Slot.LOGITS
+    Options = LearnableAlibiOptions
+    summary = "l' = l - slope_h * |i - j|, slope_h learnable (starts at ALiBi's slopes)"
+
+    def parameters(self):
+        max_bias = self.options.max_bias
+        return [ParamSpec("slope", ("H",), lambda dims: alibi_slopes(dims.num_heads, max_bias))]
+
+    def apply(self, logits: torch.Tensor, ctx: Context, params):
+        return logits + self.bias(ctx, params, logits.dtype)
+
+    def bias(self, ctx: Context, params, dtype: torch.dtype) -> torch.Tensor:
+        distance = (ctx.qpos - ctx.kpos).abs().to(dtype)
+        return -params["slope"][ctx.heads].to(dtype) * distance
+
+    def triton(self):
+        distance = "tl.abs(qp - kp).to(tl.float32)"
+        return TritonLogits(forward=f"{{x}} - {{p_slope}} * {distance}", derivative="1.0",
+                            params=("slope",), param_derivatives=(f"-{distance}",))
+
+
 def head_slope(head: torch.Tensor, num_heads: int, max_bias: float) -> torch.Tensor:
     """:func:`alibi_slopes` as a pointwise function of the head index, a float tensor (so that it also lowers to a
     FlexAttention score_mod, and keeps the precision of the logits)."""

@@ -53,6 +53,7 @@ class _Run:
     bounds: torch.Tensor | None = None  # int32 (NMB + NNB,): first key index per query block, end query block per
     #                                     key block, from the masks' earliest visible key (None: no skipping)
     carry: torch.Tensor | None = None  # filled by forward, read by backward
+    sink: torch.Tensor | None = None  # (H,) float32: the normaliser's sink logits (None: no normaliser)
 
     def _common(self, q, k):
         b, h, nq, d = q.shape
@@ -93,9 +94,10 @@ class _Run:
         bounds = self.bounds if self.bounds is not None else dummy
         self.kernels._fwd[(nmb, b * h)](
             q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, bounds,
+            self.sink if self.sink is not None else dummy,
             **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
             HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits,
-            HAS_BOUNDS=self.bounds is not None)
+            HAS_BOUNDS=self.bounds is not None, HAS_SINK=self.sink is not None)
         return out, lse, total, (logits if self.write_logits else None)
 
     def backward(self, q, k, v, prm, out, lse, dout):
@@ -145,7 +147,10 @@ class _Run:
             if n_params:
                 dprm = dprm.clone()
                 dprm[:, sel] += pgs.sum(dim=(0, 1))[:n_params]
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dprm if n_params else None)
+        dsink = None
+        if self.sink is not None:  # d sink_h = -sum over rows of p_sink * delta, p_sink = exp(sink_h - lse)
+            dsink = -(torch.exp(self.sink.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dprm if n_params else None), dsink
 
     def decode(self, q, k, v, prm):
         """One query per batch row (q (B, H, 1, D)) against the cache. Returns (out, lse, the selector's S row
@@ -164,8 +169,9 @@ class _Run:
                   if self.write_logits else None)
         self.kernels._decode[(b * hkv,)](
             q, k, v, out, lse, self.qpos, self.kpos, self.init_carry if has_acc else dummy,
-            srow if has_acc else dummy, logits if logits is not None else dummy, prm, **dims, scale=self.scale,
-            SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits)
+            srow if has_acc else dummy, logits if logits is not None else dummy, prm,
+            self.sink if self.sink is not None else dummy, **dims, scale=self.scale,
+            SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits, HAS_SINK=self.sink is not None)
         return out, lse, srow, logits
 
 
@@ -174,7 +180,7 @@ SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 23244
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _FLOAT32_BUFFERS = {"DQ", "DK", "DV", "DKS", "DQS", "LSE", "DELTA", "CARRY", "RCARRY", "LOGITS", "PRM", "PG", "PGS",
-                    "TOTAL", "INIT", "CARRYV", "SROW"}
+                    "TOTAL", "INIT", "CARRYV", "SROW", "SINK"}
 
 
 def _arg_type(name: str, dtype: torch.dtype) -> str:
@@ -229,7 +235,8 @@ class _Attention(torch.autograd.Function):
     per-head logits parameters."""
 
     @staticmethod
-    def forward(ctx, run: _Run, q, k, v, prm):
+    def forward(ctx, run: _Run, q, k, v, prm, sink):
+        run.sink = sink.detach() if sink is not None else None
         out, lse, _, _ = run.forward(q, k, v, prm)
         ctx.run = run
         ctx.save_for_backward(q, k, v, prm, out, lse)
@@ -238,8 +245,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, prm, out, lse = ctx.saved_tensors
-        dq, dk, dv, dprm = ctx.run.backward(q, k, v, prm, out, lse, dout)
-        return None, dq, dk, dv, dprm
+        dq, dk, dv, dprm, dsink = ctx.run.backward(q, k, v, prm, out, lse, dout)
+        return None, dq, dk, dv, dprm, dsink
 
 
 class TritonBackend(Backend):
@@ -296,6 +303,13 @@ class TritonBackend(Backend):
         rows = [params[key.split(".", 1)[0]][key.split(".", 1)[1]] for key in keys]
         return torch.stack(rows).to(torch.float32).contiguous()
 
+    @staticmethod
+    def _sink(plan, params, heads: int, like: torch.Tensor) -> torch.Tensor | None:
+        """The normaliser's sink logits (H,) in float32 (autograd reaches its parameters), or None."""
+        index = torch.arange(heads, device=like.device).view(1, -1, 1, 1)
+        sink = plan.sink(index, params, like.float())
+        return None if sink is None else sink.reshape(heads).contiguous()
+
     def _launch_options(self, q) -> dict:
         if interpreting() or q.device.type != "cuda":
             return {}
@@ -319,7 +333,8 @@ class TritonBackend(Backend):
         common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, _pow2(head_dim)), CAUSAL_SKIP=True,
                       HAS_KMASK=False, HAS_BOUNDS=False, HAS_INIT=False, WRITE_LOGITS=False,
                       NPP=_pow2(max(1, len(codegen.layout(plan).params))),
-                      HAS_ACC=plan.one(Slot.ACCUMULATOR) is not None)
+                      HAS_ACC=plan.one(Slot.ACCUMULATOR) is not None,
+                      HAS_SINK=plan.one(Slot.NORMALISER) is not None)
         names = ["_fwd", "_decode", "_sel_carry"], ["_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"]
         options = gpu_options(dtype)
         rows = []
@@ -363,7 +378,8 @@ class TritonBackend(Backend):
         ks = plan.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
         vs = plan.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
         run = self._run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
-        out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q))
+        out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q),
+                               self._sink(plan, params, q.shape[1], q))
         out = plan.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_selection:
             return out
@@ -381,6 +397,7 @@ class TritonBackend(Backend):
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         carry = cache.selection()
         run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
+        run.sink = self._sink(plan, params, q.shape[1], q)
         prm = self._prm(plan, params, q.shape[1], q)
         with torch.no_grad():
             if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way
@@ -403,7 +420,7 @@ def _selection_matrix(plan, qs, ks, positions, key_mask, params):
         return None
     b, h, n, d = qs.shape
     dims = Dims(h, d, ks.shape[1])
-    ctx = plan.context(positions, positions.unsqueeze(1), dims)
+    ctx = plan.context(positions, positions.unsqueeze(1), dims, key_mask)
     wide = accumulator_dtype(qs.dtype)  # F is accumulated state: float32 or wider (numerics contract)
     wide_params = {kind: {name: p.to(wide) for name, p in group.items()} for kind, group in params.items()}
     selection = plan.selection(acc, qs.to(wide), ks.to(wide), plan.allowed(ctx, key_mask), ctx, wide_params,

@@ -12,12 +12,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...transforms.base import RowMapTransform, Slot
+from ...transforms.base import NormaliserTransform, RowMapTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
 #: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
-GENERATOR_VERSION = "1"
+GENERATOR_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,8 @@ def problems(plan) -> list[str]:
     """Why this spec cannot be lowered to Triton (empty: it can)."""
     reasons = []
     for t in plan.transforms:
-        if isinstance(t, RowMapTransform):
-            continue
+        if isinstance(t, (RowMapTransform, NormaliserTransform)):
+            continue  # computed by the host with the transform's torch maths
         lowering = t.triton()
         want = {Slot.LOGITS: TritonLogits, Slot.MASK: TritonMask, Slot.ACCUMULATOR: TritonSelection}[t.slot]
         if lowering is None:
@@ -159,6 +159,8 @@ def generate(plan) -> dict[str, str]:
             "row scales applied outside the kernels (torch): "
             + (", ".join(f"{t.kind} ({t.slot.value})" for t in rows) or "none"),
             f"packed per-head parameters (PRM rows): {', '.join(layout(plan).params) or 'none'}",
+            "normaliser (per-head sink logits, SINK): "
+            + (f"{plan.one(Slot.NORMALISER).kind}" if plan.one(Slot.NORMALISER) is not None else "none"),
             '"""',
             "",
             "import triton",

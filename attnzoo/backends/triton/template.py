@@ -15,6 +15,11 @@ Kernels:
 - ``_decode``: one query per batch row against a cache with per-token F; one program per key/value head, its
   query heads as the rows.
 
+A normaliser (attention sink) needs no generated code: its per-head sink logits (SINK, float32 (H,), computed by
+the host with the transform's torch maths) start each row's online softmax (``m = sink``, ``l = 1``), so LSE
+includes the sink and the backward kernels need no change; the sink's gradient is a host-side sum over LSE and
+DELTA.
+
 A spec gives two sources: the forward kernels (``_sel_carry``, ``_fwd``, ``_decode``) and the backward ones, loaded
 on the first backward pass; each carries the helpers it calls. Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v
 (B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK), lse/delta float32 (B, H, NQ), carry float32 (B, NMB,
@@ -209,11 +214,11 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
 
 FORWARD = '''
 @triton.jit
-def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS,
+def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK,
          H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
          CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr,
-         HAS_BOUNDS: tl.constexpr):
+         HAS_BOUNDS: tl.constexpr, HAS_SINK: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -229,6 +234,9 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS,
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINK:  # the normaliser's sink: one more logit in the denominator, with a zero value row
+        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINK + h)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(m, NK, BOUNDS, BLOCK_M, CAUSAL_SKIP, HAS_BOUNDS)
     for start in range(lo, hi, BLOCK_N):
@@ -260,10 +268,10 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS,
 
 
 @triton.jit
-def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
+def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK,
             H, HKV, NK, D, KPB, KPHS, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-            HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr):
+            HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr, HAS_SINK: tl.constexpr):
     bk = tl.program_id(0)
     b = (bk // HKV).to(tl.int64)
     kvh = bk % HKV
@@ -275,6 +283,9 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM,
     qp = tl.zeros([BLOCK_M, 1], tl.int64) + tl.load(QPOS + b)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINK:
+        m_i = tl.load(SINK + kvh * group + r, mask=rv, other=0.0)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for start in range(0, NK, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)

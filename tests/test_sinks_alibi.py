@@ -1,0 +1,146 @@
+"""Attention sinks and learnable-slope ALiBi against float64 formulas written here from their definitions (gpt-oss's
+sink, the off-by-one softmax, ALiBi with trained slopes), not from the reference backend; FlexAttention where it
+can express them; the one-line refusals."""
+
+import math
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.transforms.logits import alibi_slopes
+
+
+def by_hand(q, k, v, key_mask=None, sink=None, slope=None, positions=None, cap=None):
+    """Causal attention in float64 written out: logits q·k/sqrt(D) (- slope_h |i - j|) (capped), an explicit
+    exponential over the allowed keys, the sink's exp(s_h) added to each row's denominator."""
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    pos = torch.arange(1, n + 1) if positions is None else positions
+    pos = pos.expand(b, n).to(torch.float64)
+    logits = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if slope is not None:
+        logits = logits - slope.view(1, h, 1, 1) * (pos[:, None, :, None] - pos[:, None, None, :]).abs()
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    allowed = pos[:, None, None, :] <= pos[:, None, :, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+    top = logits.masked_fill(~allowed, -1e300).amax(-1, keepdim=True)
+    if sink is not None:
+        top = torch.maximum(top, sink.view(1, h, 1, 1))
+    weights = torch.exp(logits - top) * allowed
+    denominator = weights.sum(-1, keepdim=True)
+    if sink is not None:
+        denominator = denominator + torch.exp(sink.view(1, h, 1, 1) - top)
+    return (weights / denominator.clamp_min(1e-300)) @ v
+
+
+def inputs(b=2, h=4, hkv=2, n=37, d=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, x, n, d, generator=gen, dtype=torch.float64) for x in (h, hkv, hkv))
+    return [t.requires_grad_() for t in (q, k, v)]
+
+
+def grads(out, tensors, seed=1):
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    return torch.autograd.grad((out * weight).sum(), tensors)
+
+
+def check(got, want, tensors):
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+    for g, w in zip(grads(got, tensors), grads(want, tensors), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+@pytest.mark.parametrize("cap", [None, 20.0])  # a softcap sends blocked down its eager path
+def test_attention_sink_equals_its_formula(backend, cap):
+    q, k, v = inputs()
+    sink = torch.tensor([-1.0, 0.0, 0.7, 2.5], dtype=torch.float64, requires_grad=True)
+    key_mask = torch.ones(2, 37, dtype=torch.bool)
+    key_mask[1, 0] = False  # row 1's first query sees no key: the sink takes all its weight, the output is 0
+    key_mask[0, 10:14] = False
+    transforms = [{"kind": "attention_sink"}] + ([{"kind": "softcap", "cap": cap}] if cap else [])
+    spec = {"name": "sinky", "attention": {"causal": True}, "transforms": transforms}
+    variant = attnzoo.compile(spec, backend=backend)
+    got = variant(q, k, v, params={"attention_sink.sink": sink}, key_mask=key_mask)
+    want = by_hand(q, k, v, key_mask=key_mask, sink=sink, cap=cap)
+    check(got, want, (q, k, v, sink))
+    assert torch.equal(got[1, :, 0], torch.zeros_like(got[1, :, 0]))
+    assert bool(got.abs().sum() > 0)
+
+
+def test_off_by_one_softmax_is_a_fixed_zero_sink():
+    q, k, v = inputs(seed=3)
+    got = attnzoo.attention(q, k, v, "off-by-one", backend="blocked")
+    check(got, by_hand(q, k, v, sink=torch.zeros(4, dtype=torch.float64)), (q, k, v))
+    assert attnzoo.compile("off-by-one").parameter_names() == []
+
+
+def test_sink_decoding_equals_the_formula():
+    q, k, v = (t.detach() for t in inputs(b=1, n=20, seed=4))
+    sink = torch.tensor([0.5, -0.5, 1.0, 0.0], dtype=torch.float64)
+    want = by_hand(q, k, v, sink=sink)
+    for backend in ("reference", "blocked"):
+        variant = attnzoo.compile("sink", backend=backend)
+        cache = variant.new_cache(batch=1)
+        params = {"attention_sink.sink": sink}
+        steps = [variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params)
+                 for i in range(20)]
+        torch.testing.assert_close(torch.cat(steps, dim=2), want, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_learnable_alibi_equals_its_formula(backend):
+    q, k, v = inputs(h=6, hkv=3, n=41)
+    variant = attnzoo.compile("alibi-learnable", backend=backend)
+    initial = variant.init_params(num_heads=6, head_dim=16, num_kv_heads=3, dtype=torch.float64)
+    # the slopes start at ALiBi's (for 6 heads: 4 of a power of two, then every other one of 8)
+    expected = [2 ** -2, 2 ** -4, 2 ** -6, 2 ** -8, 2 ** -1, 2 ** -3]
+    torch.testing.assert_close(initial["alibi_learnable.slope"], torch.tensor(expected, dtype=torch.float64))
+    assert alibi_slopes(6) == pytest.approx(expected)
+    slope = torch.tensor([0.9, 0.3, 0.05, 0.0, 1.5, 0.2], dtype=torch.float64, requires_grad=True)
+    positions = torch.arange(70, 111)  # offsets: only distances matter
+    got = variant(q, k, v, params={"alibi_learnable.slope": slope}, positions=positions)
+    check(got, by_hand(q, k, v, slope=slope, positions=positions), (q, k, v, slope))
+
+
+def test_learnable_alibi_matches_flex_attention_with_a_captured_tensor():
+    """FlexAttention expresses the learnable slope as a score_mod that indexes a captured (H,) tensor."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 4, 128, 16, generator=gen) for _ in range(3))
+    slope = torch.tensor([0.5, 0.25, 0.1, 0.02])
+
+    def score_mod(score, b, h, i, j):
+        distance = torch.where(j <= i, i - j, j - i)
+        return torch.where(j <= i, score - slope[h] * distance, float("-inf"))
+
+    with torch.no_grad():
+        want = flex_attention(q, k, v, score_mod=score_mod)
+        got = attnzoo.attention(q, k, v, "alibi-learnable", params={"alibi_learnable.slope": slope},
+                                backend="blocked")
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6)
+
+
+def test_an_init_of_the_wrong_shape_is_refused_naming_the_parameter():
+    from attnzoo.transforms.base import Dims, ParamSpec
+
+    bad = ParamSpec("slope", ("H",), lambda dims: [1.0, 2.0])
+    with pytest.raises(ValueError, match=r"^parameter 'slope': its init gave shape \(2,\), declared \(4,\)$"):
+        bad.initial(Dims(4, 8, 4))
+
+
+def test_flex_declines_a_sink_with_a_reason():
+    text = attnzoo.explain("sink", device="cpu", dtype=torch.float32)
+    assert "flex       no: 'attention_sink' adds a term to the softmax denominator" in text
+
+
+def test_a_second_normaliser_is_refused():
+    spec = {"name": "two", "transforms": [{"kind": "attention_sink"}, {"kind": "attention_sink", "value": 1.0}]}
+    with pytest.raises(attnzoo.SpecError, match="appears twice"):
+        attnzoo.load_spec(spec)
