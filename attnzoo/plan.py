@@ -12,7 +12,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .transforms.base import Context, Dims, ParamSpec, RowScaleTransform, Slot, Transform, restrict_heads
+from .transforms.base import (
+    Context,
+    Dims,
+    LogitsTransform,
+    ParamSpec,
+    RowScaleTransform,
+    Slot,
+    TokenRows,
+    Transform,
+    restrict_heads,
+)
 
 
 @dataclass
@@ -121,14 +131,48 @@ class Plan:
         return cache.admit(k, v, evict_first, key_mask)
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
-                key_mask: torch.Tensor | None = None) -> Context:
+                key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,
+                key_features: dict[str, torch.Tensor] | None = None) -> Context:
         """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk), with the
-        key mask (B, Nk) or None."""
+        key mask (B, Nk) or None and the per-token features of the queries (B, H, Nq) and keys (B, H, Nk)."""
         group = dims.num_heads // dims.num_kv_heads
         kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
         heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
         return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims,
-                       key_mask=key_mask[:, None, None, :] if key_mask is not None else None)
+                       key_mask=key_mask[:, None, None, :] if key_mask is not None else None,
+                       query_features={n: t[..., None] for n, t in (query_features or {}).items()},
+                       key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
+
+    def decode_problems(self) -> list[str]:
+        """Why no backend can decode this spec from a cache yet (empty: nothing stops it)."""
+        return [f"transform '{t.kind}' computes per-token features, which decoding does not keep in the cache yet"
+                for t in self.feature_transforms()]
+
+    def feature_transforms(self) -> list[Transform]:
+        """The logits transforms that compute per-token features."""
+        return [t for t in self.many(Slot.LOGITS) if type(t).features is not LogitsTransform.features]
+
+    def token_features(self, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, positions: torch.Tensor,
+                       key_mask: torch.Tensor | None, params) -> dict[str, torch.Tensor]:
+        """Every per-token feature of the spec for the N tokens of the batch form (rows after the row maps,
+        positions (B, N)), keyed ``"<kind>.<name>"``, each (B, H, N) in at least float32; cumulative ones summed
+        along each row in position order (padding adds 0: the numerics contract keeps such sums in float32+)."""
+        out: dict[str, torch.Tensor] = {}
+        dims = Dims(qs.shape[1], qs.shape[3], ks.shape[1])
+        rows = TokenRows(qs, ks, vs, positions, key_mask, dims)
+        want = (qs.shape[0], qs.shape[1], qs.shape[2])
+        for t in self.feature_transforms():
+            for name, value in (t.features(rows, params[t.kind]) or {}).items():
+                if tuple(value.shape) != want:
+                    raise ValueError(f"transform '{t.kind}': feature '{name}' has shape {tuple(value.shape)}, "
+                                     f"expected (B, H, N) = {want}")
+                value = value.to(torch.promote_types(value.dtype, torch.float32))
+                if name in t.cumulative:
+                    if key_mask is not None:
+                        value = value * key_mask[:, None, :].to(value.dtype)
+                    value = value.cumsum(dim=-1)
+                out[f"{t.kind}.{name}"] = value
+        return out
 
     def allowed(self, ctx: Context, key_mask: torch.Tensor | None) -> torch.Tensor:
         """Which (query, key) pairs may attend: the spec's causal flag, every mask transform, the key mask."""

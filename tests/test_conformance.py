@@ -67,7 +67,9 @@ def test_reference_passes_the_whole_suite():
     assert not runner.failed(results), [r for r in results if r.status == "fail"][:3]
     assert sum(r.status == "pass" for r in results) > 500
     unsupported = {r.message for r in results if r.status == "unsupported"}
-    assert unsupported <= {"spec has no cache evictor", "spec has no accumulator"}
+    not_decoded = ("transform 'forgetting_gate' computes per-token features, which decoding does not keep in the "
+                   "cache yet")
+    assert unsupported <= {"spec has no cache evictor", "spec has no accumulator", not_decoded}
 
 
 BROKEN = [

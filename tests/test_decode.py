@@ -8,7 +8,9 @@ import attnzoo
 from attnzoo.cache import KVCache
 from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
 
-SHIPPED = sorted(attnzoo.get_registry().specs)
+#: shipped specs no backend decodes yet (per-token features are not kept in the cache), with the reason given
+NOT_DECODED = {"forgetting": "computes per-token features, which decoding does not keep in the cache yet"}
+SHIPPED = sorted(set(attnzoo.get_registry().specs) - set(NOT_DECODED))
 
 
 def perturbed_params(variant, h, d, hkv, scale=0.5):
@@ -96,6 +98,12 @@ def test_h2o_keeps_per_head_sets():
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_decode_equals_batch_without_budget(spec):
     check_decode_matches_batch(spec)
+
+
+@pytest.mark.parametrize("spec", sorted(NOT_DECODED))
+def test_specs_not_decoded_yet_are_refused_with_the_reason(spec):
+    with pytest.raises(attnzoo.UnsupportedError, match=NOT_DECODED[spec]):
+        check_decode_matches_batch(spec)
 
 
 @pytest.mark.parametrize("n", [1, 2, 63])

@@ -3,6 +3,7 @@ sink, the off-by-one softmax, ALiBi with trained slopes), not from the reference
 can express them; the one-line refusals."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -144,3 +145,91 @@ def test_a_second_normaliser_is_refused():
     spec = {"name": "two", "transforms": [{"kind": "attention_sink"}, {"kind": "attention_sink", "value": 1.0}]}
     with pytest.raises(attnzoo.SpecError, match="appears twice"):
         attnzoo.load_spec(spec)
+
+
+def forgetting_by_hand(q, k, v, weight, bias, key_mask=None):
+    """The Forgetting Transformer in float64, written out: f_s = sigmoid(w_h · k_s + b_h) per head; the logit of
+    (i, j) gains sum over real tokens j < s <= i of log f_s (an explicit indicator, no cumulative sum)."""
+    b, h, n, d = q.shape
+    group = h // k.shape[1]
+    kh = k.repeat_interleave(group, dim=1)
+    log_f = torch.log(torch.sigmoid((kh * weight[None, :, None, :]).sum(-1) + bias[None, :, None]))  # (B, H, N)
+    real = torch.ones(b, n, dtype=torch.bool) if key_mask is None else key_mask
+    log_f = log_f * real[:, None, :]
+    s, i, j = torch.arange(n).view(n, 1, 1), torch.arange(n).view(1, n, 1), torch.arange(n).view(1, 1, n)
+    between = ((j < s) & (s <= i)).to(torch.float64)  # (S, I, J)
+    decay = torch.einsum("bhs,sij->bhij", log_f, between)
+    logits = q @ kh.transpose(-1, -2) / math.sqrt(d) + decay
+    allowed = (j <= i)[0] & real[:, None, None, :]
+    # a finite fill keeps rows with no key (padding queries) finite; their weights are then zeroed
+    weights = torch.softmax(logits.masked_fill(~allowed, -1e300), dim=-1) * allowed
+    return weights @ v.repeat_interleave(group, dim=1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_forgetting_gate_equals_its_formula(backend):
+    q, k, v = inputs(n=29)
+    gen = torch.Generator().manual_seed(7)
+    weight = (0.5 * torch.randn(4, 16, generator=gen, dtype=torch.float64)).requires_grad_()
+    bias = torch.tensor([2.0, 0.0, -1.0, 4.0], dtype=torch.float64, requires_grad=True)
+    key_mask = torch.ones(2, 29, dtype=torch.bool)
+    key_mask[0, :3] = False  # a left-padded row: padding adds no decay
+    key_mask[1, 20] = False
+    variant = attnzoo.compile("forgetting", backend=backend)
+    got = variant(q, k, v, params={"forgetting_gate.weight": weight, "forgetting_gate.bias": bias},
+                  key_mask=key_mask, positions=torch.arange(70, 99))
+    want = forgetting_by_hand(q, k, v, weight, bias, key_mask)
+    keep = key_mask[:, None, :, None]  # rows of padding queries are not compared (they attend under the mask)
+    real_rows = torch.where(keep, got, 0.0), torch.where(keep, want, 0.0)
+    check(*real_rows, (q, k, v, weight, bias))
+
+
+def test_forgetting_gate_matches_flex_attention_with_captured_features():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 4, 128, 16, generator=gen) for _ in range(3))
+    weight, bias = 0.3 * torch.randn(4, 16, generator=gen), torch.tensor([1.0, 2.0, 3.0, 0.5])
+    d_t = torch.nn.functional.logsigmoid(torch.einsum("bhnd,hd->bhn", k, weight) + bias[:, None]).cumsum(-1)
+
+    def score_mod(score, b, h, i, j):
+        return torch.where(j <= i, score + d_t[b, h, i] - d_t[b, h, j], float("-inf"))
+
+    params = {"forgetting_gate.weight": weight, "forgetting_gate.bias": bias}
+    with torch.no_grad():
+        want = flex_attention(q, k, v, score_mod=score_mod)
+        for backend in ("blocked", "flex"):
+            got = attnzoo.attention(q, k, v, "forgetting", params=params, backend=backend)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # float32, two summation orders
+
+
+def test_features_refuse_decoding_and_triton_with_one_line():
+    text = attnzoo.explain("forgetting", device="cpu", dtype=torch.float32, mode="decode")
+    assert ("reference  no: transform 'forgetting_gate' computes per-token features, which decoding does not keep "
+            "in the cache yet") in text
+    variant = attnzoo.compile("forgetting")
+    cache = variant.new_cache(batch=1)
+    x = torch.randn(1, 4, 1, 8)
+    with pytest.raises(attnzoo.UnsupportedError, match="per-token features"):
+        variant.decode(x, x, x, cache)
+    assert "computes per-token features, which the Triton kernels do not load yet" in attnzoo.explain(
+        "forgetting", device="cuda", dtype=torch.float16)
+
+
+def test_a_feature_of_the_wrong_shape_is_refused_naming_the_transform():
+    from attnzoo.transforms.forgetting import ForgettingGate
+
+    class Broken(ForgettingGate):
+        kind = "broken_gate"
+
+        def features(self, rows, params):
+            return {"D": super().features(rows, params)["D"][:, :1]}
+
+    module = type(sys)("broken_gate_plugin")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(Broken))
+    reg = attnzoo.new_registry(entry_points=False, extra_plugins=(("broken_gate_plugin", module),))
+    spec = {"name": "b", "attention": {"causal": True}, "transforms": [{"kind": "broken_gate"}]}
+    x = torch.randn(1, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"^transform 'broken_gate': feature 'D' has shape \(1, 1, 5\), "
+                                         r"expected \(B, H, N\) = \(1, 4, 5\)$"):
+        attnzoo.compile(spec, backend="reference", registry=reg)(x, x, x)

@@ -49,7 +49,7 @@ class BlockedBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return []
+        return plan.decode_problems() if mode == Mode.DECODE else []
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
@@ -71,15 +71,18 @@ class BlockedBackend(Backend):
                                         o.self_mask, int(positions[0, 0]), self.block_size)
             selection = None
         else:
+            features = plan.token_features(qs, ks, vs, positions, key_mask, params)
             out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
-                                               key_mask, None, return_selection)
+                                               key_mask, None, return_selection, features=features)
         out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, selection) if return_selection else out
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
-               want_probs=False, use_sdpa=True):
+               want_probs=False, use_sdpa=True, features=None):
         """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
-        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None. Returns (out, F or None, carry, probs or None).
+        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None; features: the batch form's per-token features
+        (B, H, N) by name (queries and keys are the same tokens), or None. Returns (out, F or None, carry, probs
+        or None).
 
         The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract)."""
         b, h, nq, d = qs.shape
@@ -106,7 +109,9 @@ class BlockedBackend(Backend):
             keys = slice(first, visible)
             args = (qs[:, :, start:stop], ks[:, :, keys], vs[:, :, keys], qpos_blk,
                     kpos[..., keys], key_mask[:, keys] if key_mask is not None else None,
-                    carry[:, keys] if carry is not None else None)
+                    carry[:, keys] if carry is not None else None,
+                    {n: t[:, :, start:stop] for n, t in (features or {}).items()},
+                    {n: t[:, :, keys] for n, t in (features or {}).items()})
 
             def block(*a, _plan=plan, _params=params):
                 return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
@@ -124,14 +129,16 @@ class BlockedBackend(Backend):
                 probs[:, :, start:stop, keys] = p
         return out, selection, carry, probs
 
-    def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, want_probs=False, use_sdpa=True):
-        """One query block against its visible keys. Returns (out, F, column sums of S, probs or None); F and the
-        column sums in ``accumulator_dtype(q.dtype)``, like the carry."""
+    def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None, key_features=None,
+              want_probs=False, use_sdpa=True):
+        """One query block against its visible keys (with the features of its queries and keys, (B, H, Bq) and
+        (B, H, Bk) by name). Returns (out, F, column sums of S, probs or None); F and the column sums in
+        ``accumulator_dtype(q.dtype)``, like the carry."""
         b, h, nq, d = q.shape
         hkv = k.shape[1]
         group = h // hkv
         scale = plan.logit_scale(d)
-        ctx = plan.context(qpos, kpos, Dims(h, d, hkv), key_mask)
+        ctx = plan.context(qpos, kpos, Dims(h, d, hkv), key_mask, query_features, key_features)
         allowed = plan.allowed(ctx, key_mask)
 
         f_blk = colsum = None

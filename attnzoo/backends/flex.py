@@ -73,10 +73,16 @@ class FlexBackend(Backend):
         dims = Dims(h, d, hkv)
         logits_transforms = plan.many(Slot.LOGITS)
         masks = plan.many(Slot.MASK)
+        # per-token features are captured (B, H, M) tensors the score_mod indexes, as FlexAttention allows
+        features = {name: F.pad(f, (0, m - n)) for name, f in
+                    plan.token_features(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], positions, key_mask,
+                                        params).items()}
 
         def context(batch, head, q_idx, kv_idx):
             return Context(qpos=padded_pos[batch, q_idx], kpos=padded_pos[batch, kv_idx], heads=head, dims=dims,
-                           key_mask=valid[batch, kv_idx])
+                           key_mask=valid[batch, kv_idx],
+                           query_features={name: f[batch, head, q_idx] for name, f in features.items()},
+                           key_features={name: f[batch, head, kv_idx] for name, f in features.items()})
 
         def score_mod(score, batch, head, q_idx, kv_idx):
             ctx = context(batch, head, q_idx, kv_idx)

@@ -39,7 +39,7 @@ class ReferenceBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return []
+        return plan.decode_problems() if mode == Mode.DECODE else []
 
     # The pieces below are methods so that tests can build deliberately broken backends by overriding one.
     def accumulate(self, selection: torch.Tensor) -> torch.Tensor:
@@ -73,10 +73,15 @@ class ReferenceBackend(Backend):
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
         ks = k if transformed_kv else plan.row_scale(Slot.KEY, k, kpos, params)
         vs = v if transformed_kv else plan.row_scale(Slot.VALUE, v, kpos, params)
+        features = {}
+        if plan.feature_transforms():  # the batch form: queries and keys are the same tokens
+            if transformed_kv or qs.shape[2] != ks.shape[2]:
+                raise ValueError("per-token features need the batch form (decoding them is not implemented)")
+            features = plan.token_features(qs, ks, vs, qpos, key_mask, params)
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
-        ctx = plan.context(qpos, kpos, dims, key_mask)
+        ctx = plan.context(qpos, kpos, dims, key_mask, features, features)
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):

@@ -36,7 +36,11 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
             rows[slot] = scaled
         qs, ks = rows[Slot.QUERY], rows[Slot.KEY]
         dims = Dims(q.shape[1], q.shape[3], k.shape[1])
-        ctx = plan.context(positions, pos, dims)
+        features = plan.token_features(qs, ks, rows[Slot.VALUE], positions, key_mask, params)
+        bad = next((name for name, f in features.items() if _bad(f)), None)
+        if bad is not None:
+            return f"transform '{bad.split('.')[0]}' gives a non-finite feature '{bad.split('.', 1)[1]}' in {dtype}"
+        ctx = plan.context(positions, pos, dims, key_mask, features, features)
         group = dims.num_heads // dims.num_kv_heads
         logits = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
         for t in plan.many(Slot.LOGITS):

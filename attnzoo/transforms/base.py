@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -95,13 +95,43 @@ class Context:
     heads: torch.Tensor
     dims: Dims
     key_mask: torch.Tensor | None = None
+    #: per-token features (:meth:`LogitsTransform.features`) keyed ``"<kind>.<name>"``: the queries' (B, H', Nq, 1)
+    #: and the keys' (B, H', 1, Nk), for the heads in ``heads``
+    query_features: dict[str, torch.Tensor] = field(default_factory=dict)
+    key_features: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def features(self, kind: str, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queries' and the keys' value of feature ``name`` of transform ``kind``, broadcastable against the
+        logits: (B, H', Nq, 1) and (B, H', 1, Nk)."""
+        key = f"{kind}.{name}"
+        return self.query_features[key], self.key_features[key]
+
+
+@dataclass
+class TokenRows:
+    """What a transform computing per-token features sees: the rows given to attention after the row maps, q'
+    (B, H, N, D), k' and v' (B, H_kv, N, D), the positions (B, N) and the key mask (B, N) or None. In the batch
+    form queries and keys are the same N tokens."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    key_mask: torch.Tensor | None
+    dims: Dims
 
 
 def restrict_heads(ctx: Context, heads: list[int]) -> Context:
-    """The context of a subset of query heads (kpos and heads narrowed; per-head masks follow ctx.heads)."""
+    """The context of a subset of query heads (kpos, heads and per-head features narrowed; per-head masks follow
+    ctx.heads)."""
     index = torch.tensor(heads, device=ctx.heads.device)
     kpos = ctx.kpos.index_select(1, index) if ctx.kpos.shape[1] > 1 else ctx.kpos
-    return replace(ctx, kpos=kpos, heads=index.view(1, -1, 1, 1))
+
+    def narrow(features):
+        return {key: (t.index_select(1, index) if t.shape[1] > 1 else t) for key, t in features.items()}
+
+    return replace(ctx, kpos=kpos, heads=index.view(1, -1, 1, 1), query_features=narrow(ctx.query_features),
+                   key_features=narrow(ctx.key_features))
 
 
 class Transform:
@@ -202,6 +232,17 @@ class LogitsTransform(Transform):
         """Optional: when the transform is ``l' = l + bias`` with a bias independent of l, return that bias in
         ``dtype`` (broadcastable to (B, H, Nq, Nk)) so that backends can hand it to fused kernels as an additive
         mask. None (the default) means the transform is not additive."""
+        return None
+
+    #: names of the per-token features :meth:`features` returns that the backend turns into running sums: the
+    #: value a token gets is the sum of what :meth:`features` returned for it and every earlier real token of its
+    #: row (padding adds 0), e.g. the Forgetting Transformer's ``D_t = sum_{s <= t} log f_s``
+    cumulative: ClassVar[frozenset[str]] = frozenset()
+
+    def features(self, rows: TokenRows, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Optional: per-token quantities, computed once per token from that token's rows (and position), each
+        (B, H, N) for the query heads; :meth:`apply` reads the query's and the key's through
+        ``ctx.features(self.kind, name)``. None (the default): the transform has none."""
         return None
 
 

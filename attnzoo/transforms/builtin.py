@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
+from .forgetting import ForgettingGate
 from .logits import Alibi, ConstantTemperature, LearnableAlibi, Softcap, YarnScale
 from .masks import Causal, LocalGlobal, Prefix, SlidingWindow
 from .norm import KeyNorm, QueryNorm
@@ -13,7 +14,7 @@ from .temperature import KeyTemperature, QueryTemperature, ValueTemperature
 BUILTIN_TRANSFORMS = (
     QueryTemperature, KeyTemperature, ValueTemperature,
     QueryNorm, KeyNorm,
-    Softcap, Alibi, LearnableAlibi, ConstantTemperature, YarnScale,
+    Softcap, Alibi, LearnableAlibi, ConstantTemperature, YarnScale, ForgettingGate,
     SelectiveMask,
     AttentionSink,
     Causal, SlidingWindow, LocalGlobal, Prefix,

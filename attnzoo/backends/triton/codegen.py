@@ -35,6 +35,10 @@ def problems(plan) -> list[str]:
     for t in plan.transforms:
         if isinstance(t, (RowMapTransform, NormaliserTransform)):
             continue  # computed by the host with the transform's torch maths
+        if t in plan.feature_transforms():
+            reasons.append(f"transform '{t.kind}' computes per-token features, which the Triton kernels do not load "
+                           "yet")
+            continue
         lowering = t.triton()
         want = {Slot.LOGITS: TritonLogits, Slot.MASK: TritonMask, Slot.ACCUMULATOR: TritonSelection}[t.slot]
         if lowering is None:

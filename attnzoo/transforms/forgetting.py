@@ -1,0 +1,54 @@
+"""The Forgetting Transformer's data-dependent decay (Lin et al., ICLR 2025), through per-token features.
+
+Each head h has a forget gate per token, ``f_t = sigmoid(w_h · x_t + b_h)``, and the logits gain the log of the
+product of the gates between key and query: ``l'[i, j] = l[i, j] + D_i - D_j`` with ``D_t = sum_{s <= t} log f_s``
+(so ``D_i - D_j = sum_{j < s <= i} log f_s <= 0``). ``D`` is a cumulative per-token feature: the transform returns
+``log f_t``, the backend sums it along each row (padding adds nothing).
+
+The paper computes the gate from the layer input x. attnzoo's built-in reads the token's key row instead
+(``x_t = k'_t`` of the head's key/value head, after the key slot's row maps; an attnzoo choice, ``source: keys``),
+so that the transform needs nothing but what attention is given. Initial values (attnzoo's choice, the paper's are
+not restated here): ``w = 0`` and ``b = bias_init``, i.e. every gate starts at ``sigmoid(bias_init)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from .base import LogitsTransform, ParamSpec, Slot, TransformOptions
+
+
+class ForgettingGateOptions(TransformOptions):
+    source: Literal["keys"] = Field("keys", description="the gate's input x_t: the token's key row (k')")
+    bias_init: float = Field(5.0, description="initial gate bias b_h: every gate starts at sigmoid(bias_init)")
+
+
+class ForgettingGate(LogitsTransform):
+    """``l' = l + D_i - D_j``, ``D_t = sum_{s <= t} log sigmoid(w_h · k'_s + b_h)`` (a data-dependent decay)."""
+
+    kind = "forgetting_gate"
+    slot = Slot.LOGITS
+    Options = ForgettingGateOptions
+    summary = "Forgetting Transformer: l += D_i - D_j, D_t = sum_{s<=t} log sigmoid(w_h k_s + b_h)"
+    cumulative = frozenset({"D"})
+
+    def parameters(self):
+        return [ParamSpec("weight", ("H", "D"), 0.0), ParamSpec("bias", ("H",), self.options.bias_init)]
+
+    def features(self, rows, params):
+        group = rows.dims.num_heads // rows.dims.num_kv_heads
+        wide = torch.promote_types(rows.k.dtype, torch.float32)
+        keys = rows.k.to(wide).repeat_interleave(group, dim=1)  # (B, H, N, D)
+        gate = torch.einsum("bhnd,hd->bhn", keys, params["weight"].to(wide)) + params["bias"].to(wide)[:, None]
+        return {"D": F.logsigmoid(gate)}
+
+    def apply(self, logits, ctx, params):
+        return logits + self.bias(ctx, params, logits.dtype)
+
+    def bias(self, ctx, params, dtype):
+        query_d, key_d = ctx.features(self.kind, "D")
+        return (query_d - key_d).to(dtype)
