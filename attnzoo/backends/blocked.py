@@ -214,9 +214,9 @@ class BlockedBackend(Backend):
             index = torch.tensor(selector, dtype=torch.int64, device=qs.device)
             contiguous = bool(selector) and list(selector) == list(range(selector[0], selector[0] + len(selector)))
             self._decode_consts[key] = (heads, torch.ones((1, 1, 1, 1), dtype=torch.bool, device=qs.device),
-                                        index, index.view(1, -1, 1, 1),
+                                        index.view(1, -1, 1, 1),
                                         slice(selector[0], selector[0] + len(selector)) if contiguous else index)
-        heads, every, _, index_heads, pick = self._decode_consts[key]
+        heads, every, index_heads, pick = self._decode_consts[key]
         if kpos.shape[1] > 1:
             kpos = kpos.repeat_interleave(group, dim=1)
         ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims)
