@@ -180,3 +180,37 @@ def test_earliest_key_is_a_promise_the_mask_keeps(mask):
         earliest = transform.earliest_key(int(pos[i]))
         if earliest is not None:
             assert not bool(allowed[:, :, i:, pos < earliest].any()), (mask, i)
+
+
+@pytest.mark.parametrize("bias_shift, folded", [(0.0, True), (-7.0, False)])
+def test_separable_key_terms_fold_into_one_sdpa_call_or_decline(monkeypatch, bias_shift, folded):
+    """The forgetting gate is separable (D_i - D_j): blocked folds -D_j into the keys as one more dimension and
+    runs one causal SDPA call; a gate whose D spans more than the folded range (float32's 256, here log sigmoid(-2)
+    per token over 300 tokens, checked against it in float64) takes the blocks instead. Both equal the reference,
+    outputs and every gradient (float64, GQA, positions from 4)."""
+    from attnzoo.backends import blocked
+
+    monkeypatch.setitem(blocked._FOLDED_RANGE, torch.float64, blocked._FOLDED_RANGE[torch.float32])
+    seen = []
+    fold = BlockedBackend._key_bias_sdpa
+
+    def spy(self, *args):
+        out = fold(self, *args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(BlockedBackend, "_key_bias_sdpa", spy)
+    ref, fast = (attnzoo.compile("forgetting", backend=name) for name in ("reference", "blocked"))
+    torch.manual_seed(0)
+    params = {k: (v + bias_shift + 0.3 * torch.randn_like(v)).requires_grad_() for k, v in
+              ref.init_params(num_heads=4, head_dim=8, num_kv_heads=2, dtype=torch.float64).items()}
+    q = torch.randn(2, 4, 300, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 300, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    positions = torch.arange(4, 304).expand(2, -1)
+    inputs = [q, k, v, *params.values()]
+    cot = torch.randn(2, 4, 300, 8, dtype=torch.float64)
+    want = torch.autograd.grad(ref(q, k, v, params=params, positions=positions), inputs, cot)
+    got = torch.autograd.grad(fast(q, k, v, params=params, positions=positions), inputs, cot)
+    assert seen == [folded]
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-10)

@@ -8,7 +8,9 @@ O(H · block · N); the carry chain carries the gradient back into earlier block
 
 Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
 ``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; ``selective_mask`` under a plain causal
-mask runs the fused kernel of ``selective_kernel.py`` (CPU); other blocks without logits transforms hand their mask
+mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all separable (a query
+term plus a key term: ALiBi, the forgetting gate) fold their key terms into the keys as one more dimension and stay
+one causal SDPA call (``_key_bias_sdpa``); other blocks without logits transforms hand their mask
 (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
 This module never imports the reference backend (it computes the same function independently).
@@ -25,6 +27,11 @@ from ..transforms.base import Context, Dims, Slot
 from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode
 from .selective_kernel import SelectiveCausal
+
+
+#: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
+#: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
+_FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
@@ -70,12 +77,49 @@ class BlockedBackend(Backend):
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), o.selector_head, o.protect_bos,
                                         o.self_mask, int(positions[0, 0]), self.block_size)
             selection = None
+        elif (separable := self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params,
+                                               return_selection)) is not None:
+            out, selection = separable, None
         else:
             features = plan.token_features(qs, ks, vs, positions, key_mask, params)
             out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_selection, features=features)
         out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, selection) if return_selection else out
+
+    def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_selection):
+        """Every logits transform separable (``LogitsTransform.separable``), nothing else but row maps, a causal
+        spec at consecutive positions, float32/64: the key terms ``col`` summed are folded into the keys as one
+        more dimension, ``q'' = [q, 1]``, ``k'' = [k, col / scale]``, ``v'' = [v, 0]``, and the whole call is one
+        causal SDPA (the query terms are per-row constants: they cancel in the softmax, and in its gradient).
+        ``col`` is centred per head first; where it still spans more than ``_FOLDED_RANGE`` (the logits' rounding
+        would grow with it) this returns None and the blocks run instead."""
+        transforms = plan.many(Slot.LOGITS)
+        if (not transforms or key_mask is not None or return_selection or plan.many(Slot.MASK)
+                or plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.NORMALISER) is not None
+                or not plan.causal or qs.dtype not in _FOLDED_RANGE or not _consecutive(positions)):
+            return None
+        b, h, n, d = qs.shape
+        features = plan.token_features(qs, ks, vs, positions, None, params)
+        ctx = plan.context(positions, positions.unsqueeze(1), Dims(h, d, ks.shape[1]), None, features, features)
+        col = torch.zeros((), dtype=qs.dtype, device=qs.device)
+        for t in transforms:
+            terms = t.separable(ctx, params[t.kind], qs.dtype)
+            if terms is None:
+                return None
+            col = col + terms[1]
+        col = col.expand(b, h, 1, n)[:, :, 0]
+        centre = ((col.amax(-1, keepdim=True) + col.amin(-1, keepdim=True)) / 2).detach()
+        col = col - centre
+        if float(col.detach().abs().max()) > _FOLDED_RANGE[qs.dtype]:
+            return None
+        scale = plan.logit_scale(d)
+        if ks.shape[1] != h:  # the key column is per query head
+            ks, vs = ks.repeat_interleave(h // ks.shape[1], dim=1), vs.repeat_interleave(h // vs.shape[1], dim=1)
+        q2 = torch.cat([qs, qs.new_ones(b, h, n, 1)], dim=-1)
+        k2 = torch.cat([ks, (col / scale).unsqueeze(-1)], dim=-1)
+        v2 = F.pad(vs, (0, 1))
+        return F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scale)[..., :d]
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
                want_probs=False, use_sdpa=True, features=None):

@@ -234,6 +234,16 @@ class LogitsTransform(Transform):
         mask. None (the default) means the transform is not additive."""
         return None
 
+    def separable(self, ctx: Context, params: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Optional: when :meth:`bias` is a sum of a query term and a key term, ``bias[i, j] = row[i] + col[j]``
+        on every pair whose key position is at most the query position (a causal spec's visible pairs), return
+        ``(row, col)`` in ``dtype``, broadcastable to (B, H, Nq, 1) and (B, H, 1, Nk). A backend may then fold
+        ``col`` into the keys as one more dimension and drop ``row`` (a per-row constant cancels in the softmax),
+        keeping the fused causal kernel: ALiBi's ``-slope * (i - j)`` is ``(-slope * i, slope * j)``. None (the
+        default): not separable."""
+        return None
+
     #: names of the per-token features :meth:`features` returns that the backend turns into running sums: the
     #: value a token gets is the sum of what :meth:`features` returned for it and every earlier real token of its
     #: row (padding adds 0), e.g. the Forgetting Transformer's ``D_t = sum_{s <= t} log f_s``

@@ -52,3 +52,7 @@ class ForgettingGate(LogitsTransform):
     def bias(self, ctx, params, dtype):
         query_d, key_d = ctx.features(self.kind, "D")
         return (query_d - key_d).to(dtype)
+
+    def separable(self, ctx, params, dtype):
+        query_d, key_d = ctx.features(self.kind, "D")
+        return query_d.to(dtype), (-key_d).to(dtype)

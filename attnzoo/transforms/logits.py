@@ -66,6 +66,10 @@ class Alibi(LogitsTransform):
         head = ctx.heads.to(dtype)
         return -head_slope(head, ctx.dims.num_heads, self.options.max_bias) * distance
 
+    def separable(self, ctx: Context, params, dtype: torch.dtype):
+        slope = head_slope(ctx.heads.to(dtype), ctx.dims.num_heads, self.options.max_bias)
+        return -slope * ctx.qpos.to(dtype), slope * ctx.kpos.to(dtype)  # -slope (i - j) where j <= i
+
     def triton(self):
         # head_slope in Triton; the largest power of two <= H is exp2(floor(log2(H)))
         mb = float(self.options.max_bias)
@@ -100,6 +104,9 @@ class LearnableAlibi(LogitsTransform):
     def bias(self, ctx: Context, params, dtype: torch.dtype) -> torch.Tensor:
         distance = (ctx.qpos - ctx.kpos).abs().to(dtype)
         return -params["slope"][ctx.heads].to(dtype) * distance
+
+    # not separable(): the slope's gradient would become sum_j dcol_j * j over absolute positions, where the
+    # row/column split cancels terms of size N; summed over distances (i - j) it keeps float32's precision
 
     def triton(self):
         distance = "tl.abs(qp - kp).to(tl.float32)"
