@@ -77,6 +77,12 @@ class KVCache:
         # per-token scores live in growing buffers too; ``state[name]`` is a view of the first _m slots (a
         # tensor assigned to ``state[name]`` by an evictor is adopted into a buffer at the next append)
         self._state_buf: dict[str, torch.Tensor] = {}
+        # per-token features of the logits transforms (LogitsTransform.features), stored per key token as
+        # (B, H_kv, M, G) for the G query heads of each key/value head (so they follow their head's evictions);
+        # cumulative ones are stored as running sums, their totals (B, H) through the last token appended
+        self._feat: dict[str, torch.Tensor] = {}
+        self._feat_live: dict[str, torch.Tensor] | None = None  # this step's (B, H, M) with gradient
+        self.feature_totals: dict[str, torch.Tensor] = {}
         #: positions increase strictly along the slots of every row and head (kept by append and removal;
         #: padding ties with the next real token, and padding is never picked by an evictor's rule)
         self.ordered = True
@@ -162,13 +168,13 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by keys, values, positions, validity and per-token scores (the tokens held, not the spare
         capacity of the buffers: see :attr:`capacity_bytes`)."""
-        tensors = [self.keys, self.values, self.positions, self.valid, *self.state.values()]
+        tensors = [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self._feat.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes allocated, spare room of the growing buffers included."""
-        tensors = [self._k, self._v, self._pos, self.valid, *self.state.values()]
+        tensors = [self._k, self._v, self._pos, self.valid, *self.state.values(), *self._feat.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def memory(self) -> dict:
@@ -185,10 +191,12 @@ class KVCache:
                 f"next_position={nxt}, bytes={self.nbytes})")
 
     # -- mutation -------------------------------------------------------------------------------------------------
-    def append(self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def append(self, key: torch.Tensor, value: torch.Tensor, key_mask: torch.Tensor | None = None,
+               features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Append T tokens: key, value (B, H_kv, T, D) as they are to be attended (already transformed), at the
-        next positions of each row (see :func:`new_token_positions`). Returns their positions (B, T). New
-        per-token scores are 0 (in ``accumulator_dtype(key.dtype)``).
+        next positions of each row (see :func:`new_token_positions`), with their per-token features ``{name:
+        (B, H, T)}`` (running sums already taken, :meth:`attnzoo.plan.Plan.admit`). Returns their positions
+        (B, T). New per-token scores are 0 (in ``accumulator_dtype(key.dtype)``).
 
         Rows that carry gradient are attended as given during this step (:meth:`settle` drops them); the
         buffers only ever hold detached copies."""
@@ -243,7 +251,34 @@ class KVCache:
             self._live = (torch.cat([self._k[:, :, :old], key], dim=2), torch.cat([self._v[:, :, :old], value], dim=2))
         else:
             self._live = None
+        self._append_features(features or {}, b, hkv, old, count)
         return new_pos
+
+    def _append_features(self, features: dict[str, torch.Tensor], b: int, hkv: int, old: int, count: int) -> None:
+        if set(features) != set(self._feat) and old:
+            raise ValueError(f"features {sorted(features)} do not match the cache's {sorted(self._feat)}")
+        live = {}
+        for name, value in features.items():
+            h = value.shape[1]
+            grouped = value.detach().reshape(b, hkv, h // hkv, count).transpose(2, 3)  # (B, H_kv, T, G)
+            held = self._feat.get(name)
+            self._feat[name] = grouped.clone() if held is None or not old else torch.cat([held, grouped], dim=2)
+            if value.requires_grad:
+                live[name] = torch.cat([self._heads_first(held), value], dim=2) if held is not None and old else value
+        self._feat_live = live or None
+
+    @staticmethod
+    def _heads_first(grouped: torch.Tensor) -> torch.Tensor:
+        b, hkv, m, g = grouped.shape
+        return grouped.transpose(2, 3).reshape(b, hkv * g, m)
+
+    def key_features(self) -> dict[str, torch.Tensor]:
+        """The per-token features of every cached token, ``{"<kind>.<name>": (B, H, M)}`` (cumulative ones as
+        running sums); empty for a spec without features."""
+        out = {name: self._heads_first(t) for name, t in self._feat.items()}
+        if self._feat_live is not None:
+            out.update(self._feat_live)
+        return out
 
     def _state_room(self, name: str, t: torch.Tensor, old: int, count: int) -> torch.Tensor:
         """The buffer behind ``state[name]`` with room for ``count`` more slots after the first ``old``. A state
@@ -287,6 +322,8 @@ class KVCache:
             if slot < m - 1:
                 buf[:, :, slot:m - 1] = buf[:, :, slot + 1:m].clone()
             self.state[name] = buf[:, :, :m - 1]
+        self._feat = {name: torch.cat([t[:, :, :slot], t[:, :, slot + 1:]], dim=2) for name, t in self._feat.items()}
+        self._feat_live = None
         if self.valid is not None:
             self.valid = torch.cat([self.valid[:, :, :slot], self.valid[:, :, slot + 1:]], dim=2)
             if bool(self.valid.all()):
@@ -303,6 +340,9 @@ class KVCache:
         self._pos[:, :, :kept] = self._pos[:, :, :m].gather(2, keep)
         self._m = kept
         self.state = {name: t.gather(2, keep) for name, t in self.state.items()}
+        self._feat = {name: t.gather(2, keep.unsqueeze(-1).expand(-1, -1, -1, t.shape[3]))
+                      for name, t in self._feat.items()}
+        self._feat_live = None
         if self.valid is not None:
             self.valid = self.valid.gather(2, keep)
             if bool(self.valid.all()):
@@ -371,11 +411,13 @@ class KVCache:
             raise ValueError(f"reorder takes a non-empty 1-D index of rows, got shape {tuple(index.shape)}")
         if bool(((index < 0) | (index >= self.batch)).any()):
             raise ValueError(f"reorder index out of range for a cache of batch {self.batch}: {index.tolist()}")
-        self._live = None
+        self._live = self._feat_live = None
         if self._k is not None:
             index = index.to(self._k.device)
             self._k, self._v, self._pos = (t.index_select(0, index) for t in (self._k, self._v, self._pos))
             self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
+            self._feat = {name: t.index_select(0, index) for name, t in self._feat.items()}
+            self.feature_totals = {name: t.index_select(0, index) for name, t in self.feature_totals.items()}
             if self.valid is not None:
                 self.valid = self.valid.index_select(0, index)
         if isinstance(self._next, torch.Tensor):
@@ -386,10 +428,10 @@ class KVCache:
 
     # -- one decoding step, the part every backend shares ------------------------------------------------------
     def admit(self, key: torch.Tensor, value: torch.Tensor, evict_first: bool,
-              key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Append T (transformed) tokens; an evictor that works before attention (selective, sink + window)
-        evicts now. Returns the new tokens' positions (B, T)."""
-        positions = self.append(key, value, key_mask)
+              key_mask: torch.Tensor | None = None, features: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Append T (transformed) tokens with their features; an evictor that works before attention
+        (selective, sink + window) evicts now. Returns the new tokens' positions (B, T)."""
+        positions = self.append(key, value, key_mask, features)
         if evict_first and self.evictor is not None and not self.evictor.evict_after_attention:
             self.evict_to_budget()
         return positions
@@ -415,7 +457,7 @@ class KVCache:
         F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys
         (at least float32): a backend that computed either in half precision cannot round the running state."""
         wide = accumulator_dtype(self._k.dtype)
-        self._live = None
+        self._live = self._feat_live = None
         if selection is not None:
             selection = selection.detach().to(wide)
             held = self.state.get(SELECTION_STATE)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,16 @@ from .transforms.base import (
     Transform,
     restrict_heads,
 )
+
+
+class DecodeStep(NamedTuple):
+    """What :meth:`Plan.admit` hands a decoding backend: the new queries after the query slot (B, H, T, D), their
+    positions (B, T) and their per-token features ``{"<kind>.<name>": (B, H, T)}`` (the keys' are in
+    ``cache.key_features()``)."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    features: dict[str, torch.Tensor]
 
 
 @dataclass
@@ -119,16 +129,28 @@ class Plan:
             out = x.to(rows.dtype)
         return out
 
-    def admit(self, cache, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
-              key_mask: torch.Tensor | None = None, widen: bool = False) -> torch.Tensor:
-        """The step every decoding backend shares: transform the new keys and values (B, H_kv, T, D) once, at
-        their positions, and append them to ``cache`` (which evicts first when its evictor says so). Returns
-        the new tokens' positions (B, T), which are also the new queries' positions."""
-        if self.many(Slot.KEY) or self.many(Slot.VALUE):
-            positions = cache.upcoming_positions(k.shape[2], key_mask, k.device).unsqueeze(1)
-            k = self.row_scale(Slot.KEY, k, positions, params, widen=widen)
-            v = self.row_scale(Slot.VALUE, v, positions, params, widen=widen)
-        return cache.admit(k, v, evict_first, key_mask)
+    def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
+              key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
+        """The decoding sequence every backend shares: the new tokens' positions, their rows through the query,
+        key and value slots (once per token), their per-token features (cumulative ones continuing the cache's
+        running sums), then the append to ``cache`` (which evicts first when its evictor says so). ``q`` (B, H,
+        T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see :meth:`row_scale`."""
+        count = k.shape[2]
+        features: dict[str, torch.Tensor] = {}
+        featured = bool(self.feature_transforms())
+        if self.many(Slot.KEY) or self.many(Slot.VALUE) or featured:
+            positions = cache.upcoming_positions(count, key_mask, k.device)
+            k = self.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
+            v = self.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
+        if featured:
+            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+            features = self._features(TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3],
+                                                                                      k.shape[1])),
+                                      params, cache.feature_totals)
+        positions = cache.admit(k, v, evict_first, key_mask, features)
+        if not featured:
+            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+        return DecodeStep(qs, positions, features)
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
                 key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,
@@ -143,11 +165,6 @@ class Plan:
                        query_features={n: t[..., None] for n, t in (query_features or {}).items()},
                        key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
 
-    def decode_problems(self) -> list[str]:
-        """Why no backend can decode this spec from a cache yet (empty: nothing stops it)."""
-        return [f"transform '{t.kind}' computes per-token features, which decoding does not keep in the cache yet"
-                for t in self.feature_transforms()]
-
     def feature_transforms(self) -> list[Transform]:
         """The logits transforms that compute per-token features."""
         return [t for t in self.many(Slot.LOGITS) if type(t).features is not LogitsTransform.features]
@@ -157,21 +174,31 @@ class Plan:
         """Every per-token feature of the spec for the N tokens of the batch form (rows after the row maps,
         positions (B, N)), keyed ``"<kind>.<name>"``, each (B, H, N) in at least float32; cumulative ones summed
         along each row in position order (padding adds 0: the numerics contract keeps such sums in float32+)."""
+        return self._features(TokenRows(qs, ks, vs, positions, key_mask, Dims(qs.shape[1], qs.shape[3],
+                                                                              ks.shape[1])), params)
+
+    def _features(self, rows: TokenRows, params, totals: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """The features of ``rows``' tokens; cumulative ones summed along the row, after the running ``totals``
+        {name: (B, H)} of earlier tokens when given (decoding), which are then updated in place."""
         out: dict[str, torch.Tensor] = {}
-        dims = Dims(qs.shape[1], qs.shape[3], ks.shape[1])
-        rows = TokenRows(qs, ks, vs, positions, key_mask, dims)
-        want = (qs.shape[0], qs.shape[1], qs.shape[2])
+        want = (rows.q.shape[0], rows.q.shape[1], rows.q.shape[2])
         for t in self.feature_transforms():
             for name, value in (t.features(rows, params[t.kind]) or {}).items():
                 if tuple(value.shape) != want:
                     raise ValueError(f"transform '{t.kind}': feature '{name}' has shape {tuple(value.shape)}, "
                                      f"expected (B, H, N) = {want}")
                 value = value.to(torch.promote_types(value.dtype, torch.float32))
+                key = f"{t.kind}.{name}"
                 if name in t.cumulative:
-                    if key_mask is not None:
-                        value = value * key_mask[:, None, :].to(value.dtype)
+                    if rows.key_mask is not None:
+                        value = value * rows.key_mask[:, None, :].to(value.dtype)
                     value = value.cumsum(dim=-1)
-                out[f"{t.kind}.{name}"] = value
+                    if totals is not None:
+                        if key in totals:
+                            value = value + totals[key].to(value.dtype)[..., None]
+                        totals[key] = value[..., -1].detach()
+                out[key] = value
         return out
 
     def allowed(self, ctx: Context, key_mask: torch.Tensor | None) -> torch.Tensor:

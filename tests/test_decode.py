@@ -8,9 +8,7 @@ import attnzoo
 from attnzoo.cache import KVCache
 from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
 
-#: shipped specs no backend decodes yet (per-token features are not kept in the cache), with the reason given
-NOT_DECODED = {"forgetting": "computes per-token features, which decoding does not keep in the cache yet"}
-SHIPPED = sorted(set(attnzoo.get_registry().specs) - set(NOT_DECODED))
+SHIPPED = sorted(attnzoo.get_registry().specs)
 
 
 def perturbed_params(variant, h, d, hkv, scale=0.5):
@@ -98,12 +96,6 @@ def test_h2o_keeps_per_head_sets():
 @pytest.mark.parametrize("spec", SHIPPED)
 def test_decode_equals_batch_without_budget(spec):
     check_decode_matches_batch(spec)
-
-
-@pytest.mark.parametrize("spec", sorted(NOT_DECODED))
-def test_specs_not_decoded_yet_are_refused_with_the_reason(spec):
-    with pytest.raises(attnzoo.UnsupportedError, match=NOT_DECODED[spec]):
-        check_decode_matches_batch(spec)
 
 
 @pytest.mark.parametrize("n", [1, 2, 63])
@@ -242,3 +234,37 @@ def test_bfloat16_decoding_accumulates_state_in_float32(backend, spec, name):
     state, error = f_relative_error(backend, spec, name)
     assert error < 1e-2, error  # measured: 4e-4 (F), 7e-4 (h2o); in bfloat16 2.4e-2 and 0.13
     assert state.dtype == torch.float32
+
+
+# -- per-token features in the cache (the forgetting gate's running D) --------------------------------------------
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+@pytest.mark.parametrize("evictor", [{"evictor": "sink_window", "sink": 1}, {"evictor": "h2o", "recent": 2}])
+def test_forgetting_decode_keeps_d_running_across_evictions(backend, evictor):
+    """Each step, by hand: the query at position i attends the keys the cache holds after the step (H2O: before
+    the step, and the new one; it evicts after attending), with logits
+    q.k / sqrt(d) + D_i - D_j, where D_t = sum_{s <= t} log sigmoid(w_h . k_s + b_h) runs over every token, the
+    evicted ones included (float64, GQA, per-head eviction for H2O)."""
+    torch.manual_seed(5)
+    spec = {"name": "forget-window", "transforms": [{"kind": "forgetting_gate", "bias_init": 1.0}],
+            "cache": {"budget": 8, **evictor}}
+    variant = attnzoo.compile(spec, backend=backend)
+    b, h, hkv, n, d = 2, 4, 2, 30, 8
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = torch.randn(2, b, hkv, n, d, dtype=torch.float64)
+    params = perturbed_params(variant, h, d, hkv)
+    w, bias = params["forgetting_gate.weight"], params["forgetting_gate.bias"]
+    kh = k.repeat_interleave(h // hkv, dim=1)
+    dsum = torch.nn.functional.logsigmoid(torch.einsum("bhnd,hd->bhn", kh, w) + bias[:, None]).cumsum(-1)
+    cache = variant.new_cache(batch=b)
+    for i in range(n):
+        before = cache.positions.clone() if i else torch.zeros(b, hkv, 0, dtype=torch.int64)
+        got = variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params)
+        seen = torch.cat([before, torch.full((b, hkv, 1), i + 1)], 2) if "h2o" in evictor.values() \
+            else cache.positions
+        kept = (seen - 1).repeat_interleave(h // hkv, dim=1)  # (B, H, M) 0-based token indices
+        keys, vals = kh.gather(2, kept[..., None].expand(-1, -1, -1, d)), \
+            v.repeat_interleave(h // hkv, dim=1).gather(2, kept[..., None].expand(-1, -1, -1, d))
+        logits = (q[:, :, i:i + 1] * keys).sum(-1) / d ** 0.5 + dsum[:, :, i:i + 1] - dsum.gather(2, kept)
+        want = (torch.softmax(logits, -1)[..., None] * vals).sum(2, keepdim=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=f"step {i + 1}")
+    assert cache.num_tokens == 8 and cache.evicted == n - 8

@@ -7,7 +7,8 @@ import attnzoo
 from attnzoo.cache import KVCache
 
 DECODING = ("reference", "blocked")
-SPECS = ("vanilla", "ssa", "selective", "selective-pruned", "local-global", "h2o", "tova", "streaming")
+SPECS = ("vanilla", "ssa", "selective", "selective-pruned", "local-global", "h2o", "tova", "streaming", "forgetting",
+         "sink")
 
 
 def params_for(variant, h=4, d=8, hkv=2):

@@ -1,6 +1,6 @@
 """A plugin written from the docs (tests/data/zoo_plugin): QK-norm with per-dimension gains and the Forgetting
 Transformer with a token-dependent gate, each in under 60 lines, pass the conformance suite on reference and
-blocked (outputs and every gradient); decoding the feature transform is declined with its reason."""
+blocked (outputs, every gradient and decoding)."""
 
 import importlib.util
 from pathlib import Path
@@ -38,9 +38,8 @@ def test_plugin_transforms_pass_the_conformance_suite():
     for spec in ("user-qk-norm", "user-forgetting"):
         for backend in ("reference", "blocked"):
             assert {(spec, backend, "outputs"), (spec, backend, "gradients")} <= passed
-    assert ("user-qk-norm", "blocked", "decode") in passed
-    declined = [r for r in results if r.spec == "user-forgetting" and r.check == "decode"]
-    assert declined and all("per-token features" in r.message for r in declined)
+    for spec in ("user-qk-norm", "user-forgetting"):  # the forgetting gate's running D is kept in the cache
+        assert (spec, "blocked", "decode") in passed and (spec, "reference", "decode") in passed
 
 
 def test_the_plugin_forgetting_gate_equals_the_built_in():

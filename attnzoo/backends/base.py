@@ -59,8 +59,9 @@ class Backend:
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first: bool, key_mask=None):
         """Append T tokens to ``cache`` and attend their queries (B, H, T, D) over it; returns (B, H, T, D).
-        ``key_mask`` (B, T) bool marks the new tokens' padding (False) or is None. k, v are raw: transform and
-        append them with :meth:`attnzoo.plan.Plan.admit` (the cache stores transformed rows), then attend over
-        ``cache.keys``/``cache.values`` with ``cache.key_mask()``, and :meth:`attnzoo.KVCache.settle`.
+        ``key_mask`` (B, T) bool marks the new tokens' padding (False) or is None. q, k, v are raw: hand them to
+        :meth:`attnzoo.plan.Plan.admit` (row maps once per token, features, the append: the cache stores
+        transformed rows), attend the queries it returns over ``cache.keys``/``cache.values`` with
+        ``cache.key_mask()`` and ``cache.key_features()``, then :meth:`attnzoo.KVCache.settle`.
         Only called for backends whose ``modes`` include :attr:`Mode.DECODE`."""
         raise NotImplementedError(f"backend '{self.name}' does not implement decoding")

@@ -28,7 +28,6 @@ from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode
 from .selective_kernel import SelectiveCausal
 
-
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
 _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
@@ -56,7 +55,7 @@ class BlockedBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return plan.decode_problems() if mode == Mode.DECODE else []
+        return []
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
@@ -122,11 +121,11 @@ class BlockedBackend(Backend):
         return F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scale)[..., :d]
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
-               want_probs=False, use_sdpa=True, features=None):
+               want_probs=False, use_sdpa=True, features=None, key_features=None):
         """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
-        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None; features: the batch form's per-token features
-        (B, H, N) by name (queries and keys are the same tokens), or None. Returns (out, F or None, carry, probs
-        or None).
+        kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None; features: the queries' per-token features
+        (B, H, Nq) by name, or None; key_features: the keys' (B, H, Nk), or None for the batch form's (queries
+        and keys are the same tokens). Returns (out, F or None, carry, probs or None).
 
         The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract)."""
         b, h, nq, d = qs.shape
@@ -155,7 +154,8 @@ class BlockedBackend(Backend):
                     kpos[..., keys], key_mask[:, keys] if key_mask is not None else None,
                     carry[:, keys] if carry is not None else None,
                     {n: t[:, :, start:stop] for n, t in (features or {}).items()},
-                    {n: t[:, :, keys] for n, t in (features or {}).items()})
+                    {n: t[:, :, keys] for n, t in (key_features if key_features is not None else features or {}
+                                                   ).items()})
 
             def block(*a, _plan=plan, _params=params):
                 return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
@@ -230,10 +230,10 @@ class BlockedBackend(Backend):
         return out, f_blk, colsum, (p if want_probs else None)
 
     # -- decoding -------------------------------------------------------------------------------------------------
-    def decode_one(self, plan, qs, ks, vs, qpos, kpos, params, carry):
+    def decode_one(self, plan, qs, ks, vs, qpos, kpos, params, carry, query_features=None, key_features=None):
         """One query (B, H, 1, D) at the newest position against every cached key, with no mask: the lean
-        decoding step (a handful of tensor operations). kpos (B, 1 or H_kv, M). Returns (out, the new carry or
-        None)."""
+        decoding step (a handful of tensor operations). kpos (B, 1 or H_kv, M); the per-token features of the
+        query (B, H, 1) and of the keys (B, H, M) by name, or None. Returns (out, the new carry or None)."""
         b, h, _, d = qs.shape
         hkv, m = ks.shape[1], ks.shape[2]
         acc, logits_transforms = plan.one(Slot.ACCUMULATOR), plan.many(Slot.LOGITS)
@@ -263,7 +263,9 @@ class BlockedBackend(Backend):
         heads, every, index_heads, pick = self._decode_consts[key]
         if kpos.shape[1] > 1:
             kpos = kpos.repeat_interleave(group, dim=1)
-        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims)
+        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims,
+                      query_features={n: t[..., None] for n, t in (query_features or {}).items()},
+                      key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
         for t in logits_transforms:
             logits = t.apply(logits, ctx, params[t.kind])
         if acc is not None:
@@ -286,9 +288,8 @@ class BlockedBackend(Backend):
         return out, carry
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask)
-        qpos = cache.query_positions(q.shape[2], q.shape[0])
-        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
+        qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
+        key_features = cache.key_features()
         ks, vs, mask = cache.keys, cache.values, cache.key_mask()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         per_head = cache.evictor is not None and cache.evictor.per_head
@@ -304,11 +305,13 @@ class BlockedBackend(Backend):
             cache.settle(None, None)
         elif count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
             # one query at the newest position: every cached key is visible and no mask applies
-            out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.selection())
+            out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.selection(),
+                                         query_features, key_features)
             cache.settle(carry, None)
         else:
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.selection(),
-                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1)
+                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
+                                               features=query_features, key_features=key_features)
             cache.settle(carry, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 

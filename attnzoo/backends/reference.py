@@ -39,7 +39,7 @@ class ReferenceBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return plan.decode_problems() if mode == Mode.DECODE else []
+        return []
 
     # The pieces below are methods so that tests can build deliberately broken backends by overriding one.
     def accumulate(self, selection: torch.Tensor) -> torch.Tensor:
@@ -58,12 +58,15 @@ class ReferenceBackend(Backend):
         """The running F of every cached token (B, M), or None without an accumulator."""
         return cache.selection()
 
-    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False):
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False,
+               features=None):
         """The whole composition for queries at ``qpos`` against keys at ``kpos``.
 
         q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
         carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None;
-        ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so).
+        ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so);
+        ``features``: (the queries', the keys') per-token features {name: (B, H, N)} when the queries are not the
+        keys (decoding; the batch form computes them here).
         Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None).
         """
         b, h, nq, d = q.shape
@@ -73,15 +76,12 @@ class ReferenceBackend(Backend):
         qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
         ks = k if transformed_kv else plan.row_scale(Slot.KEY, k, kpos, params)
         vs = v if transformed_kv else plan.row_scale(Slot.VALUE, v, kpos, params)
-        features = {}
-        if plan.feature_transforms():  # the batch form: queries and keys are the same tokens
-            if transformed_kv or qs.shape[2] != ks.shape[2]:
-                raise ValueError("per-token features need the batch form (decoding them is not implemented)")
-            features = plan.token_features(qs, ks, vs, qpos, key_mask, params)
+        if features is None and plan.feature_transforms():  # the batch form: queries and keys are the same tokens
+            features = (plan.token_features(qs, ks, vs, qpos, key_mask, params),) * 2
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
-        ctx = plan.context(qpos, kpos, dims, key_mask, features, features)
+        ctx = plan.context(qpos, kpos, dims, key_mask, *(features or ({}, {})))
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):
@@ -111,11 +111,11 @@ class ReferenceBackend(Backend):
         return out
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask)
+        step = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
         qpos = self.query_positions(cache, q.shape[2], q.shape[0])
         out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
                                                key_mask=cache.key_mask(), carry=self.carry(cache),
-                                               transformed_kv=True)
+                                               transformed_kv=True, features=(step.features, cache.key_features()))
         # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
         total = None
         if selection is not None:

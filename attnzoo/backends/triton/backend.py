@@ -389,10 +389,9 @@ class TritonBackend(Backend):
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("the triton backend decodes without gradients: run decoding under torch.no_grad()")
-        plan.admit(cache, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=True)
+        qs, qpos, _ = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=True)
         count = q.shape[2]
-        qpos = cache.query_positions(count, q.shape[0])
-        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params, widen=True).contiguous()
+        qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
         want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
         carry = cache.selection()
