@@ -204,16 +204,7 @@ def test_conformance_float32(spec):
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
     unsupported = {r.check for r in results if r.status == "unsupported"}
-    if spec in TRITON_DECLINES:  # declined whole, with its reason, until the kernels learn it
-        assert all(r.status == "unsupported" for r in results)
-        declined = {r.check.split("/")[0] for r in results if TRITON_DECLINES[spec] in r.message}
-        assert declined >= {"outputs", "gradients", "decode"}, declined
-        return
     assert not unsupported - {"decode", "evictor", "selection"}, unsupported
-
-
-#: shipped specs the triton backend declines outright, and the reason it gives
-TRITON_DECLINES = {"forgetting": "computes per-token features, which the Triton kernels do not load yet"}
 
 
 @pytest.mark.parametrize("spec", ["selective-ssa", "softcap", "h2o"])

@@ -54,12 +54,18 @@ class _Run:
     #                                     key block, from the masks' earliest visible key (None: no skipping)
     carry: torch.Tensor | None = None  # filled by forward, read by backward
     sink: torch.Tensor | None = None  # (H,) float32: the normaliser's sink logits (None: no normaliser)
+    qt: torch.Tensor | None = None  # (NT, B, H, NQ) float32: per-token query terms (None: no host-termed transform)
+    kt: torch.Tensor | None = None  # (NT, B, H, NK) float32: per-token key terms
 
     def _common(self, q, k):
         b, h, nq, d = q.shape
         hkv, nk = k.shape[1], k.shape[2]
         kph = self.kpos.shape[1]
-        return dict(H=h, HKV=hkv, NQ=nq, NK=nk, D=d, KPB=kph * nk, KPHS=nk if kph > 1 else 0)
+        return dict(H=h, HKV=hkv, NQ=nq, NK=nk, D=d, KPB=kph * nk, KPHS=nk if kph > 1 else 0, TQS=b * h * nq,
+                    TKS=b * h * nk)
+
+    def _terms(self, dummy):
+        return (self.qt, self.kt) if self.qt is not None else (dummy, dummy)
 
     def _meta(self, q):
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=max(16, _pow2(q.shape[-1])), **self.launch)
@@ -82,8 +88,9 @@ class _Run:
             carry = torch.full((b, nmb, nk), float("nan"), dtype=torch.float32, device=q.device)
             total = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device)
             init = self.init_carry if self.init_carry is not None else dummy
+            sel_dims = {key: value for key, value in dims.items() if key not in ("TQS", "TKS")}
             self.kernels._sel_carry[(triton_cdiv(nk, self.block_n), b)](
-                q, k, self.qpos, self.kpos, kmask, init, carry, total, prm, **dims, NMB=nmb, scale=self.scale,
+                q, k, self.qpos, self.kpos, kmask, init, carry, total, prm, **sel_dims, NMB=nmb, scale=self.scale,
                 SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None,
                 HAS_INIT=self.init_carry is not None)
         self.carry = carry
@@ -94,7 +101,7 @@ class _Run:
         bounds = self.bounds if self.bounds is not None else dummy
         self.kernels._fwd[(nmb, b * h)](
             q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, bounds,
-            self.sink if self.sink is not None else dummy,
+            self.sink if self.sink is not None else dummy, *self._terms(dummy),
             **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
             HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits,
             HAS_BOUNDS=self.bounds is not None, HAS_SINK=self.sink is not None)
@@ -106,6 +113,7 @@ class _Run:
         dims, meta = self._common(q, k), self._meta(q)
         nmb, nnb = triton_cdiv(nq, self.block_m), triton_cdiv(nk, self.block_n)
         n_params = len(self.layout.params)
+        n_terms = len(self.layout.terms)
         npp = _pow2(max(1, n_params))
         dummy = q.new_empty(1, dtype=torch.float32)
         kmask = self.key_mask if self.key_mask is not None else dummy
@@ -118,20 +126,25 @@ class _Run:
         dk = torch.full((b, hkv, nk, d), float("nan"), **f32)
         dv = torch.full((b, hkv, nk, d), float("nan"), **f32)
         pg = torch.full((b, h, nnb, npp), float("nan"), **f32)
+        dqt = torch.full((n_terms, b, h, nq), float("nan"), **f32) if n_terms else dummy
+        dkt = torch.full((n_terms, b, h, nk), float("nan"), **f32) if n_terms else dummy
         flags = dict(CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None)
+        terms = dict(NT=n_terms, NTP=_pow2(max(1, n_terms)))
         bounds = self.bounds if self.bounds is not None else dummy
         kernels = self.backward_kernels()
         kernels._bwd_dkdv[(nnb, b * hkv)](
-            q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, bounds, **dims,
-            NMB=nmb, NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc,
-            HAS_BOUNDS=self.bounds is not None)
+            q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, bounds,
+            *self._terms(dummy), dkt, **dims, NMB=nmb, NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp,
+            **terms, **flags, HAS_ACC=has_acc, HAS_BOUNDS=self.bounds is not None)
         kernels._bwd_dq[(nmb, b * h)](
-            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, bounds, **dims, NMB=nmb,
-            scale=self.scale, SEL=self.sel, **meta, NPP=npp, **flags, HAS_ACC=has_acc,
-            HAS_BOUNDS=self.bounds is not None)
+            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, bounds, *self._terms(dummy),
+            dqt, **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **terms, **flags,
+            HAS_ACC=has_acc, HAS_BOUNDS=self.bounds is not None)
         dprm = pg.sum(dim=(0, 2))[:, :n_params].t()  # (NP, H)
         if has_acc:
             sel, skvh = self.sel, self.sel // (h // hkv)
+            for name in ("TQS", "TKS"):
+                dims.pop(name)
             rcarry = torch.full((b, nmb, nk), float("nan"), **f32)
             dks = torch.full((b, nk, d), float("nan"), **f32)
             dqs = torch.full((b, nq, d), float("nan"), **f32)
@@ -150,7 +163,8 @@ class _Run:
         dsink = None
         if self.sink is not None:  # d sink_h = -sum over rows of p_sink * delta, p_sink = exp(sink_h - lse)
             dsink = -(torch.exp(self.sink.view(1, -1, 1) - lse) * delta).sum(dim=(0, 2))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dprm if n_params else None), dsink
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), (dprm if n_params else None), dsink,
+                (dqt, dkt) if n_terms else (None, None))
 
     def decode(self, q, k, v, prm):
         """One query per batch row (q (B, H, 1, D)) against the cache. Returns (out, lse, the selector's S row
@@ -159,6 +173,7 @@ class _Run:
         hkv, nk = k.shape[1], k.shape[2]
         dims, meta = self._common(q, k), self._meta(q)
         dims.pop("NQ")
+        dims["TQS"] = b * h
         meta["BLOCK_M"] = max(16, _pow2(h // hkv))
         dummy = q.new_empty(1, dtype=torch.float32)
         has_acc = self.layout.selector is not None
@@ -170,7 +185,7 @@ class _Run:
         self.kernels._decode[(b * hkv,)](
             q, k, v, out, lse, self.qpos, self.kpos, self.init_carry if has_acc else dummy,
             srow if has_acc else dummy, logits if logits is not None else dummy, prm,
-            self.sink if self.sink is not None else dummy, **dims, scale=self.scale,
+            self.sink if self.sink is not None else dummy, *self._terms(dummy), **dims, scale=self.scale,
             SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits, HAS_SINK=self.sink is not None)
         return out, lse, srow, logits
 
@@ -180,7 +195,7 @@ SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 23244
 
 _TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _FLOAT32_BUFFERS = {"DQ", "DK", "DV", "DKS", "DQS", "LSE", "DELTA", "CARRY", "RCARRY", "LOGITS", "PRM", "PG", "PGS",
-                    "TOTAL", "INIT", "CARRYV", "SROW", "SINK"}
+                    "TOTAL", "INIT", "CARRYV", "SROW", "SINK", "QT", "KT", "DQT", "DKT"}
 
 
 def _arg_type(name: str, dtype: torch.dtype) -> str:
@@ -235,8 +250,10 @@ class _Attention(torch.autograd.Function):
     per-head logits parameters."""
 
     @staticmethod
-    def forward(ctx, run: _Run, q, k, v, prm, sink):
+    def forward(ctx, run: _Run, q, k, v, prm, sink, qt, kt):
         run.sink = sink.detach() if sink is not None else None
+        run.qt = qt.detach().contiguous() if qt is not None else None
+        run.kt = kt.detach().contiguous() if kt is not None else None
         out, lse, _, _ = run.forward(q, k, v, prm)
         ctx.run = run
         ctx.save_for_backward(q, k, v, prm, out, lse)
@@ -245,8 +262,8 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, prm, out, lse = ctx.saved_tensors
-        dq, dk, dv, dprm, dsink = ctx.run.backward(q, k, v, prm, out, lse, dout)
-        return None, dq, dk, dv, dprm, dsink
+        dq, dk, dv, dprm, dsink, (dqt, dkt) = ctx.run.backward(q, k, v, prm, out, lse, dout)
+        return None, dq, dk, dv, dprm, dsink, dqt, dkt
 
 
 class TritonBackend(Backend):
@@ -310,6 +327,23 @@ class TritonBackend(Backend):
         sink = plan.sink(index, params, like.float())
         return None if sink is None else sink.reshape(heads).contiguous()
 
+    @staticmethod
+    def _terms(plan, params, qpos, kpos, dims, key_mask, query_features, key_features):
+        """The per-token terms (QT (NT, B, H, NQ), KT (NT, B, H, NK), float32, with autograd) of the logits
+        transforms the kernels add as host-computed terms (``codegen.host_termed``), or (None, None)."""
+        kinds = codegen.layout(plan).terms
+        if not kinds:
+            return None, None
+        b, nq, nk = qpos.shape[0], qpos.shape[1], kpos.shape[-1]
+        ctx = plan.context(qpos, kpos, dims, key_mask, query_features, key_features)
+        rows, cols = [], []
+        for t in plan.many(Slot.LOGITS):
+            if t.kind in kinds:
+                row, col = t.separable(ctx, params[t.kind], torch.float32)
+                rows.append(row.float().expand(b, dims.num_heads, nq, 1)[..., 0])
+                cols.append(col.float().expand(b, dims.num_heads, 1, nk)[:, :, 0])
+        return torch.stack(rows).contiguous(), torch.stack(cols).contiguous()
+
     def _launch_options(self, q) -> dict:
         if interpreting() or q.device.type != "cuda":
             return {}
@@ -333,6 +367,7 @@ class TritonBackend(Backend):
         common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, _pow2(head_dim)), CAUSAL_SKIP=True,
                       HAS_KMASK=False, HAS_BOUNDS=False, HAS_INIT=False, WRITE_LOGITS=False,
                       NPP=_pow2(max(1, len(codegen.layout(plan).params))),
+                      NTP=_pow2(max(1, len(codegen.layout(plan).terms))),
                       HAS_ACC=plan.one(Slot.ACCUMULATOR) is not None,
                       HAS_SINK=plan.one(Slot.NORMALISER) is not None)
         names = ["_fwd", "_decode", "_sel_carry"], ["_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"]
@@ -378,8 +413,11 @@ class TritonBackend(Backend):
         ks = plan.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
         vs = plan.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
         run = self._run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
+        features = plan.token_features(qs, ks, vs, positions, key_mask, params)
+        qt, kt = self._terms(plan, params, positions, pos, Dims(q.shape[1], q.shape[3], k.shape[1]), key_mask,
+                             features, features)
         out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q),
-                               self._sink(plan, params, q.shape[1], q))
+                               self._sink(plan, params, q.shape[1], q), qt, kt)
         out = plan.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_selection:
             return out
@@ -389,7 +427,8 @@ class TritonBackend(Backend):
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("the triton backend decodes without gradients: run decoding under torch.no_grad()")
-        qs, qpos, _ = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=True)
+        qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask,
+                                              widen=True)
         count = q.shape[2]
         qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
@@ -397,6 +436,8 @@ class TritonBackend(Backend):
         carry = cache.selection()
         run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
         run.sink = self._sink(plan, params, q.shape[1], q)
+        run.qt, run.kt = self._terms(plan, params, qpos, cache.positions, Dims(q.shape[1], q.shape[3], ks.shape[1]),
+                                     mask, query_features, cache.key_features())
         prm = self._prm(plan, params, q.shape[1], q)
         with torch.no_grad():
             if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way

@@ -12,21 +12,31 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...transforms.base import NormaliserTransform, RowMapTransform, Slot
+from ...transforms.base import LogitsTransform, NormaliserTransform, RowMapTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
 #: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
-GENERATOR_VERSION = "2"
+GENERATOR_VERSION = "3"
 
 
 @dataclass(frozen=True)
 class Layout:
     """What the host side needs to know about a generated kernel: the packed per-head parameters (their
-    params keys, in the order of the ``PRM`` rows) and the selector head (None without an accumulator)."""
+    params keys, in the order of the ``PRM`` rows), the selector head (None without an accumulator) and the
+    transforms whose per-token terms the host computes (``LogitsTransform.separable``: rows of ``QT``/``KT``)."""
 
     params: tuple[str, ...]
     selector: int | None
+    terms: tuple[str, ...] = ()
+
+
+def host_termed(plan, t) -> bool:
+    """A logits transform the kernels add as host-computed per-token terms ``row_i + col_j`` (its separable form):
+    one with per-token features (a fragment cannot compute them), or one without a Triton lowering."""
+    if t.slot is not Slot.LOGITS or type(t).separable is LogitsTransform.separable:
+        return False
+    return t in plan.feature_transforms() or t.triton() is None
 
 
 def problems(plan) -> list[str]:
@@ -35,9 +45,14 @@ def problems(plan) -> list[str]:
     for t in plan.transforms:
         if isinstance(t, (RowMapTransform, NormaliserTransform)):
             continue  # computed by the host with the transform's torch maths
+        if host_termed(plan, t):
+            if plan.one(Slot.ACCUMULATOR) is not None:
+                reasons.append(f"transform '{t.kind}': per-token terms with an accumulator are not lowered (the "
+                               "selector's kernels do not load them)")
+            continue
         if t in plan.feature_transforms():
-            reasons.append(f"transform '{t.kind}' computes per-token features, which the Triton kernels do not load "
-                           "yet")
+            reasons.append(f"transform '{t.kind}' computes per-token features but is not separable (the kernels "
+                           "load per-token terms row_i + col_j: LogitsTransform.separable)")
             continue
         lowering = t.triton()
         want = {Slot.LOGITS: TritonLogits, Slot.MASK: TritonMask, Slot.ACCUMULATOR: TritonSelection}[t.slot]
@@ -72,14 +87,17 @@ def _generator_digest() -> str:
 def fingerprint(plan) -> str:
     """A digest of everything besides the spec that shapes the generated source: the template, this module, and
     each transform's lowering as it is now (so a plugin that changes a fragment never reuses a stale artifact)."""
-    parts = [_generator_digest()] + [f"{t.kind}:{t.slot.value}:{t.triton()!r}" for t in plan.transforms]
+    parts = [_generator_digest()] + [f"{t.kind}:{t.slot.value}:{None if host_termed(plan, t) else t.triton()!r}"
+                                     for t in plan.transforms]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 def layout(plan) -> Layout:
-    params = tuple(f"{t.kind}.{name}" for t in plan.many(Slot.LOGITS) for name in t.triton().params)
+    lowered = [t for t in plan.many(Slot.LOGITS) if not host_termed(plan, t)]
+    params = tuple(f"{t.kind}.{name}" for t in lowered for name in t.triton().params)
     acc = plan.one(Slot.ACCUMULATOR)
-    return Layout(params=params, selector=acc.heads()[0] if acc is not None else None)
+    return Layout(params=params, selector=acc.heads()[0] if acc is not None else None,
+                  terms=tuple(t.kind for t in plan.many(Slot.LOGITS) if host_termed(plan, t)))
 
 
 def _param_names(t, index0: int) -> dict[str, str]:
@@ -97,16 +115,33 @@ def _mask_helper(plan) -> list[str]:
     return lines + ["    return ok"]
 
 
+_TERMS = "QT, KT, qoff, koff, qm, km, TQS, TKS"
+
+
 def _logits_helpers(plan) -> list[str]:
-    fwd = ["@triton.jit", "def _logits(x, qp, kp, head, H, PRM):",
-           '    """The logits slot: each transform in spec order, on float32 tiles."""']
-    bwd = ["@triton.jit", "def _logits_bwd(g, x, qp, kp, head, H, PRM, NPP: tl.constexpr):",
-           '    """Chain rule back through the logits slot: g (dL/d output) -> dL/d input, and the summed',
-           '    gradients of the per-head parameters as a vector (entry i: packed parameter i)."""',
-           "    dpv = tl.zeros([NPP], tl.float32)", "    x0 = x"]
+    fwd = ["@triton.jit", f"def _logits(x, qp, kp, head, H, PRM, {_TERMS}):",
+           '    """The logits slot: each transform in spec order, on float32 tiles. Host-computed per-token terms',
+           '    (QT/KT row t, at qoff/koff where qm/km) are added where their transform stands."""']
+    bwd = ["@triton.jit",
+           f"def _logits_bwd(g, x, qp, kp, head, H, PRM, NPP: tl.constexpr, {_TERMS}, NTP: tl.constexpr):",
+           '    """Chain rule back through the logits slot: g (dL/d output) -> dL/d input, the summed gradients of',
+           '    the per-head parameters as a vector (entry i: packed parameter i), and the gradients of the',
+           '    per-token terms: row sums gq (BLOCK_M, NTP) and column sums gk (BLOCK_N, NTP), column t for term t."""',
+           "    dpv = tl.zeros([NPP], tl.float32)", "    x0 = x",
+           "    gq = tl.zeros([x.shape[0], NTP], tl.float32)", "    gk = tl.zeros([x.shape[1], NTP], tl.float32)"]
     steps = []
     index = 0
+    term = 0
     for i, t in enumerate(plan.many(Slot.LOGITS)):
+        if host_termed(plan, t):
+            add = (f"(tl.load(QT + {term} * TQS + qoff, mask=qm, other=0.0) "
+                   f"+ tl.load(KT + {term} * TKS + koff, mask=km, other=0.0))")
+            mark = f"    # --- from transform '{t.kind}' (logits, per-token terms: QT/KT row {term}) ---"
+            fwd += [mark, f"    x = x + {add}"]
+            bwd += [mark, f"    x{i + 1} = x{i} + {add}"]
+            steps.append((i, t, None, term, None))
+            term += 1
+            continue
         low = t.triton()
         names = _param_names(t, index)
         loads = [f"    {var} = tl.load(PRM + {index + j} * H + head)" for j, var in enumerate(names.values())]
@@ -117,13 +152,18 @@ def _logits_helpers(plan) -> list[str]:
         steps.append((i, t, low, names, index))
         index += len(low.params)
     for i, t, low, names, first in reversed(steps):
+        if low is None:  # a per-token term: d/d(row_i) and d/d(col_j) are 1, g passes unchanged
+            bwd += [f"    # --- back through '{t.kind}' (per-token terms) ---",
+                    f"    gq += tl.where(tl.arange(0, NTP)[None, :] == {names}, tl.sum(g, 1)[:, None], 0.0)",
+                    f"    gk += tl.where(tl.arange(0, NTP)[None, :] == {names}, tl.sum(g, 0)[:, None], 0.0)"]
+            continue
         fmt = dict(x=f"x{i}", y=f"x{i + 1}", **names)
         bwd.append(f"    # --- back through '{t.kind}' ---")
         for j, expr in enumerate(low.param_derivatives):
             bwd.append(f"    dpv += tl.where(tl.arange(0, NPP) == {first + j}, "
                        f"tl.sum(tl.sum(g * ({expr.format(**fmt)}), 1), 0), 0.0)")
         bwd.append(f"    g = g * ({low.derivative.format(**fmt)})")
-    return fwd + ["    return x"], bwd + ["    return g, dpv"]
+    return fwd + ["    return x"], bwd + ["    return g, dpv, gq, gk"]
 
 
 def _selection_helpers(plan):
@@ -163,6 +203,7 @@ def generate(plan) -> dict[str, str]:
             "row scales applied outside the kernels (torch): "
             + (", ".join(f"{t.kind} ({t.slot.value})" for t in rows) or "none"),
             f"packed per-head parameters (PRM rows): {', '.join(layout(plan).params) or 'none'}",
+            f"per-token terms computed by the host (QT/KT rows): {', '.join(layout(plan).terms) or 'none'}",
             "normaliser (per-head sink logits, SINK): "
             + (f"{plan.one(Slot.NORMALISER).kind}" if plan.one(Slot.NORMALISER) is not None else "none"),
             '"""',

@@ -23,7 +23,10 @@ DELTA.
 A spec gives two sources: the forward kernels (``_sel_carry``, ``_fwd``, ``_decode``) and the backward ones, loaded
 on the first backward pass; each carries the helpers it calls. Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v
 (B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK), lse/delta float32 (B, H, NQ), carry float32 (B, NMB,
-NK), packed per-head parameters float32 (NP, H). """
+NK), packed per-head parameters float32 (NP, H), per-token terms float32 QT (NT, B, H, NQ) and KT (NT, B, H, NK)
+(TQS = B·H·NQ and TKS = B·H·NK apart), the host-computed separable form ``row_i + col_j`` of each logits transform
+with per-token features (``LogitsTransform.separable``), their gradients DQT/DKT (row and column sums of the
+logits' gradient at that transform). """
 
 COMMON = '''
 @triton.jit
@@ -78,7 +81,7 @@ def _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D, KPB, KP
     kps = tl.load(KPOS + b * KPB + skvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
     oks = _allowed(qp, kps, SEL, valid)
     x0 = tl.dot(qs, tl.trans(ks)) * scale
-    x = _logits(x0, qp, kps, SEL, H, PRM)
+    x = _logits(x0, qp, kps, SEL, H, PRM, PRM, PRM, 0, 0, False, False, 0, 0)  # no per-token terms with an accumulator
     return _select(x, oks, qp, kps), x, x0, oks, kps, ks
 
 
@@ -139,7 +142,7 @@ def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile,
         lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
         delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)
         ok = _allowed(qp, kp, h, valid)
-        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM) - ftile
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM, PRM, PRM, 0, 0, False, False, 0, 0) - ftile
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         total += p * (dp - delta[:, None])
@@ -177,7 +180,7 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
         tl.store(RCARRY + (b * NMB + m) * NK + cols, running, mask=cv)
         dsel = -(running[None, :] + col[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
         running += col
-        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        g0, dpc, gq, gk = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
         dpv += dpc
         dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
     _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
@@ -207,15 +210,15 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
                     KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
         rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
         dsel = -(rcarry[None, :] + tl.sum(e, 0)[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
-        g0, dpc = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP)
+        g0, dpc, gq, gk = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
         dqs += tl.dot(g0.to(ks.dtype), ks).to(tl.float32)
     _store_rows(DQS, b * NQ, rows, NQ, D, dqs * scale, BLOCK_D)
 '''
 
 FORWARD = '''
 @triton.jit
-def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK,
-         H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK, QT, KT,
+         H, HKV, NQ, NK, D, KPB, KPHS, NMB, TQS, TKS, scale, SEL,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
          CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr,
          HAS_BOUNDS: tl.constexpr, HAS_SINK: tl.constexpr):
@@ -229,6 +232,7 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK,
     rv = rows < NQ
     q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
     qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qoff = ((b * H + h) * NQ + rows)[:, None]  # per-token terms (QT/KT) of this head
     qs = q
     if HAS_ACC:
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
@@ -244,7 +248,9 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK,
         valid = rv[:, None] & _key_valid(KMASK, b, cols, NK, HAS_KMASK)
         k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, h, valid)
-        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM)
+        koff = ((b * H + h) * NK + cols)[None, :]
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, h, H, PRM, QT, KT, qoff, koff, rv[:, None],
+                    (cols < NK)[None, :], TQS, TKS)
         if HAS_ACC:
             ftile, x, x0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
                                                  D, KPB, KPHS, NMB, scale, SEL, BLOCK_D)
@@ -268,8 +274,8 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK,
 
 
 @triton.jit
-def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK,
-            H, HKV, NK, D, KPB, KPHS, scale, SEL,
+def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK, QT, KT,
+            H, HKV, NK, D, KPB, KPHS, TQS, TKS, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             HAS_ACC: tl.constexpr, WRITE_LOGITS: tl.constexpr, HAS_SINK: tl.constexpr):
     bk = tl.program_id(0)
@@ -293,7 +299,8 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK,
         valid = rv[:, None] & cv[None, :]
         k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, head, valid)
-        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM)
+        s = _logits(tl.dot(q, tl.trans(k)) * scale, qp, kp, head, H, PRM, QT, KT, b * H + head,
+                    (b * H + head) * NK + cols[None, :], rv[:, None], valid, TQS, TKS)
         if HAS_ACC:
             if kvh == SEL // group:
                 sel = tl.where(head == SEL, _select(s, ok, qp, kp), 0.0)
@@ -318,9 +325,10 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK,
 
 BACKWARD = '''
 @triton.jit
-def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
-              H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
+def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, QT, KT, DKT,
+              H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, TQS, TKS, NT, scale, SEL,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+              NTP: tl.constexpr,
               CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, HAS_BOUNDS: tl.constexpr):
     n = tl.program_id(0)
     bk = tl.program_id(1)
@@ -341,6 +349,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
     for g in range(0, group):
         h = kvh * group + g
         dpv = tl.zeros([NPP], tl.float32)
+        dkt = tl.zeros([BLOCK_N, NTP], tl.float32)
+        koff = ((b * H + h) * NK + cols)[None, :]
         for m in range(m0, m_end):
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             rv = rows < NQ
@@ -352,7 +362,8 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
             valid = rv[:, None] & kvalid
             ok = _allowed(qp, kp, h, valid)
             x0 = tl.dot(q, tl.trans(k)) * scale
-            s = _logits(x0, qp, kp, h, H, PRM)
+            qoff = ((b * H + h) * NQ + rows)[:, None]
+            s = _logits(x0, qp, kp, h, H, PRM, QT, KT, qoff, koff, rv[:, None], (cols < NK)[None, :], TQS, TKS)
             if HAS_ACC:
                 qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
                 ftile, x, xs0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
@@ -362,18 +373,23 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
             ds = p * (dp - delta[:, None])
-            g0, dpc = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP)
+            g0, dpc, gq, gk = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
+                                          (cols < NK)[None, :], TQS, TKS, NTP)
             dpv += dpc
+            dkt += gk
             dk += tl.dot(tl.trans(g0.to(q.dtype)), q).to(tl.float32)
         tl.store(PG + ((b * H + h) * NNB + n) * NPP + tl.arange(0, NPP), dpv)
+        t = tl.arange(0, NTP)[None, :]
+        tl.store(DKT + t * TKS + ((b * H + h) * NK + cols)[:, None], dkt, mask=(t < NT) & (cols < NK)[:, None])
     _store_rows(DK, (b * HKV + kvh) * NK, cols, NK, D, dk * scale, BLOCK_D)
     _store_rows(DV, (b * HKV + kvh) * NK, cols, NK, D, dv, BLOCK_D)
 
 
 @triton.jit
-def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
-            H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
+def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, QT, KT, DQT,
+            H, HKV, NQ, NK, D, KPB, KPHS, NMB, TQS, TKS, NT, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
+            NTP: tl.constexpr,
             CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_ACC: tl.constexpr, HAS_BOUNDS: tl.constexpr):
     m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -392,6 +408,8 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
     if HAS_ACC:
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dqt = tl.zeros([BLOCK_M, NTP], tl.float32)
+    qoff = ((b * H + h) * NQ + rows)[:, None]
     lo, hi = _key_range(m, NK, BOUNDS, BLOCK_M, CAUSAL_SKIP, HAS_BOUNDS)
     for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -399,7 +417,8 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
         k, v, kp = _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D)
         ok = _allowed(qp, kp, h, valid)
         x0 = tl.dot(q, tl.trans(k)) * scale
-        s = _logits(x0, qp, kp, h, H, PRM)
+        koff = ((b * H + h) * NK + cols)[None, :]
+        s = _logits(x0, qp, kp, h, H, PRM, QT, KT, qoff, koff, rv[:, None], (cols < NK)[None, :], TQS, TKS)
         if HAS_ACC:
             ftile, x, xs0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK,
                                                   D, KPB, KPHS, NMB, scale, SEL, BLOCK_D)
@@ -407,7 +426,11 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS,
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         ds = p * (dp - delta[:, None])
-        g0, dpc = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP)
+        g0, dpc, gq, gk = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
+                                      (cols < NK)[None, :], TQS, TKS, NTP)
+        dqt += gq
         dq += tl.dot(g0.to(k.dtype), k).to(tl.float32)
     _store_rows(DQ, (b * H + h) * NQ, rows, NQ, D, dq * scale, BLOCK_D)
+    t = tl.arange(0, NTP)[None, :]
+    tl.store(DQT + t * TQS + qoff, dqt, mask=(t < NT) & rv[:, None])
 '''

@@ -52,6 +52,10 @@ class UserForgetting(attnzoo.LogitsTransform):
         d_query, d_key = ctx.features(self.kind, "D")
         return (d_query - d_key).to(dtype)
 
+    def separable(self, ctx, params, dtype):  # D_i + (-D_j): folded into the keys (blocked), per-token terms (triton)
+        d_query, d_key = ctx.features(self.kind, "D")
+        return d_query.to(dtype), (-d_key).to(dtype)
+
 
 @attnzoo.hookimpl
 def register_transforms(register):
