@@ -468,6 +468,11 @@ class KVCache:
             else:
                 self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
         if self.evictor is not None:
+            if not self.evictor.needs_probabilities:
+                probs = None
+            elif probs is None:
+                raise ValueError(f"evictor '{self.evictor.kind}' needs the attention probabilities, and the backend "
+                                 "passed none to settle()")
             self.evictor.update(self, probs.detach().to(wide) if probs is not None else None)
         if self.evictor is not None or self.valid is not None:
             self.evict_to_budget()

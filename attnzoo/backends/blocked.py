@@ -291,7 +291,7 @@ class BlockedBackend(Backend):
         qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
         key_features = cache.key_features()
         ks, vs, mask = cache.keys, cache.values, cache.key_mask()
-        want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
+        want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
         per_head = cache.evictor is not None and cache.evictor.per_head
         kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
         count = q.shape[2]

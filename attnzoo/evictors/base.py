@@ -29,6 +29,8 @@ class Evictor:
     ``evict_after_attention``: evict after the new query attended over ``budget + 1`` tokens (H2O, TOVA score
     with the current query's attention) rather than before (selective, sink + window).
     ``state_names``: per-token scores the cache keeps for this evictor, (B, H_kv, M) each, starting at 0.
+    ``needs_probabilities``: :meth:`update` reads the new queries' attention probabilities (backends compute
+    them, O(H·T·M) per step, only for evictors that declare it; the others get None).
     ``independent_scores``: removing a token changes no other token's score or protection, so the cache may pick
     several victims at once (after a long prefill) with the same result as one at a time; the conformance suite
     checks the claim on crafted caches.
@@ -41,6 +43,7 @@ class Evictor:
     per_head: ClassVar[bool] = False
     evict_after_attention: ClassVar[bool] = False
     state_names: ClassVar[tuple[str, ...]] = ()
+    needs_probabilities: ClassVar[bool] = False
     independent_scores: ClassVar[bool] = False
     _options_model: ClassVar[type[EvictorOptions] | None] = None
 
@@ -58,9 +61,10 @@ class Evictor:
         """A reason this evictor cannot work with ``budget`` tokens, or None."""
         return None
 
-    def update(self, cache, probs: torch.Tensor) -> None:
+    def update(self, cache, probs: torch.Tensor | None) -> None:
         """Update scores after a step; ``probs`` (B, H, T, M) is the new queries' attention over the cache
-        (T = 1 when decoding, the chunk length in a prefill)."""
+        (T = 1 when decoding, the chunk length in a prefill) when the evictor declares ``needs_probabilities``,
+        else None."""
 
     def score(self, cache) -> torch.Tensor:
         """The score the rule ranks cached tokens by: (B, H_kv, M), float32 or wider."""

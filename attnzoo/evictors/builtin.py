@@ -50,6 +50,7 @@ class H2O(Evictor):
     per_head = True
     evict_after_attention = True
     state_names = ("attention",)
+    needs_probabilities = True
 
     def recent(self, budget: int) -> int:
         return self.options.recent if self.options.recent is not None else budget // 2
@@ -84,6 +85,7 @@ class TOVA(Evictor):
     summary = "drop the lowest current-query attention (mean over heads)"
     evict_after_attention = True
     state_names = ("last_attention",)
+    needs_probabilities = True
 
     def update(self, cache, probs):
         mean = probs[:, :, -1].detach().mean(dim=1)

@@ -432,7 +432,7 @@ class TritonBackend(Backend):
         count = q.shape[2]
         qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
-        want_probs = cache.evictor is not None and bool(cache.evictor.state_names)
+        want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
         carry = cache.selection()
         run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
         run.sink = self._sink(plan, params, q.shape[1], q)
