@@ -9,7 +9,8 @@ import torch
 from .backends.base import Mode, batch_mode
 from .cache import SELECTION_STATE, KVCache
 from .errors import UnsupportedError
-from .plan import Plan, check_key_mask, check_positions, check_qkv
+from .inputs import check_key_mask, check_positions, check_qkv
+from .plan import Plan
 from .registry import get_registry
 from .spec import load_spec
 from .transforms.base import Dims, Slot

@@ -15,7 +15,7 @@ import torch
 
 from ..backends.base import Mode, batch_mode
 from ..dispatch import Variant
-from ..plan import check_positions, check_qkv
+from ..inputs import check_positions, check_qkv
 from . import eviction
 from .tolerance import check_close
 from .trace import culprit

@@ -1,0 +1,200 @@
+"""The pieces of the attention computation every backend computes the same way, on a :class:`~attnzoo.plan.Plan`:
+the row maps of a slot, the decoding sequence (:meth:`Composition.admit`), the transforms' context, per-token
+features, the allowed pairs, the accumulator's selection, the sink, the masks' key bounds and the logit scale.
+
+``Plan`` inherits them (``plan.row_scale(...)``); this module holds the numerics, ``attnzoo/plan.py`` the spec
+resolved against the registry, ``attnzoo/inputs.py`` the checks of a call's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from ..transforms.base import (
+    Context,
+    Dims,
+    LogitsTransform,
+    RowScaleTransform,
+    Slot,
+    TokenRows,
+    Transform,
+    restrict_heads,
+)
+
+
+class DecodeStep(NamedTuple):
+    """What :meth:`Plan.admit` hands a decoding backend: the new queries after the query slot (B, H, T, D), their
+    positions (B, T) and their per-token features ``{"<kind>.<name>": (B, H, T)}`` (the keys' are in
+    ``cache.key_features()``)."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    features: dict[str, torch.Tensor]
+
+
+class Composition:
+    """The backends' shared steps; mixed into :class:`~attnzoo.plan.Plan`, which provides ``transforms``,
+    ``causal``, ``scale``, :meth:`one` and :meth:`many`."""
+
+    transforms: list[Transform]
+    causal: bool
+    scale: float | None
+
+    def one(self, slot: Slot) -> Transform | None:
+        raise NotImplementedError
+
+    def many(self, slot: Slot) -> list[Transform]:
+        raise NotImplementedError
+
+    def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params,
+                  widen: bool = False) -> torch.Tensor:
+        """rows (B, Hx, N, D) through the slot's row maps in spec order (unchanged when the slot is empty); same
+        dtype as rows.
+
+        A row scale (SSA temperatures) multiplies in the wider of the rows' and the scale's dtypes and rounds to
+        the rows' dtype once: the built-in scales come in at least float32 (the numerics contract,
+        docs/backends.md), so half-precision rows are scaled in float32 and rounded once. Any other row map
+        gets the rows as they are, and its result is rounded to the rows' dtype.
+
+        ``widen``: for float16/bfloat16 rows, hand every transform float32 rows and parameters (fast backends use
+        it: the gradient of a per-token scale reduces over D and over every position, which loses too much in
+        half precision; it matters for transforms that compute in the dtype they are given)."""
+        transforms = self.many(slot)
+        if not transforms:
+            return rows
+        out = rows
+        for t in transforms:
+            group = params[t.kind]
+            if widen and out.dtype in (torch.float16, torch.bfloat16):
+                x, group = out.float(), {name: p.float() for name, p in group.items()}
+            else:
+                x = out
+            if isinstance(t, RowScaleTransform):
+                scale = t.scale(x, positions, group)
+                x = x.to(torch.promote_types(x.dtype, scale.dtype)) * scale.unsqueeze(-1)
+            else:
+                x = t.map(x, positions, group)
+                if tuple(x.shape) != tuple(rows.shape):
+                    raise ValueError(f"transform '{t.kind}' ({slot.value}) returned rows of shape {tuple(x.shape)} "
+                                     f"for rows of shape {tuple(rows.shape)}: a row map must keep the shape")
+            out = x.to(rows.dtype)
+        return out
+
+    def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
+              key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
+        """The decoding sequence every backend shares: the new tokens' positions, their rows through the query,
+        key and value slots (once per token), their per-token features (cumulative ones continuing the cache's
+        running sums), then the append to ``cache`` (which evicts first when its evictor says so). ``q`` (B, H,
+        T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see :meth:`row_scale`."""
+        count = k.shape[2]
+        features: dict[str, torch.Tensor] = {}
+        featured = bool(self.feature_transforms())
+        if self.many(Slot.KEY) or self.many(Slot.VALUE) or featured:
+            positions = cache.upcoming_positions(count, key_mask, k.device)
+            k = self.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
+            v = self.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
+        if featured:
+            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+            features = self._features(TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3],
+                                                                                      k.shape[1])),
+                                      params, cache.feature_totals)
+        positions = cache.admit(k, v, evict_first, key_mask, features)
+        if not featured:
+            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+        return DecodeStep(qs, positions, features)
+
+    def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
+                key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,
+                key_features: dict[str, torch.Tensor] | None = None) -> Context:
+        """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk), with the
+        key mask (B, Nk) or None and the per-token features of the queries (B, H, Nq) and keys (B, H, Nk)."""
+        group = dims.num_heads // dims.num_kv_heads
+        kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
+        heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
+        return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims,
+                       key_mask=key_mask[:, None, None, :] if key_mask is not None else None,
+                       query_features={n: t[..., None] for n, t in (query_features or {}).items()},
+                       key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
+
+    def feature_transforms(self) -> list[Transform]:
+        """The logits transforms that compute per-token features."""
+        return [t for t in self.many(Slot.LOGITS) if type(t).features is not LogitsTransform.features]
+
+    def token_features(self, qs: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, positions: torch.Tensor,
+                       key_mask: torch.Tensor | None, params) -> dict[str, torch.Tensor]:
+        """Every per-token feature of the spec for the N tokens of the batch form (rows after the row maps,
+        positions (B, N)), keyed ``"<kind>.<name>"``, each (B, H, N) in at least float32; cumulative ones summed
+        along each row in position order (padding adds 0: the numerics contract keeps such sums in float32+)."""
+        return self._features(TokenRows(qs, ks, vs, positions, key_mask, Dims(qs.shape[1], qs.shape[3],
+                                                                              ks.shape[1])), params)
+
+    def _features(self, rows: TokenRows, params, totals: dict[str, torch.Tensor] | None = None
+                  ) -> dict[str, torch.Tensor]:
+        """The features of ``rows``' tokens; cumulative ones summed along the row, after the running ``totals``
+        {name: (B, H)} of earlier tokens when given (decoding), which are then updated in place."""
+        out: dict[str, torch.Tensor] = {}
+        want = (rows.q.shape[0], rows.q.shape[1], rows.q.shape[2])
+        for t in self.feature_transforms():
+            for name, value in (t.features(rows, params[t.kind]) or {}).items():
+                if tuple(value.shape) != want:
+                    raise ValueError(f"transform '{t.kind}': feature '{name}' has shape {tuple(value.shape)}, "
+                                     f"expected (B, H, N) = {want}")
+                value = value.to(torch.promote_types(value.dtype, torch.float32))
+                key = f"{t.kind}.{name}"
+                if name in t.cumulative:
+                    if rows.key_mask is not None:
+                        value = value * rows.key_mask[:, None, :].to(value.dtype)
+                    value = value.cumsum(dim=-1)
+                    if totals is not None:
+                        if key in totals:
+                            value = value + totals[key].to(value.dtype)[..., None]
+                        totals[key] = value[..., -1].detach()
+                out[key] = value
+        return out
+
+    def allowed(self, ctx: Context, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Which (query, key) pairs may attend: the spec's causal flag, every mask transform, the key mask."""
+        allowed = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=ctx.qpos.device)
+        if self.causal:
+            allowed = allowed & (ctx.kpos <= ctx.qpos)
+        for t in self.many(Slot.MASK):
+            allowed = allowed & t.allowed(ctx)
+        if key_mask is not None:
+            allowed = allowed & key_mask[:, None, None, :]
+        return allowed
+
+    def selector_view(self, acc, allowed: torch.Tensor, ctx: Context):
+        """The accumulator's heads as an index tensor, with ``allowed`` and ``ctx`` narrowed to them."""
+        heads = acc.heads()
+        index = torch.tensor(heads, device=ctx.qpos.device)
+        narrowed = allowed.index_select(1, index) if allowed.shape[1] > 1 else allowed
+        return index, narrowed, restrict_heads(ctx, heads)
+
+    def selection(self, acc, qs: torch.Tensor, ks: torch.Tensor, allowed: torch.Tensor, ctx: Context, params,
+                  scale: float) -> torch.Tensor:
+        """The accumulator's selection S (B, 1, Nq, Nk) from the scaled rows qs (B, H, Nq, D) and ks (B, H_kv,
+        Nk, D): the logits of its heads alone, through the logits slot."""
+        index, sel_allowed, sel_ctx = self.selector_view(acc, allowed, ctx)
+        kv_index = torch.div(index, ctx.dims.num_heads // ctx.dims.num_kv_heads, rounding_mode="floor")
+        logits = (qs.index_select(1, index) @ ks.index_select(1, kv_index).transpose(-1, -2)) * scale
+        for t in self.many(Slot.LOGITS):
+            logits = t.apply(logits, sel_ctx, params[t.kind])
+        return acc.selection(logits, sel_allowed, sel_ctx, params[acc.kind])
+
+    def sink(self, heads: torch.Tensor, params, like: torch.Tensor) -> torch.Tensor | None:
+        """The normaliser's sink logit of the query heads ``heads`` (1, H', 1, 1) in ``like``'s dtype, or None
+        when the spec has no normaliser."""
+        t = self.one(Slot.NORMALISER)
+        return None if t is None else t.sink(heads, params[t.kind]).to(like.dtype)
+
+    def earliest_key(self, query_position: int) -> int | None:
+        """The smallest key position that queries at ``query_position`` or later may see under every mask (keys
+        before it can be skipped), or None when no mask bounds it."""
+        bounds = [b for t in self.many(Slot.MASK) if (b := t.earliest_key(query_position)) is not None]
+        return max(bounds) if bounds else None
+
+    def logit_scale(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
