@@ -164,7 +164,7 @@ def cmd_build(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from . import build as builder
+    from .backends.triton import build as builder
     from .registry import get_registry
     from .spec import load_spec
 
@@ -210,7 +210,7 @@ def cmd_build(args) -> int:
 
 def _compile_for(args, reg, specs, rows) -> int:
     """Compile every built spec's kernels for a CUDA architecture (no GPU needed); 1 if any kernel fails."""
-    from .build import interpreting
+    from .backends.triton.build import interpreting
     from .plan import Plan
 
     if interpreting():

@@ -265,7 +265,7 @@ def main(argv=None) -> int:
     rows = [] if args.skip_timing else run_timing(timed, lengths, device, dtype if device.type == "cuda"
                                                   else torch.float32, heads, head_dim, repeats,
                                                   start + args.budget_s)
-    from attnzoo.build import triton_version
+    from attnzoo.backends.triton.build import triton_version
 
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "attnzoo": attnzoo.__version__, "torch": torch.__version__, "triton": triton_version(),

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from attnzoo import build as builder
+from attnzoo.backends.triton import build as builder
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from broken import registry_replacing  # noqa: E402
 
 import attnzoo  # noqa: E402
-from attnzoo import build as builder  # noqa: E402
+from attnzoo.backends.triton import build as builder  # noqa: E402
 from attnzoo.backends.triton import codegen  # noqa: E402
 from attnzoo.cli import main  # noqa: E402
 from attnzoo.conformance import checks, runner  # noqa: E402

@@ -1,5 +1,5 @@
 """The triton backend: runs the kernels generated from a spec (``codegen.py``), built and cached by
-:mod:`attnzoo.build`.
+:mod:`attnzoo.backends.triton.build`.
 
 Row-scale slots (query/key/value/output temperatures, gates) run as a torch prologue/epilogue with the
 transforms' own maths (O(N·D); autograd gives their parameter gradients); everything per tile (logits, masks,
@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ...build import interpreting, load_kernels, triton_version
 from ...cache import accumulator_dtype
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
 from . import codegen
+from .build import interpreting, load_kernels, triton_version
 
 
 def _pow2(n: int) -> int:
@@ -272,7 +272,7 @@ class TritonBackend(Backend):
     deterministic = True
 
     def __init__(self, root=None) -> None:
-        self.root = root  # artifact cache directory (None: attnzoo.build.cache_dir())
+        self.root = root  # artifact cache directory (None: build.cache_dir())
         self._kernels: dict[tuple[str, bool, str], object] = {}
 
     @property

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from .plan import Plan
-from .registry import get_registry
-from .spec import load_spec
+from ... import __version__
+from ...plan import Plan
+from ...registry import get_registry
+from ...spec import load_spec
 
 #: the generated sources of an artifact, by part: the forward kernels load on first use, the backward ones on the
 #: first backward pass
@@ -57,7 +57,7 @@ def triton_version() -> str | None:
 
 
 def toolchain() -> dict[str, Any]:
-    from .backends.triton.codegen import GENERATOR_VERSION
+    from .codegen import GENERATOR_VERSION
 
     return {"attnzoo": __version__, "generator": GENERATOR_VERSION, "torch": torch.__version__,
             "triton": triton_version()}
@@ -66,7 +66,7 @@ def toolchain() -> dict[str, Any]:
 def artifact_key(spec, plan=None, registry=None) -> str:
     """sha256 of the spec hash, every version the generated source depends on, and the generator's fingerprint
     of the template and of the spec's transforms' lowerings."""
-    from .backends.triton.codegen import fingerprint
+    from .codegen import fingerprint
 
     plan = plan or Plan.from_spec(spec, registry or get_registry())
     data = json.dumps({"spec": spec.hash, **toolchain(), "lowering": fingerprint(plan)}, sort_keys=True)
@@ -132,7 +132,7 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
     """
     from filelock import FileLock
 
-    from .backends.triton.codegen import generate
+    from .codegen import generate
 
     if plan is None:
         registry = registry or get_registry()
