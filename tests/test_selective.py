@@ -139,3 +139,52 @@ def test_memory_loss_trains_towards_masking():
     _, f = attnzoo.compile("selective")(q, k, k, return_selection=True)
     attnzoo.memory_loss([f]).backward()
     assert q.grad[:, 0].abs().max() > 0  # the loss reaches the selector head
+
+
+class SquaredSelection(attnzoo.AccumulatorTransform):
+    """A plugin accumulator: S = ReLU(l)^2 on the selector head, BOS and self excluded, written once as the
+    transform's selection() and once as its pointwise form (which the fused CPU kernel takes)."""
+
+    kind = "squared_selection"
+    slot = attnzoo.Slot.ACCUMULATOR
+
+    def heads(self):
+        return [1]
+
+    def selection(self, logits, allowed, ctx, params):
+        keep = allowed & (ctx.kpos != 1) & (ctx.kpos != ctx.qpos)
+        return torch.where(keep, torch.relu(logits) ** 2, torch.zeros((), dtype=logits.dtype))
+
+    def pointwise(self):
+        from attnzoo.transforms.base import PointwiseSelection
+
+        return PointwiseSelection(value=lambda x: torch.relu(x) ** 2, derivative=lambda x: 2 * torch.relu(x),
+                                  exclude_first=True, exclude_self=True)
+
+
+def test_a_plugin_accumulator_with_a_pointwise_selection_takes_the_fused_kernel(monkeypatch):
+    """blocked reaches the fused kernel through the accumulator's contract (AccumulatorTransform.pointwise), not
+    by knowing selective_mask: a plugin's S = ReLU(l)^2 runs there and equals the reference, outputs and
+    gradients (float64, GQA, 3 query blocks)."""
+    import types
+
+    from attnzoo.backends import blocked, selective_kernel
+
+    module = types.ModuleType("squared")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(SquaredSelection))
+    module.register_backends = attnzoo.hookimpl(lambda register: register(blocked.BlockedBackend(32, "blocked32")))
+    reg = attnzoo.new_registry(entry_points=False, extra_plugins=[("squared", module)])
+    spec = {"name": "squared", "attention": {"causal": True}, "transforms": [{"kind": "squared_selection"}]}
+    calls = []
+    fused = selective_kernel.SelectiveCausal.apply
+    monkeypatch.setattr(blocked.SelectiveCausal, "apply", lambda *a: calls.append(1) or fused(*a))
+    q = torch.randn(2, 4, 70, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 70, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cot = torch.randn(2, 4, 70, 8, dtype=torch.float64)
+    results = []
+    for backend in ("blocked32", "reference"):
+        out = attnzoo.compile(spec, backend=backend, registry=reg)(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), cot)))
+    assert calls == [1]
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-11)

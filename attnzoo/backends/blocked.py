@@ -7,8 +7,9 @@ gradients, each block is checkpointed (recomputed in the backward pass), so trai
 O(H · block · N); the carry chain carries the gradient back into earlier blocks' selector logits.
 
 Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
-``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; ``selective_mask`` under a plain causal
-mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all separable (a query
+``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; an accumulator whose selection is
+pointwise in one selector head's logits (``AccumulatorTransform.pointwise``: ``selective_mask``, or a plugin's) under
+a plain causal mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all separable (a query
 term plus a key term: ALiBi, the forgetting gate) fold their key terms into the keys as one more dimension and stay
 one causal SDPA call (``_key_bias_sdpa``); other blocks without logits transforms hand their mask
 (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
@@ -24,13 +25,20 @@ from torch.utils.checkpoint import checkpoint
 
 from ..cache import accumulator_dtype
 from ..transforms.base import Context, Dims, Slot
-from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode
 from .selective_kernel import SelectiveCausal
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
 _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
+
+
+def _pointwise(acc):
+    """The accumulator's pointwise selection when the fused CPU kernel can take it (one selector head, no
+    parameters), else None."""
+    if acc is None or len(acc.heads()) != 1 or acc.parameters():
+        return None
+    return acc.pointwise()
 
 
 def _consecutive(positions: torch.Tensor) -> bool:
@@ -71,10 +79,9 @@ class BlockedBackend(Backend):
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
                                                  enable_gqa=q.shape[1] != k.shape[1])
             selection = None
-        elif simple and type(acc) is SelectiveMask and qs.device.type == "cpu":
-            o = acc.options
-            out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), o.selector_head, o.protect_bos,
-                                        o.self_mask, int(positions[0, 0]), self.block_size)
+        elif simple and qs.device.type == "cpu" and (pointwise := _pointwise(acc)) is not None:
+            out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
+                                        int(positions[0, 0]), self.block_size)
             selection = None
         elif (separable := self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params,
                                                return_selection)) is not None:

@@ -84,19 +84,21 @@ def flash_block(q, k, v, mask, scale):
 
 
 class SelectiveCausal(torch.autograd.Function):
-    """out = softmax(q k^T * scale - F, causal) v with F from selector head ``sel`` (selective attention).
+    """out = softmax(q k^T * scale - F, causal) v with F from selector head ``sel``: the accumulator's selection
+    given as a pointwise function of that head's logits (``AccumulatorTransform.pointwise``, e.g. selective
+    attention's ReLU).
 
     Inputs are the already row-scaled q (B, H, N, D) and k, v (B, H_kv, N, D); positions are 1..N shifted by
     ``first_position - 1`` (BOS is column 0 only when ``first_position == 1``).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, sel, protect_bos, self_mask, first_position, block):
+    def forward(ctx, q, k, v, scale, sel, pointwise, first_position, block):
         b, h, n, d = q.shape
         group = h // k.shape[1]
         ke = k.repeat_interleave(group, dim=1) if group > 1 else k
         ve = v.repeat_interleave(group, dim=1) if group > 1 else v
-        bos = protect_bos and first_position == 1
+        bos = pointwise.exclude_first and first_position == 1
         out = torch.full_like(q, float("nan"))
         wide = accumulator_dtype(q.dtype)  # the carry (a running sum) and lse in at least float32
         lse = torch.empty(b, h, n, dtype=wide, device=q.device)
@@ -105,19 +107,19 @@ class SelectiveCausal(torch.autograd.Function):
         for start in range(0, n, block):
             stop = min(start + block, n)
             carries.append(carry[:, :stop].clone())
-            s = _selection(q, ke, sel, start, stop, scale, bos, self_mask)
+            s = _selection(q, ke, sel, start, stop, scale, pointwise, bos)[0]
             mask = _mask(s, carry[:, :stop], start)
             out[:, :, start:stop], lse[:, :, start:stop] = flash_block(q[:, :, start:stop], ke[:, :, :stop],
                                                                        ve[:, :, :stop], mask, scale)
             carry[:, :stop] += s.sum(dim=2, dtype=wide)
         ctx.save_for_backward(q, ke, ve, out, lse, *carries)
-        ctx.meta = (scale, sel, bos, self_mask, block, group)
+        ctx.meta = (scale, sel, pointwise, bos, block, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, ke, ve, out, lse, *carries = ctx.saved_tensors
-        scale, sel, bos, self_mask, block, group = ctx.meta
+        scale, sel, pointwise, bos, block, group = ctx.meta
         dtype = q.dtype
         if dtype in (torch.float16, torch.bfloat16):  # recompute and accumulate in float32
             q, ke, ve, out, lse, grad_out = (t.float() for t in (q, ke, ve, out, lse, grad_out))
@@ -134,7 +136,7 @@ class SelectiveCausal(torch.autograd.Function):
             q_blk, g_blk = q[:, :, start:stop], grad_out[:, :, start:stop]
             past = torch.ones(stop - start, stop - start, dtype=q.dtype, device=q.device).tril_()
             k_vis, v_vis = ke[:, :, :stop], ve[:, :, :stop]
-            s = _selection(q, ke, sel, start, stop, scale, bos, self_mask)
+            s, l_sel = _selection(q, ke, sel, start, stop, scale, pointwise, bos)
             mask = _mask(s, carry, start)
             # probabilities from the saved log-sum-exp, then the usual softmax backward
             p = (q_blk * scale) @ k_vis.transpose(-1, -2)
@@ -154,28 +156,33 @@ class SelectiveCausal(torch.autograd.Function):
             total = d_f.sum(dim=2, keepdim=True)
             d_s = total - torch.cumsum(d_f, dim=2) + dcarry[:, :stop, None]
             dcarry = torch.cat([dcarry[:, :stop] + total[:, :, 0], dcarry[:, stop:]], dim=1)
-            d_sel = d_s.mul_(s > 0)  # ReLU and the selection mask: zero where S was forced to 0
+            d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), start, stop, pointwise, bos))
             dk[:, sel, :stop] += (d_sel @ q_blk[:, sel]) * scale
             dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ ke[:, sel, :stop]) * scale
         if group > 1:
             dk = dk.view(b, h // group, group, n, d).sum(2)
             dv = dv.view(b, h // group, group, n, d).sum(2)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None
 
 
-def _selection(q, ke, sel, start, stop, scale, bos, self_mask):
-    """The block's selection, transposed: S^T (B, Nk, Bq) = ReLU of the selector logits where a query may
-    select a key (strictly earlier, or itself with self_mask; never BOS).
+def _selection(q, ke, sel, start, stop, scale, pointwise, bos):
+    """The block's selection, transposed: S^T (B, Nk, Bq) = the pointwise selection of the selector logits where
+    a query may select a key (strictly earlier, or itself unless ``exclude_self``; never BOS when ``bos``), and
+    those logits l^T.
 
     Keys run along rows so that the cumulative sum over queries is along the contiguous last dim (much faster
     on CPU than a cumulative sum across rows)."""
     l_sel = (ke[:, sel, :stop] @ q[:, sel, start:stop].transpose(-1, -2)) * scale
-    s = torch.relu(l_sel)
-    # the diagonal block: key j may be selected by query i only if j < i (j <= i with self_mask)
-    s[:, start:stop].triu_(0 if self_mask else 1)
+    return _exclude(pointwise.value(l_sel), start, stop, pointwise, bos), l_sel
+
+
+def _exclude(t, start, stop, pointwise, bos):
+    """Zero, in place, the pairs no query may select: on the diagonal block key j needs j < i (j <= i unless
+    ``exclude_self``), and BOS (column 0) when ``bos``."""
+    t[:, start:stop].triu_(1 if pointwise.exclude_self else 0)
     if bos:
-        s[:, 0] = 0
-    return s
+        t[:, 0] = 0
+    return t
 
 
 def _mask(s, carry, start):

@@ -269,6 +269,19 @@ class MaskTransform(Transform):
         return None
 
 
+@dataclass(frozen=True)
+class PointwiseSelection:
+    """An accumulator's selection written as a pointwise function of one selector head's logits, for fused
+    kernels (the CPU selective kernel of ``blocked``): ``S[k, j] = value(l[k, j])`` on the causally visible pairs,
+    0 on the excluded ones; ``derivative(l) = dS/dl`` there. ``exclude_first``: the key at position 1 is never
+    selected (the protected BOS); ``exclude_self``: a query never selects its own key."""
+
+    value: Callable[[torch.Tensor], torch.Tensor]
+    derivative: Callable[[torch.Tensor], torch.Tensor]
+    exclude_first: bool = False
+    exclude_self: bool = True
+
+
 class AccumulatorTransform(Transform):
     """Slot ``accumulator``: a non-negative selection ``S[b, k, j]`` (query k marks key j); backends subtract
     ``F[b, i, j] = sum over earlier queries k < i of S[b, k, j]`` from every head's logits.
@@ -286,6 +299,12 @@ class AccumulatorTransform(Transform):
         """logits (B, len(heads()), Nq, Nk) of :meth:`heads` after the logits slot; ``allowed`` and ``ctx``
         restricted to those heads (``ctx.heads`` holds their indices) → S (B, 1, Nq, Nk) >= 0."""
         raise NotImplementedError
+
+    def pointwise(self) -> PointwiseSelection | None:
+        """Optional: :meth:`selection` as a pointwise function of one selector head's logits (``heads()`` has one
+        entry, no parameters), which fused kernels take; it must equal :meth:`selection` (the conformance suite
+        compares the fused path with the reference). None (the default): not pointwise."""
+        return None
 
 
 class NormaliserTransform(Transform):

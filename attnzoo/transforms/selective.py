@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from .base import AccumulatorTransform, Dims, Slot, TransformOptions
+from .base import AccumulatorTransform, Dims, PointwiseSelection, Slot, TransformOptions
 from .lowering import TritonSelection
 
 
@@ -48,12 +48,20 @@ class SelectiveMask(AccumulatorTransform):
             keep = keep & (ctx.kpos != ctx.qpos)
         return torch.where(keep, torch.relu(logits), torch.zeros((), dtype=logits.dtype, device=logits.device))
 
+    def pointwise(self):
+        return PointwiseSelection(value=torch.relu, derivative=_relu_derivative, exclude_first=self.options.protect_bos,
+                                  exclude_self=not self.options.self_mask)
+
     def triton(self):
         keep = ["(kp != 1)"] if self.options.protect_bos else []
         if not self.options.self_mask:
             keep.append("(kp != qp)")
         return TritonSelection(keep=" & ".join(keep), value="tl.maximum({x}, 0.0)",
                                derivative="tl.where({x} > 0.0, 1.0, 0.0)")
+
+
+def _relu_derivative(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype)
 
 
 def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tensor:
