@@ -23,10 +23,12 @@ computation), never into earlier steps: the autograd graph does not grow with th
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 #: Name of the running per-token accumulator (selective attention's F) in ``KVCache.state``.
-SELECTION_STATE = "selection"
+ACCUMULATED_STATE = "accumulated"
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -446,11 +448,18 @@ class KVCache:
         """Absolute positions of the ``count`` tokens just appended (the new queries' positions): (B, count)."""
         return self._last[:, -count:]
 
-    def selection(self) -> torch.Tensor | None:
-        """The running F of every cached token (B, M), or None without an accumulator."""
-        return self.state[SELECTION_STATE][:, 0] if SELECTION_STATE in self.state else None
+    def accumulated(self) -> torch.Tensor | None:
+        """The running F (the accumulated selection) of every cached token (B, M), or None without an
+        accumulator."""
+        return self.state[ACCUMULATED_STATE][:, 0] if ACCUMULATED_STATE in self.state else None
 
-    def settle(self, selection: torch.Tensor | None, probs: torch.Tensor | None) -> None:
+    def selection(self) -> torch.Tensor | None:
+        """Deprecated name of :meth:`accumulated`."""
+        warnings.warn("KVCache.selection() is deprecated: use KVCache.accumulated()", DeprecationWarning,
+                      stacklevel=2)
+        return self.accumulated()
+
+    def settle(self, accumulated: torch.Tensor | None, probs: torch.Tensor | None) -> None:
         """After attending: store the new running F (B, M), update the evictor's scores from the new queries'
         attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
 
@@ -458,15 +467,15 @@ class KVCache:
         (at least float32): a backend that computed either in half precision cannot round the running state."""
         wide = accumulator_dtype(self._k.dtype)
         self._live = self._feat_live = None
-        if selection is not None:
-            selection = selection.detach().to(wide)
-            held = self.state.get(SELECTION_STATE)
-            buf = self._state_buf.get(SELECTION_STATE)
+        if accumulated is not None:
+            accumulated = accumulated.detach().to(wide)
+            held = self.state.get(ACCUMULATED_STATE)
+            buf = self._state_buf.get(ACCUMULATED_STATE)
             if (held is not None and buf is not None and held.data_ptr() == buf.data_ptr()
                     and held.shape == self.positions.shape):
-                held.copy_(selection.unsqueeze(1))  # in place: the buffer keeps its room for the next append
+                held.copy_(accumulated.unsqueeze(1))  # in place: the buffer keeps its room for the next append
             else:
-                self.state[SELECTION_STATE] = selection.unsqueeze(1).expand_as(self.positions).clone()
+                self.state[ACCUMULATED_STATE] = accumulated.unsqueeze(1).expand_as(self.positions).clone()
         if self.evictor is not None:
             if not self.evictor.needs_probabilities:
                 probs = None

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from .backends.base import Mode, batch_mode
-from .cache import SELECTION_STATE, KVCache
+from .cache import ACCUMULATED_STATE, KVCache
 from .errors import UnsupportedError
 from .inputs import check_key_mask, check_positions, check_qkv
 from .plan import Plan
@@ -76,15 +77,17 @@ class Variant:
         return list(self.plan.param_specs())
 
     # -- batch form ---------------------------------------------------------------------------------------------
-    def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_selection: bool = False):
+    def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_accumulated: bool = False,
+                 return_selection: bool | None = None):
         """Attention over the whole sequence.
 
         q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
         initial values); positions (N,) or (B, N) 1-based (default 1..N); key_mask (B, N) bool, True where a key
         may be attended (padding: the positions given for padding tokens are ignored, see
-        ``check_positions``). Returns (B, H, N, D); with ``return_selection`` also the accumulated F
-        (B, N, N), or None for a spec without an accumulator.
+        ``check_positions``). Returns (B, H, N, D); with ``return_accumulated`` also the accumulated F
+        (B, N, N), or None for a spec without an accumulator (``return_selection``: the old name, deprecated).
         """
+        return_accumulated = renamed_flag(return_accumulated, return_selection)
         dims = check_qkv(q, k, v)
         b, _, n, _ = q.shape
         mask = check_key_mask(key_mask, b, n, q.device)
@@ -92,7 +95,7 @@ class Variant:
         self.plan.check_dims(dims)
         grouped = self.plan.split_params(params, dims, q)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
-        return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_selection=return_selection)
+        return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, budget: int | None = _UNSET) -> KVCache:
@@ -112,7 +115,7 @@ class Variant:
                 raise ValueError(problem)
         names = list(evictor.state_names) if evictor is not None else []
         if self.plan.one(Slot.ACCUMULATOR) is not None:
-            names.insert(0, SELECTION_STATE)
+            names.insert(0, ACCUMULATED_STATE)
         return KVCache(batch, budget, evictor, tuple(names))
 
     def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None):
@@ -214,3 +217,13 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
     chosen = next((name for name, why in result.items() if not why), None)
     lines.append(f"  auto -> {chosen}" if chosen else "  auto -> none can run this case")
     return "\n".join(lines)
+
+
+def renamed_flag(value: bool, old: bool | None) -> bool:
+    """``return_selection`` became ``return_accumulated`` (F is the accumulated selection; "selection" is S):
+    the old keyword still works, with a DeprecationWarning."""
+    if old is None:
+        return value
+    warnings.warn("return_selection is deprecated: use return_accumulated (F, the accumulated selection)",
+                  DeprecationWarning, stacklevel=3)
+    return bool(old) or value

@@ -8,17 +8,19 @@ by ``__`` (``query_temperature__token_weight``), because torch module names cann
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from .dispatch import compile as compile_spec
+from .dispatch import renamed_flag
 from .transforms.selective import memory_loss
 
 
 class Attention(torch.nn.Module):
-    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None, return_selection=False)``;
+    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None, return_accumulated=False)``;
     decoding with ``new_cache``, ``prefill`` and ``decode``."""
 
     def __init__(self, spec, num_heads: int, head_dim: int, num_kv_heads: int | None = None, backend: str = "auto",
@@ -41,19 +43,22 @@ class Attention(torch.nn.Module):
         """The parameters keyed as the variant expects them (``"<kind>.<name>"``)."""
         return {key.replace("__", "."): value for key, value in self.transform_params.items()}
 
-    def forward(self, q, k, v, positions=None, key_mask=None, return_selection: bool = False):
+    def forward(self, q, k, v, positions=None, key_mask=None, return_accumulated: bool = False,
+                return_selection: bool | None = None):
         """The batch form (training, or a whole sequence): q (B, H, N, D), k and v (B, H_kv, N, D). With
-        ``return_selection`` also returns F (B, N, N) (None without an accumulator); inside
-        :func:`recording_selection` F is recorded for the memory loss either way."""
-        want = return_selection or (self._recording is not None and self.has_accumulator)
+        ``return_accumulated`` also returns F (B, N, N) (None without an accumulator); inside
+        :func:`recording_accumulated` F is recorded for the memory loss either way (``return_selection``: the
+        old name, deprecated)."""
+        return_accumulated = renamed_flag(return_accumulated, return_selection)
+        want = return_accumulated or (self._recording is not None and self.has_accumulator)
         result = self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask,
-                              return_selection=want)
+                              return_accumulated=want)
         if not want:
             return result
-        out, selection = result
-        if self._recording is not None and selection is not None:
-            self._recording.append(selection)
-        return (out, selection) if return_selection else out
+        out, accumulated = result
+        if self._recording is not None and accumulated is not None:
+            self._recording.append(accumulated)
+        return (out, accumulated) if return_accumulated else out
 
     @property
     def has_accumulator(self) -> bool:
@@ -109,34 +114,40 @@ def parameter_groups(model: torch.nn.Module, lr: float, transform_lr: float | No
     return groups
 
 
-class SelectionRecord:
-    """The F of every accumulator layer recorded during a forward pass (see :func:`recording_selection`)."""
+class AccumulatedRecord:
+    """The F of every accumulator layer recorded during a forward pass (see :func:`recording_accumulated`)."""
 
     def __init__(self) -> None:
-        self.selections: list[torch.Tensor] = []
+        self.tensors: list[torch.Tensor] = []
 
     def memory_loss(self, tau: float = 1.0, eps: float = 0.1) -> torch.Tensor:
         """Selective attention's auxiliary memory loss over the recorded layers (``attnzoo.memory_loss``)."""
-        if not self.selections:
+        if not self.tensors:
             raise ValueError("no layer recorded an F: the model has no attnzoo layer with an accumulator, or no "
-                             "forward pass ran inside recording_selection()")
-        return memory_loss(self.selections, tau=tau, eps=eps)
+                             "forward pass ran inside recording_accumulated()")
+        return memory_loss(self.tensors, tau=tau, eps=eps)
 
 
 @contextmanager
-def recording_selection(model: torch.nn.Module) -> Iterator[SelectionRecord]:
+def recording_accumulated(model: torch.nn.Module) -> Iterator[AccumulatedRecord]:
     """Record the F of every attnzoo layer with an accumulator during the forward passes run inside::
 
-        with attnzoo.nn.recording_selection(model) as record:
+        with attnzoo.nn.recording_accumulated(model) as record:
             loss = lm_loss(model(x))
         loss = loss + record.memory_loss()
     """
-    record = SelectionRecord()
+    record = AccumulatedRecord()
     layers = list(attention_layers(model))
     for layer in layers:
-        layer._recording = record.selections
+        layer._recording = record.tensors
     try:
         yield record
     finally:
         for layer in layers:
             layer._recording = None
+
+
+def recording_selection(model: torch.nn.Module):
+    """Deprecated name of :func:`recording_accumulated`."""
+    warnings.warn("recording_selection is deprecated: use recording_accumulated", DeprecationWarning, stacklevel=2)
+    return recording_accumulated(model)

@@ -5,7 +5,7 @@
 
 1. **Check**: the conformance suite (``attnzoo.conformance``) for the triton backend on the GPU, float32 and
    bfloat16: outputs and gradients of q, k, v and every parameter against the reference in float64 (N = 1 to
-   1,030, GQA, masked rows, offset positions), ``return_selection``'s F, prefill + decoding, evictors; the same
+   1,030, GQA, masked rows, offset positions), ``return_accumulated``'s F, prefill + decoding, evictors; the same
    checks and tolerance rule as ``attnzoo conformance --backend triton --device cuda``.
 2. **Time** (bf16, B=1, H=16, D=128, causal): forward and forward+backward of the triton backend against
    SDPA's flash backend and compiled FlexAttention, each measured in the same run (median of interleaved
@@ -42,7 +42,7 @@ MAIN_SPECS = ("vanilla", "ssa", "selective", "selective-ssa")
 
 # -- checks ------------------------------------------------------------------------------------------------------
 #: the checks a --smoke run keeps (the interpreter is slow; the full suite runs on a GPU)
-SMOKE_CHECKS = ("outputs/n1", "gradients/masked-rows-n33", "selection", "decode")
+SMOKE_CHECKS = ("outputs/n1", "gradients/masked-rows-n33", "accumulated", "decode")
 
 
 def run_checks(specs, device, dtypes, smoke) -> dict[str, list[str]]:
@@ -102,7 +102,7 @@ def _selective_f(spec_name, q, k, params) -> torch.Tensor:
     """F (B, N, N) float32 for FlexAttention's score_mod, from the attnzoo blocked backend (not timed)."""
     variant = attnzoo.compile(spec_name, backend="blocked")
     with torch.no_grad():
-        _, f = variant(q.float(), k.float(), k.float(), params=params, return_selection=True)
+        _, f = variant(q.float(), k.float(), k.float(), params=params, return_accumulated=True)
     return f.float().contiguous()
 
 

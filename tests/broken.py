@@ -64,15 +64,15 @@ class LastBlockUnwritten(ReferenceBackend):
 
     name = "broken_last_block"
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
-        result = super().forward(plan, q, k, v, params, positions, key_mask, return_selection)
-        out = result[0] if return_selection else result
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
+        result = super().forward(plan, q, k, v, params, positions, key_mask, return_accumulated)
+        out = result[0] if return_accumulated else result
         n = out.shape[2]
         block = 16
         if n > block:
             start = (n - 1) // block * block
             out = torch.cat([out[:, :, :start], torch.full_like(out[:, :, start:], float("nan"))], dim=2)
-        return (out, result[1]) if return_selection else out
+        return (out, result[1]) if return_accumulated else out
 
 
 class TemperatureOnKeys(ReferenceBackend):
@@ -105,7 +105,7 @@ class EvictsBosOnTie(Selective):
 
     def victim(self, cache):
         everything = torch.ones_like(cache.positions, dtype=torch.bool)
-        return pick(cache.state["selection"], everything, cache.positions, largest=True)
+        return pick(cache.state["accumulated"], everything, cache.positions, largest=True)
 
 
 class EvictsNewest(Selective):

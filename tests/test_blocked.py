@@ -43,8 +43,8 @@ def test_gradients_match_reference_across_blocks(registry, spec):
 
 def test_selection_returned_blockwise_equals_reference(registry):
     q, k, v = torch.randn(3, 1, 2, 40, 8, dtype=torch.float64)
-    _, f_ref = attnzoo.compile("selective", backend="reference", registry=registry)(q, k, v, return_selection=True)
-    _, f = attnzoo.compile("selective", backend="blocked16", registry=registry)(q, k, v, return_selection=True)
+    _, f_ref = attnzoo.compile("selective", backend="reference", registry=registry)(q, k, v, return_accumulated=True)
+    _, f = attnzoo.compile("selective", backend="blocked16", registry=registry)(q, k, v, return_accumulated=True)
     torch.testing.assert_close(f, f_ref, rtol=0, atol=1e-12)
 
 
@@ -55,8 +55,8 @@ def test_bfloat16_selection_is_summed_in_float32(registry, backend):
     summed in bfloat16, 6e-3 with the carry and 3e-3 without)."""
     q, k, v = (torch.randn(1, 2, 160, 8).bfloat16() for _ in range(3))
     _, truth = attnzoo.compile("selective", backend="reference", registry=registry)(
-        q.double(), k.double(), v.double(), return_selection=True)
-    _, f = attnzoo.compile("selective", backend=backend, registry=registry)(q, k, v, return_selection=True)
+        q.double(), k.double(), v.double(), return_accumulated=True)
+    _, f = attnzoo.compile("selective", backend=backend, registry=registry)(q, k, v, return_accumulated=True)
     error = float((f.double() - truth).abs().max() / truth.abs().max())
     assert error < 2e-3, error
     assert f.dtype == torch.float32

@@ -48,9 +48,9 @@ def opts(cls, **kw):
 
 
 def test_selective_evicts_largest_f_never_bos_ties_to_oldest():
-    assert opts(Selective).victim(cache_with([1, 2, 3, 4, 5], selection=[5, 1, 3, 3, 0])).item() == 2
-    assert opts(Selective).victim(cache_with([1, 2, 3, 4], selection=[0, 0, 0, 0])).item() == 1  # not BOS
-    assert opts(Selective).victim(cache_with([1, 4, 7], selection=[9, 2, 2.5])).item() == 2
+    assert opts(Selective).victim(cache_with([1, 2, 3, 4, 5], accumulated=[5, 1, 3, 3, 0])).item() == 2
+    assert opts(Selective).victim(cache_with([1, 2, 3, 4], accumulated=[0, 0, 0, 0])).item() == 1  # not BOS
+    assert opts(Selective).victim(cache_with([1, 4, 7], accumulated=[9, 2, 2.5])).item() == 2
 
 
 def test_h2o_evicts_lowest_accumulated_attention_outside_the_recent_window():
@@ -148,7 +148,7 @@ def check_selective_eviction_is_max_f(registry=None):
     cache = variant.new_cache(batch=1, budget=6)
     for i in range(24):
         before = cache.positions.clone() if cache.positions is not None else None
-        f_before = cache.state["selection"].clone() if cache.state else None
+        f_before = cache.state["accumulated"].clone() if cache.state else None
         variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache)
         if before is not None and before.shape[2] == 6:
             pos, f = before[0, 0].tolist(), f_before[0, 0].tolist()
@@ -227,7 +227,7 @@ def f_relative_error(backend, spec, name, steps=200):
 
 
 @pytest.mark.parametrize("backend", ["reference", "blocked"])
-@pytest.mark.parametrize("spec, name", [("selective-pruned", "selection"), ("h2o", "attention")])
+@pytest.mark.parametrize("spec, name", [("selective-pruned", "accumulated"), ("h2o", "attention")])
 def test_bfloat16_decoding_accumulates_state_in_float32(backend, spec, name):
     """F (and an evictor's running scores) summed in bfloat16 lose the small increments once the total is large:
     2.4% off after 200 steps (F ≈ 120). Kept in float32 they stay within bfloat16's per-step rounding."""

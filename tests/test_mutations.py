@@ -63,11 +63,11 @@ class NanAtOneToken(ReferenceBackend):
 
     name = "mut_nan_n1"
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
-        result = super().forward(plan, q, k, v, params, positions, key_mask, return_selection)
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
+        result = super().forward(plan, q, k, v, params, positions, key_mask, return_accumulated)
         if q.shape[2] == 1:
-            out = (result[0] if return_selection else result) * float("nan")
-            return (out, result[1]) if return_selection else out
+            out = (result[0] if return_accumulated else result) * float("nan")
+            return (out, result[1]) if return_accumulated else out
         return result
 
 
@@ -87,17 +87,17 @@ class GradientTenPercentOff(BlockedBackend):
     def __init__(self):
         super().__init__(name="mut_grad_off")
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
-        return super().forward(plan, _ScaleGrad.apply(q), k, v, params, positions, key_mask, return_selection)
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
+        return super().forward(plan, _ScaleGrad.apply(q), k, v, params, positions, key_mask, return_accumulated)
 
 
 class WrongSelection(ReferenceBackend):
-    """``return_selection`` returns F including each query's own row (the outputs are right)."""
+    """``return_accumulated`` returns F including each query's own row (the outputs are right)."""
 
     name = "mut_wrong_selection"
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
-        if not return_selection:
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
+        if not return_accumulated:
             return super().forward(plan, q, k, v, params, positions, key_mask)
         out, f = super().forward(plan, q, k, v, params, positions, key_mask, True)
         return out, (torch.nn.functional.pad(f[:, 1:], (0, 0, 0, 1)) if f is not None else None)

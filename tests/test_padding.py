@@ -56,8 +56,8 @@ def test_left_padded_batch_decodes_what_each_row_decodes_alone(spec, backend):
         assert int(cache.next_position[row]) == length + steps + 1
         if budget is not None and cache.valid is None:
             assert sorted(cache.positions[row, 0].tolist()) == sorted(alone_cache.positions[0, 0].tolist())
-            if cache.selection() is not None:
-                torch.testing.assert_close(cache.selection()[row], alone_cache.selection()[0], rtol=0, atol=1e-10)
+            if cache.accumulated() is not None:
+                torch.testing.assert_close(cache.accumulated()[row], alone_cache.accumulated()[0], rtol=0, atol=1e-10)
 
 
 def test_padding_is_evicted_first_and_never_attended():

@@ -84,7 +84,7 @@ def test_hook_register_backends():
         def supports(self, plan, device, dtype, mode):
             return [] if mode != "backward" else ["echo has no backward"]
 
-        def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
             return v
 
     reg = isolated(("echo", plugin("echo", register_backends=lambda register: register(Echo()))))
@@ -107,7 +107,7 @@ def test_decode_dispatch_asks_for_the_decode_mode():
         def supports(self, plan, device, dtype, mode):
             return []
 
-        def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+        def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
             return v
 
     reg = isolated(("fo", plugin("fo", register_backends=lambda register: register(ForwardOnly()))))

@@ -48,7 +48,7 @@ def selective(**options):
 
 def run(spec, backend="reference", registry=None):
     q, k, v = tensors()
-    out, f = attnzoo.compile(spec, backend=backend, registry=registry)(q, k, v, return_selection=True)
+    out, f = attnzoo.compile(spec, backend=backend, registry=registry)(q, k, v, return_accumulated=True)
     return out[0, :, :, 0], f[0]
 
 
@@ -81,7 +81,7 @@ def test_bos_and_self_options():
 def test_selector_head_option():
     q, k, v = tensors()
     variant = attnzoo.compile(selective(selector_head=1))
-    _, f = variant(q, k, v, return_selection=True)
+    _, f = variant(q, k, v, return_accumulated=True)
     assert f.abs().max() == 0  # head 1's logits are all zero: ReLU(0) selects nothing
     with pytest.raises(ValueError, match="selector_head=2 but the call has 2 heads"):
         attnzoo.compile(selective(selector_head=2))(q, k, v)
@@ -101,7 +101,7 @@ def test_unprotected_bos_is_caught():
 def test_f_is_shared_by_every_head_and_non_decreasing():
     q, k, v = torch.randn(2, 4, 63, 8, dtype=torch.float64), *torch.randn(2, 2, 2, 63, 8, dtype=torch.float64)
     variant = attnzoo.compile("selective")
-    out, f = variant(q, k, v, return_selection=True)
+    out, f = variant(q, k, v, return_accumulated=True)
     assert f.shape == (2, 63, 63)
     assert bool((f[:, 1:] >= f[:, :-1]).all())  # once masked, a token stays masked
     assert bool((f[:, :, 0] == 0).all())  # BOS never masked
@@ -136,7 +136,7 @@ def test_memory_loss_hand_case():
 def test_memory_loss_trains_towards_masking():
     q = torch.randn(1, 2, 16, 4, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, 2, 16, 4, dtype=torch.float64)
-    _, f = attnzoo.compile("selective")(q, k, k, return_selection=True)
+    _, f = attnzoo.compile("selective")(q, k, k, return_accumulated=True)
     attnzoo.memory_loss([f]).backward()
     assert q.grad[:, 0].abs().max() > 0  # the loss reaches the selector head
 
@@ -188,3 +188,25 @@ def test_a_plugin_accumulator_with_a_pointwise_selection_takes_the_fused_kernel(
     assert calls == [1]
     for got, want in zip(*results, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
+
+
+def test_old_names_of_f_still_work_with_a_deprecation_warning():
+    """F is the accumulated selection: return_accumulated, KVCache.accumulated(), nn.recording_accumulated; the
+    names that called it "selection" still answer, with a DeprecationWarning."""
+    import attnzoo.nn
+
+    variant = attnzoo.compile("selective")
+    q, k, v = torch.randn(3, 1, 2, 9, 4, dtype=torch.float64)
+    _, want = variant(q, k, v, return_accumulated=True)
+    with pytest.warns(DeprecationWarning, match="return_accumulated"):
+        _, got = variant(q, k, v, return_selection=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cache = variant.new_cache(batch=1)
+    variant.prefill(q, k, v, cache)
+    with pytest.warns(DeprecationWarning, match="accumulated"):
+        torch.testing.assert_close(cache.selection(), cache.accumulated(), rtol=0, atol=0)
+    layer = attnzoo.nn.Attention("selective", num_heads=2, head_dim=4).double()
+    with pytest.warns(DeprecationWarning, match="recording_accumulated"):
+        with attnzoo.nn.recording_selection(layer) as record:
+            layer(q, k, v)
+    assert len(record.tensors) == 1

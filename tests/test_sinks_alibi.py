@@ -203,17 +203,26 @@ def test_forgetting_gate_matches_flex_attention_with_captured_features():
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # float32, two summation orders
 
 
-def test_features_refuse_decoding_and_triton_with_one_line():
-    text = attnzoo.explain("forgetting", device="cpu", dtype=torch.float32, mode="decode")
-    assert ("reference  no: transform 'forgetting_gate' computes per-token features, which decoding does not keep "
-            "in the cache yet") in text
-    variant = attnzoo.compile("forgetting")
-    cache = variant.new_cache(batch=1)
-    x = torch.randn(1, 4, 1, 8)
-    with pytest.raises(attnzoo.UnsupportedError, match="per-token features"):
-        variant.decode(x, x, x, cache)
-    assert "computes per-token features, which the Triton kernels do not load yet" in attnzoo.explain(
-        "forgetting", device="cuda", dtype=torch.float16)
+def test_a_feature_transform_triton_cannot_load_is_declined_with_one_line():
+    """Triton loads a feature transform's separable form (per-token terms); one without it is declined, naming
+    the transform; the built-in forgetting gate decodes and runs on triton."""
+    from attnzoo.transforms.base import LogitsTransform
+    from attnzoo.transforms.forgetting import ForgettingGate
+
+    class Inseparable(ForgettingGate):
+        kind = "inseparable_gate"
+        separable = LogitsTransform.separable
+
+    module = type(sys)("inseparable_plugin")
+    module.register_transforms = attnzoo.hookimpl(lambda register: register(Inseparable))
+    reg = attnzoo.new_registry(entry_points=False, extra_plugins=(("inseparable_plugin", module),))
+    spec = {"name": "i", "attention": {"causal": True}, "transforms": [{"kind": "inseparable_gate"}]}
+    text = attnzoo.explain(spec, device="cuda", dtype=torch.float16, registry=reg)
+    assert ("transform 'inseparable_gate' computes per-token features but is not separable (the kernels load "
+            "per-token terms row_i + col_j: LogitsTransform.separable)") in text
+    decode = attnzoo.explain("forgetting", device="cpu", dtype=torch.float32, mode="decode")
+    assert "reference  yes" in decode and "blocked    yes" in decode
+    assert "triton     yes" in attnzoo.explain("forgetting", device="cuda", dtype=torch.float16)
 
 
 def test_a_feature_of_the_wrong_shape_is_refused_naming_the_transform():

@@ -156,9 +156,9 @@ def test_transform_parameters_train_through_the_model():
     groups = attnzoo.nn.parameter_groups(model, lr=1e-3, transform_lr=1e-2)
     assert [len(g["params"]) for g in groups] == [len(list(model.parameters())) - 8, 8]
     ids = prompts(2, 7)
-    with attnzoo.nn.recording_selection(model) as record:
+    with attnzoo.nn.recording_accumulated(model) as record:
         loss = model(ids, labels=ids, use_cache=False).loss
-    assert len(record.selections) == 2  # selective attention's F of both layers, for the memory loss
+    assert len(record.tensors) == 2  # selective attention's F of both layers, for the memory loss
     (loss + record.memory_loss()).backward()
     grads = [p.grad for n, p in model.named_parameters() if ".attnzoo." in n]
     assert len(grads) == 8 and all(g is not None and g.abs().max() > 0 for g in grads)

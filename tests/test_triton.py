@@ -198,13 +198,13 @@ def _triton_cases(specs, dtype, shapes, registry=None):
 @pytest.mark.parametrize("spec", sorted(get_registry().specs))
 def test_conformance_float32(spec):
     """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), 127, masked rows and offset
-    positions, return_selection, causality, batch invariance, prefill + decode, the evictor, determinism.
+    positions, return_accumulated, causality, batch invariance, prefill + decode, the evictor, determinism.
     (N = 1,030 and float16 in full run in `make conformance-triton`.)"""
     results = runner.run_suite(_triton_cases([spec], torch.float32, SMALL_SHAPES))
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
     unsupported = {r.check for r in results if r.status == "unsupported"}
-    assert not unsupported - {"decode", "evictor", "selection"}, unsupported
+    assert not unsupported - {"decode", "evictor", "accumulated"}, unsupported
 
 
 @pytest.mark.parametrize("spec", ["selective-ssa", "softcap", "h2o"])
@@ -229,11 +229,11 @@ def test_suite_catches_a_broken_lowering():
     assert results["gradients/gqa-n63"].status == "fail"
 
 
-def test_return_selection_matches_reference():
+def test_return_accumulated_matches_reference():
     q, k, v = torch.randn(3, 1, 4, 40, 8)
     params = None
-    _, f_ref = attnzoo.compile("selective-ssa", backend="reference")(q, k, v, params=params, return_selection=True)
-    _, f = attnzoo.compile("selective-ssa", backend="triton")(q, k, v, params=params, return_selection=True)
+    _, f_ref = attnzoo.compile("selective-ssa", backend="reference")(q, k, v, params=params, return_accumulated=True)
+    _, f = attnzoo.compile("selective-ssa", backend="triton")(q, k, v, params=params, return_accumulated=True)
     torch.testing.assert_close(f, f_ref, rtol=1e-5, atol=1e-5)
 
 

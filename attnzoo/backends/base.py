@@ -51,10 +51,10 @@ class Backend:
             return [f"backend '{self.name}' does not implement {what}"]
         return list(self.supports(plan, device, dtype, mode))
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection: bool = False):
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated: bool = False):
         """Batch form. q (B, H, N, D), k/v (B, H_kv, N, D), params grouped per transform kind, positions (B, N)
         int64 strictly increasing along N, key_mask (B, N) bool or None. Returns out (B, H, N, D), or
-        (out, F (B, N, N)) when ``return_selection`` (F is None for a spec without an accumulator)."""
+        (out, F (B, N, N)) when ``return_accumulated`` (F is None for a spec without an accumulator)."""
         raise NotImplementedError
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first: bool, key_mask=None):

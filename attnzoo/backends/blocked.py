@@ -8,10 +8,10 @@ O(H · block · N); the carry chain carries the gradient back into earlier block
 
 Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
 ``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; an accumulator whose selection is
-pointwise in one selector head's logits (``AccumulatorTransform.pointwise``: ``selective_mask``, or a plugin's) under
-a plain causal mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all separable (a query
-term plus a key term: ALiBi, the forgetting gate) fold their key terms into the keys as one more dimension and stay
-one causal SDPA call (``_key_bias_sdpa``); other blocks without logits transforms hand their mask
+pointwise in one selector head's logits (``AccumulatorTransform.pointwise``: ``selective_mask``, or a plugin's)
+under a plain causal mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all
+separable (a query term plus a key term: ALiBi, the forgetting gate) fold their key terms into the keys as one more
+dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without logits transforms hand their mask
 (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
 This module never imports the reference backend (it computes the same function independently).
@@ -66,34 +66,34 @@ class BlockedBackend(Backend):
         return []
 
     # -- batch form ---------------------------------------------------------------------------------------------
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         d = q.shape[-1]
         qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params)
         ks = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
         vs = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
         simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
                   and plan.one(Slot.NORMALISER) is None and plan.causal and _consecutive(positions)
-                  and not return_selection)
+                  and not return_accumulated)
         acc = plan.one(Slot.ACCUMULATOR)
         if simple and acc is None:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
                                                  enable_gqa=q.shape[1] != k.shape[1])
-            selection = None
+            accumulated = None
         elif simple and qs.device.type == "cpu" and (pointwise := _pointwise(acc)) is not None:
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
                                         int(positions[0, 0]), self.block_size)
-            selection = None
+            accumulated = None
         elif (separable := self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params,
-                                               return_selection)) is not None:
-            out, selection = separable, None
+                                               return_accumulated)) is not None:
+            out, accumulated = separable, None
         else:
             features = plan.token_features(qs, ks, vs, positions, key_mask, params)
-            out, selection, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
-                                               key_mask, None, return_selection, features=features)
+            out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
+                                               key_mask, None, return_accumulated, features=features)
         out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
-        return (out, selection) if return_selection else out
+        return (out, accumulated) if return_accumulated else out
 
-    def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_selection):
+    def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_accumulated):
         """Every logits transform separable (``LogitsTransform.separable``), nothing else but row maps, a causal
         spec at consecutive positions, float32/64: the key terms ``col`` summed are folded into the keys as one
         more dimension, ``q'' = [q, 1]``, ``k'' = [k, col / scale]``, ``v'' = [v, 0]``, and the whole call is one
@@ -101,7 +101,7 @@ class BlockedBackend(Backend):
         ``col`` is centred per head first; where it still spans more than ``_FOLDED_RANGE`` (the logits' rounding
         would grow with it) this returns None and the blocks run instead."""
         transforms = plan.many(Slot.LOGITS)
-        if (not transforms or key_mask is not None or return_selection or plan.many(Slot.MASK)
+        if (not transforms or key_mask is not None or return_accumulated or plan.many(Slot.MASK)
                 or plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.NORMALISER) is not None
                 or not plan.causal or qs.dtype not in _FOLDED_RANGE or not _consecutive(positions)):
             return None
@@ -127,7 +127,7 @@ class BlockedBackend(Backend):
         v2 = F.pad(vs, (0, 1))
         return F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scale)[..., :d]
 
-    def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_selection=False,
+    def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_accumulated=False,
                want_probs=False, use_sdpa=True, features=None, key_features=None):
         """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
         kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None; features: the queries' per-token features
@@ -142,8 +142,8 @@ class BlockedBackend(Backend):
         if acc is not None and carry is None:
             carry = torch.zeros(b, nk, dtype=wide, device=qs.device)
         out = torch.full_like(qs, float("nan"))  # every element must be written: a missed one stays NaN
-        selection = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
-                     if return_selection and acc is not None else None)
+        accumulated = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
+                       if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params)))
         step = self.block_size
@@ -174,11 +174,11 @@ class BlockedBackend(Backend):
             out[:, :, start:stop] = o
             if carry is not None:
                 carry = torch.cat([carry[:, :first], carry[:, keys] + colsum, carry[:, visible:]], dim=1)
-            if selection is not None:
-                selection[:, start:stop, keys] = f_blk
+            if accumulated is not None:
+                accumulated[:, start:stop, keys] = f_blk
             if probs is not None:
                 probs[:, :, start:stop, keys] = p
-        return out, selection, carry, probs
+        return out, accumulated, carry, probs
 
     def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None, key_features=None,
               want_probs=False, use_sdpa=True):
@@ -312,11 +312,11 @@ class BlockedBackend(Backend):
             cache.settle(None, None)
         elif count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
             # one query at the newest position: every cached key is visible and no mask applies
-            out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.selection(),
+            out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.accumulated(),
                                          query_features, key_features)
             cache.settle(carry, None)
         else:
-            out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.selection(),
+            out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
                                                want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
                                                features=query_features, key_features=key_features)
             cache.settle(carry, probs)

@@ -55,7 +55,7 @@ class FlexBackend(Backend):
             reasons.append(f"FlexAttention does not compile {str(dtype).removeprefix('torch.')} here")
         return reasons
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         flex_attention, create_block_mask = _flex()
         b, h, n, d = q.shape
         hkv = k.shape[1]
@@ -106,4 +106,4 @@ class FlexBackend(Backend):
             out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None,
                                  block_mask=block_mask, scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
         out = plan.row_scale(Slot.OUTPUT, out, pos, params)
-        return (out, None) if return_selection else out
+        return (out, None) if return_accumulated else out

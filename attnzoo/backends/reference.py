@@ -56,7 +56,7 @@ class ReferenceBackend(Backend):
 
     def carry(self, cache) -> torch.Tensor | None:
         """The running F of every cached token (B, M), or None without an accumulator."""
-        return cache.selection()
+        return cache.accumulated()
 
     def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False,
                features=None):
@@ -104,9 +104,9 @@ class ReferenceBackend(Backend):
         out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         out, _, _, accumulated = self.attend(plan, q, k, v, positions, positions.unsqueeze(1), params, key_mask)
-        if return_selection:
+        if return_accumulated:
             return out, (accumulated[:, 0] if accumulated is not None else None)
         return out
 
@@ -119,7 +119,7 @@ class ReferenceBackend(Backend):
         # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
         total = None
         if selection is not None:
-            carry = cache.selection()
+            carry = cache.accumulated()
             total = carry + selection.to(carry.dtype).sum(dim=2)[:, 0]
         cache.settle(total, probs)
         return out

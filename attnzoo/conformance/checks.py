@@ -196,27 +196,27 @@ def check_differential(target: Target, shape: Shape, grad: bool) -> None:
     _compare(target, f"{'gradients' if grad else 'outputs'} {shape.id}", got, truth, low, inputs)
 
 
-def check_selection(target: Target) -> None:
-    """``return_selection``: F (B, N, N) equals the reference's F, and is kept in float32 or wider."""
+def check_accumulated(target: Target) -> None:
+    """``return_accumulated``: F (B, N, N) equals the reference's F, and is kept in float32 or wider."""
     if "accumulator" not in target.spec.slots():
         raise Unsupported("spec has no accumulator")
     target.require()
-    shape = Shape("selection", 2, 4, 2, 45, 8, offset=True)
+    shape = Shape("accumulated", 2, 4, 2, 45, 8, offset=True)
     inputs = _random_case(target, shape)
-    truth = _memo(target, ("selection", torch.float64),
+    truth = _memo(target, ("accumulated", torch.float64),
                   lambda: run_batch(target.reference(), inputs, torch.float64, False, selection=True))
     low = None
     if target.dtype != torch.float64:
-        low = _memo(target, ("selection", target.dtype),
+        low = _memo(target, ("accumulated", target.dtype),
                     lambda: run_batch(target.reference(), inputs, target.dtype, False, selection=True))
     got = run_batch(target.variant(), inputs, target.dtype, False, target.device, selection=True)
     if got["F"] is None:
-        raise AssertionError("return_selection: F is None for a spec with an accumulator")
+        raise AssertionError("return_accumulated: F is None for a spec with an accumulator")
     wide = (torch.float32, torch.float64)
     if got["F"].dtype not in wide or (target.dtype == torch.float64 and got["F"].dtype != torch.float64):
-        raise AssertionError(f"return_selection: F is {str(got['F'].dtype).removeprefix('torch.')}: accumulated "
+        raise AssertionError(f"return_accumulated: F is {str(got['F'].dtype).removeprefix('torch.')}: accumulated "
                              f"state must be kept in float32 or wider (float64 for float64 inputs)")
-    _compare(target, "return_selection", got, truth, low, inputs)
+    _compare(target, "return_accumulated", got, truth, low, inputs)
 
 
 def check_causality(target: Target) -> None:

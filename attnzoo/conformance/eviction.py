@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import SELECTION_STATE, KVCache
+from ..cache import ACCUMULATED_STATE, KVCache
 
 
 def rule_victim(score: torch.Tensor, protected: torch.Tensor, positions: torch.Tensor, largest: bool
@@ -61,7 +61,7 @@ def check_rule_on_crafted_caches(evictor_factory, budgets: tuple[int, ...], has_
     ``evictor_factory()`` returns a fresh evictor instance with the spec's options."""
     sample = evictor_factory()
     kind = sample.kind
-    names = ((SELECTION_STATE,) if has_accumulator else ()) + tuple(sample.state_names)
+    names = ((ACCUMULATED_STATE,) if has_accumulator else ()) + tuple(sample.state_names)
     for budget in budgets:
         if sample.check_budget(budget):
             continue

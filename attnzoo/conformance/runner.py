@@ -102,7 +102,7 @@ def _flags(shape: checks.Shape) -> tuple[str, ...]:
 def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0,
                 device: str = "cpu") -> list[Case]:
     """Every case of a run. float64 and float32 get every check; float16 and bfloat16 (for backends that claim
-    them) a smaller set: outputs and gradients on :data:`checks.HALF_SHAPES`, ``return_selection`` and decoding.
+    them) a smaller set: outputs and gradients on :data:`checks.HALF_SHAPES`, ``return_accumulated`` and decoding.
     ``specs``, ``backends`` and ``plugin`` are what the user named (None: all); when ``backends`` are named, a
     backend that declines a plugin's spec outright fails (docs/conformance.md)."""
     spec_names, backend_names = select(registry, specs, backends, plugin)
@@ -123,7 +123,7 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                         continue
                     add(f"outputs/{shape.id}", _flags(shape), checks.check_differential, shape, False)
                     add(f"gradients/{shape.id}", _flags(shape), checks.check_differential, shape, True)
-                add("selection", ("accumulator",), checks.check_selection)
+                add("accumulated", ("accumulator",), checks.check_accumulated)
                 add("decode", ("decode", "offset-positions"), checks.check_decode)
                 if half:
                     continue

@@ -105,7 +105,7 @@ def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection:
     if not grad:
         with torch.no_grad():
             result = variant(q, k, v, params=params, positions=positions, key_mask=key_mask,
-                             return_selection=selection)
+                             return_accumulated=selection)
         if selection:
             return {"out": result[0], "F": result[1]}
         return {"out": result}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..cache import SELECTION_STATE
+from ..cache import ACCUMULATED_STATE
 from ..hookspecs import hookimpl
 from .base import Evictor, EvictorOptions
 
@@ -29,7 +29,7 @@ class Selective(Evictor):
         return None
 
     def score(self, cache):
-        return cache.state[SELECTION_STATE]
+        return cache.state[ACCUMULATED_STATE]
 
     def protected(self, cache):
         return cache.positions == 1

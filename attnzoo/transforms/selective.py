@@ -76,15 +76,15 @@ def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tenso
     return i - torch.clamp(selection_mask, max=tau).sum(-1) / tau
 
 
-def memory_loss(selection_masks: list[torch.Tensor] | tuple[torch.Tensor, ...], tau: float = 1.0,
+def memory_loss(accumulated: list[torch.Tensor] | tuple[torch.Tensor, ...], tau: float = 1.0,
                 eps: float = 0.1) -> torch.Tensor:
     """The auxiliary memory loss of selective attention (docs/papers.md §2; tau and eps are [open] constants):
 
     ``eps * (sum over layers of max_i M_i) / (num_layers * N)``, averaged over the batch.
-    ``selection_masks`` holds one F per layer, each (B, N, N) (or (N, N)); add the result to the LM loss.
+    ``accumulated`` holds one F per layer, each (B, N, N) (or (N, N)); add the result to the LM loss.
     """
-    if not selection_masks:
+    if not accumulated:
         raise ValueError("memory_loss needs the F of at least one layer")
-    n = selection_masks[0].shape[-1]
-    per_layer = [memory_counts(f, tau).max(dim=-1).values for f in selection_masks]
-    return eps * torch.stack(per_layer).sum(0).mean() / (len(selection_masks) * n)
+    n = accumulated[0].shape[-1]
+    per_layer = [memory_counts(f, tau).max(dim=-1).values for f in accumulated]
+    return eps * torch.stack(per_layer).sum(0).mean() / (len(accumulated) * n)

@@ -407,7 +407,7 @@ class TritonBackend(Backend):
                     bounds)
 
     # -- batch form ---------------------------------------------------------------------------------------------
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_selection=False):
+    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         pos = positions.unsqueeze(1)
         qs = plan.row_scale(Slot.QUERY, q, pos, params, widen=True).contiguous()
         ks = plan.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
@@ -419,9 +419,9 @@ class TritonBackend(Backend):
         out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q),
                                self._sink(plan, params, q.shape[1], q), qt, kt)
         out = plan.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
-        if not return_selection:
+        if not return_accumulated:
             return out
-        return out, _selection_matrix(plan, qs, ks, positions, key_mask, params)
+        return out, _accumulated_matrix(plan, qs, ks, positions, key_mask, params)
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
@@ -433,7 +433,7 @@ class TritonBackend(Backend):
         qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
         want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
-        carry = cache.selection()
+        carry = cache.accumulated()
         run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
         run.sink = self._sink(plan, params, q.shape[1], q)
         run.qt, run.kt = self._terms(plan, params, qpos, cache.positions, Dims(q.shape[1], q.shape[3], ks.shape[1]),
@@ -452,8 +452,8 @@ class TritonBackend(Backend):
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
 
 
-def _selection_matrix(plan, qs, ks, positions, key_mask, params):
-    """F (B, N, N) for ``return_selection``: an N×N output by definition, computed with the transforms' torch
+def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):
+    """F (B, N, N) for ``return_accumulated``: an N×N output by definition, computed with the transforms' torch
     maths on the selector head alone (autograd flows through it into the selector's q and k)."""
     acc = plan.one(Slot.ACCUMULATOR)
     if acc is None:
