@@ -78,7 +78,7 @@ class Variant:
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_accumulated: bool = False,
-                 return_selection: bool | None = None):
+                 return_selection: bool | None = None, inputs=None):
         """Attention over the whole sequence.
 
         q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
@@ -86,6 +86,8 @@ class Variant:
         may be attended (padding: the positions given for padding tokens are ignored, see
         ``check_positions``). Returns (B, H, N, D); with ``return_accumulated`` also the accumulated F
         (B, N, N), or None for a spec without an accumulator (``return_selection``: the old name, deprecated).
+        ``inputs``: the per-token inputs the transforms declare (``Transform.token_inputs``), ``{"<kind>.<name>":
+        (B, H, N)}``, e.g. the forgetting gate's logits from the layer input (``source: input``).
         """
         return_accumulated = renamed_flag(return_accumulated, return_selection)
         dims = check_qkv(q, k, v)
@@ -93,7 +95,7 @@ class Variant:
         mask = check_key_mask(key_mask, b, n, q.device)
         pos = check_positions(positions, b, n, q.device, mask)
         self.plan.check_dims(dims)
-        grouped = self.plan.split_params(params, dims, q)
+        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, q.shape[1], n, q)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
 
@@ -118,24 +120,24 @@ class Variant:
             names.insert(0, ACCUMULATED_STATE)
         return KVCache(batch, budget, evictor, tuple(names))
 
-    def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None):
+    def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None, inputs=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D). Appends to ``cache``, evicts when over
         budget, returns the output (B, H, 1, D). Positions come from the cache; ``key_mask`` (B, 1) bool marks
-        padding (False) as in :meth:`prefill`."""
+        padding (False) as in :meth:`prefill`; ``inputs``: the new token's per-token inputs (B, H, 1) by name."""
         if q_t.dim() == 4 and q_t.shape[2] != 1:
             raise ValueError(f"decode takes one token (N = 1), got q of shape {tuple(q_t.shape)}; use prefill")
-        return self._extend(q_t, k_t, v_t, cache, params, key_mask, evict_first=True)
+        return self._extend(q_t, k_t, v_t, cache, params, key_mask, evict_first=True, inputs=inputs)
 
-    def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None):
+    def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None, inputs=None):
         """Several new tokens at once (B, H, T, D): they attend over the cache and each other, then the cache
         is evicted down to its budget. With no eviction this equals T calls of :meth:`decode`.
 
         ``key_mask`` (B, T) bool, False for padding (a left-padded batch): positions are per row, the first real
         token of each row is position 1 (the protected BOS), padding tokens are never attended and are evicted
-        first (docs/decoding.md)."""
-        return self._extend(q, k, v, cache, params, key_mask, evict_first=False)
+        first (docs/decoding.md). ``inputs``: the new tokens' per-token inputs (B, H, T) by name."""
+        return self._extend(q, k, v, cache, params, key_mask, evict_first=False, inputs=inputs)
 
-    def _extend(self, q, k, v, cache, params, key_mask, evict_first):
+    def _extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
         dims = check_qkv(q, k, v)
@@ -155,7 +157,8 @@ class Variant:
             if key not in self._initial:
                 self._initial[key] = self.plan.init_params(dims, dtype=q.dtype, device=q.device)
             params = self._initial[key]
-        grouped = self.plan.split_params(params, dims, q)
+        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, q.shape[0], q.shape[1],
+                                       q.shape[2], q)
         backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
         return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
 

@@ -20,11 +20,16 @@ from .transforms.selective import memory_loss
 
 
 class Attention(torch.nn.Module):
-    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None, return_accumulated=False)``;
-    decoding with ``new_cache``, ``prefill`` and ``decode``."""
+    """Attention core of ``spec``: ``forward(q, k, v, positions=None, key_mask=None, return_accumulated=False,
+    x=None)``; decoding with ``new_cache``, ``prefill`` and ``decode``.
+
+    A spec whose transforms take per-token inputs from the layer input (``Transform.token_inputs``, e.g. the
+    forgetting gate with ``source: input``) needs ``input_dim`` (the width E of x): the module then owns one linear
+    map E → H per input (``token_projections``; weight 0, bias at the input's ``bias_init``; ordinary weights of the
+    model for :func:`parameter_groups`) and each call takes the layer input ``x`` (B, N, E)."""
 
     def __init__(self, spec, num_heads: int, head_dim: int, num_kv_heads: int | None = None, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device=None, registry=None) -> None:
+                 dtype: torch.dtype = torch.float32, device=None, registry=None, input_dim: int | None = None) -> None:
         super().__init__()
         self.variant = compile_spec(spec, backend=backend, registry=registry)
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -34,6 +39,17 @@ class Attention(torch.nn.Module):
         self.transform_params = torch.nn.ParameterDict(
             {key.replace(".", "__"): torch.nn.Parameter(value) for key, value in initial.items()})
         self._recording: list[torch.Tensor] | None = None
+        wanted = self.variant.plan.token_inputs()
+        if wanted and input_dim is None:
+            raise ValueError(f"spec '{self.variant.spec.name}' takes per-token inputs from the layer input "
+                             f"({', '.join(wanted)}): pass input_dim (the width of x)")
+        projections = {}
+        for key, (_, declared) in wanted.items():
+            linear = torch.nn.Linear(input_dim, num_heads, dtype=dtype, device=device)
+            torch.nn.init.zeros_(linear.weight)
+            torch.nn.init.constant_(linear.bias, declared.bias_init)
+            projections[key.replace(".", "__")] = linear
+        self.token_projections = torch.nn.ModuleDict(projections)
 
     @property
     def spec(self):
@@ -43,8 +59,19 @@ class Attention(torch.nn.Module):
         """The parameters keyed as the variant expects them (``"<kind>.<name>"``)."""
         return {key.replace("__", "."): value for key, value in self.transform_params.items()}
 
+    def token_inputs(self, x: torch.Tensor | None, tokens: int) -> dict[str, torch.Tensor] | None:
+        """The per-token inputs ``{"<kind>.<name>": (B, H, N)}`` projected from the layer input x (B, N, E), or
+        None for a spec that takes none."""
+        if not len(self.token_projections):
+            return None
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[1] != tokens:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"spec '{self.spec.name}' computes per-token inputs from the layer input: pass x "
+                             f"(B, N, E) with N = {tokens}, got {got}")
+        return {key.replace("__", "."): proj(x).transpose(1, 2) for key, proj in self.token_projections.items()}
+
     def forward(self, q, k, v, positions=None, key_mask=None, return_accumulated: bool = False,
-                return_selection: bool | None = None):
+                return_selection: bool | None = None, x: torch.Tensor | None = None):
         """The batch form (training, or a whole sequence): q (B, H, N, D), k and v (B, H_kv, N, D). With
         ``return_accumulated`` also returns F (B, N, N) (None without an accumulator); inside
         :func:`recording_accumulated` F is recorded for the memory loss either way (``return_selection``: the
@@ -52,7 +79,7 @@ class Attention(torch.nn.Module):
         return_accumulated = renamed_flag(return_accumulated, return_selection)
         want = return_accumulated or (self._recording is not None and self.has_accumulator)
         result = self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask,
-                              return_accumulated=want)
+                              return_accumulated=want, inputs=self.token_inputs(x, q.shape[2]))
         if not want:
             return result
         out, accumulated = result
@@ -67,19 +94,22 @@ class Attention(torch.nn.Module):
     def new_cache(self, batch: int, **kwargs):
         return self.variant.new_cache(batch=batch, **kwargs)
 
-    def prefill(self, q, k, v, cache, key_mask=None):
+    def prefill(self, q, k, v, cache, key_mask=None, x=None):
         """Several new tokens (B, H, T, D) into ``cache``: they attend over it and each other; ``key_mask`` (B, T)
-        marks left padding (docs/decoding.md)."""
-        return self.variant.prefill(q, k, v, cache, params=self.params(), key_mask=key_mask)
+        marks left padding (docs/decoding.md); ``x`` (B, T, E): their layer input, for specs that need it."""
+        return self.variant.prefill(q, k, v, cache, params=self.params(), key_mask=key_mask,
+                                    inputs=self.token_inputs(x, q.shape[2]))
 
-    def decode(self, q_t, k_t, v_t, cache, key_mask=None):
+    def decode(self, q_t, k_t, v_t, cache, key_mask=None, x=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D) → the output (B, H, 1, D).
 
         Decoding is inference, with or without ``torch.no_grad()``: the cache keeps detached keys, values,
         positions and F between steps, so memory and the autograd graph do not grow with the tokens decoded. The
         output's gradient reaches this step's q_t, k_t, v_t and the transform parameters (through this step's
-        computation); earlier steps' rows and the F carried from them are constants. Train with the batch form."""
-        return self.variant.decode(q_t, k_t, v_t, cache, params=self.params(), key_mask=key_mask)
+        computation); earlier steps' rows and the F carried from them are constants. Train with the batch form.
+        ``x`` (B, 1, E): the token's layer input, for specs that need it."""
+        return self.variant.decode(q_t, k_t, v_t, cache, params=self.params(), key_mask=key_mask,
+                                   inputs=self.token_inputs(x, 1))
 
     def parameter_groups(self, lr: float | None = None, weight_decay: float = 0.0) -> list[dict]:
         """The transforms' parameters as one optimizer group, without weight decay by default (the SSA authors

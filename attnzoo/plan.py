@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .backends.composition import Composition, DecodeStep
-from .transforms.base import Dims, ParamSpec, Slot, Transform
+from .transforms.base import Dims, ParamSpec, Slot, TokenInput, Transform
 
 __all__ = ["DecodeStep", "Plan"]
 
@@ -70,6 +70,34 @@ class Plan(Composition):
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"parameter {key!r} must have shape {want}, got {got}")
             out[t.kind][p.name] = value.to(like.dtype) if value.dtype != like.dtype else value
+        return out
+
+    def token_inputs(self) -> dict[str, tuple[Transform, TokenInput]]:
+        return {f"{t.kind}.{i.name}": (t, i) for t in self.transforms for i in t.token_inputs()}
+
+    def add_inputs(self, grouped: dict[str, dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor] | None,
+                   batch: int, heads: int, tokens: int, like: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
+        """Check the per-token ``inputs`` ``{"<kind>.<name>": (B, H, N)}`` against the transforms' declarations
+        and put each beside its transform's parameters (a copy of ``grouped``)."""
+        wanted = self.token_inputs()
+        inputs = inputs or {}
+        unknown = sorted(set(inputs) - set(wanted))
+        if unknown:
+            raise ValueError(f"unknown per-token input {unknown[0]!r} for spec '{self.spec.name}' "
+                             f"(expected: {', '.join(sorted(wanted)) or 'none'})")
+        if not wanted:
+            return grouped
+        out = {kind: dict(group) for kind, group in grouped.items()}
+        for key, (t, declared) in wanted.items():
+            if key not in inputs:
+                raise ValueError(f"spec '{self.spec.name}' needs the per-token input {key!r} (B, H, N): pass "
+                                 f"inputs={{{key!r}: ...}} (attnzoo.nn.Attention computes it from the layer input x)")
+            value = inputs[key]
+            want = (batch, heads, tokens)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"per-token input {key!r} must have shape (B, H, N) = {want}, got {got}")
+            out[t.kind][declared.name] = value.to(like.dtype) if value.dtype != like.dtype else value
         return out
 
     def check_dims(self, dims: Dims) -> None:

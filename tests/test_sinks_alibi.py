@@ -147,13 +147,16 @@ def test_a_second_normaliser_is_refused():
         attnzoo.load_spec(spec)
 
 
-def forgetting_by_hand(q, k, v, weight, bias, key_mask=None):
-    """The Forgetting Transformer in float64, written out: f_s = sigmoid(w_h · k_s + b_h) per head; the logit of
-    (i, j) gains sum over real tokens j < s <= i of log f_s (an explicit indicator, no cumulative sum)."""
+def forgetting_by_hand(q, k, v, weight, bias, key_mask=None, gate=None):
+    """The Forgetting Transformer in float64, written out: f_s = sigmoid(w_h · k_s + b_h) per head (or
+    sigmoid(gate) for a gate logit (B, H, N) computed from the layer input); the logit of (i, j) gains sum over real
+    tokens j < s <= i of log f_s (an explicit indicator, no cumulative sum)."""
     b, h, n, d = q.shape
     group = h // k.shape[1]
     kh = k.repeat_interleave(group, dim=1)
-    log_f = torch.log(torch.sigmoid((kh * weight[None, :, None, :]).sum(-1) + bias[None, :, None]))  # (B, H, N)
+    if gate is None:
+        gate = (kh * weight[None, :, None, :]).sum(-1) + bias[None, :, None]
+    log_f = torch.log(torch.sigmoid(gate))  # (B, H, N)
     real = torch.ones(b, n, dtype=torch.bool) if key_mask is None else key_mask
     log_f = log_f * real[:, None, :]
     s, i, j = torch.arange(n).view(n, 1, 1), torch.arange(n).view(1, n, 1), torch.arange(n).view(1, 1, n)
@@ -182,6 +185,62 @@ def test_forgetting_gate_equals_its_formula(backend):
     keep = key_mask[:, None, :, None]  # rows of padding queries are not compared (they attend under the mask)
     real_rows = torch.where(keep, got, 0.0), torch.where(keep, want, 0.0)
     check(*real_rows, (q, k, v, weight, bias))
+
+
+FOX_INPUT = {"name": "fox-input", "attention": {"causal": True},
+             "transforms": [{"kind": "forgetting_gate", "source": "input", "bias_init": 2.0}]}
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_forgetting_gate_from_the_layer_input_equals_its_formula(backend):
+    """source: input, as the paper computes the gate: attnzoo.nn.Attention owns the projection of the layer input
+    x (B, N, E) to one gate logit per head and token, f = sigmoid(x W^T + b); outputs and the gradients of q, k, v,
+    x and the projection's weight and bias equal the hand-written formula (float64, GQA, padding)."""
+    import attnzoo.nn
+
+    q, k, v = inputs(n=29)
+    x = torch.randn(2, 29, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64, requires_grad=True)
+    layer = attnzoo.nn.Attention(FOX_INPUT, num_heads=4, head_dim=16, num_kv_heads=2, backend=backend,
+                                 input_dim=12, dtype=torch.float64)
+    proj = layer.token_projections["forgetting_gate__gate"]
+    assert float(proj.weight.detach().abs().max()) == 0.0 and bool((proj.bias == 2.0).all())  # sigmoid(2) at first
+    with torch.no_grad():
+        proj.weight.normal_(generator=torch.Generator().manual_seed(4))
+    key_mask = torch.ones(2, 29, dtype=torch.bool)
+    key_mask[0, :3] = False
+    got = layer(q, k, v, key_mask=key_mask, x=x)
+    want = forgetting_by_hand(q, k, v, None, None, key_mask, gate=(x @ proj.weight.T + proj.bias).transpose(1, 2))
+    keep = key_mask[:, None, :, None]
+    check(torch.where(keep, got, 0.0), torch.where(keep, want, 0.0), (q, k, v, x, proj.weight, proj.bias))
+    with pytest.raises(ValueError, match=r"^spec 'fox-input' computes per-token inputs from the layer input: pass x"):
+        layer(q, k, v)
+    with pytest.raises(ValueError, match="needs the per-token input 'forgetting_gate.gate'"):
+        layer.variant(q, k, v)
+
+
+def test_forgetting_gate_from_the_layer_input_passes_conformance_and_decodes(tmp_path):
+    """The conformance suite draws the per-token inputs like parameters: reference and blocked (float64,
+    float32) and triton in the interpreter (float32): outputs, gradients (the inputs' included), causality, batch
+    invariance and decoding (each step's input passed with its token)."""
+    import json
+
+    from attnzoo.conformance import runner
+
+    path = tmp_path / "fox-input.json"
+    path.write_text(json.dumps(FOX_INPUT))
+    module = type(sys)("fox_input_spec")
+    module.register_specs = attnzoo.hookimpl(lambda register: register(path))
+    reg = attnzoo.new_registry(entry_points=False, extra_plugins=(("fox_input_spec", module),))
+    cases = runner.build_cases(reg, ["fox-input"], ["reference", "blocked"], (torch.float64, torch.float32))
+    triton = runner.build_cases(reg, ["fox-input"], ["triton"], (torch.float32,))
+    keep = {"outputs/gqa-n63", "gradients/gqa-n63", "gradients/offset-gaps-n45"}
+    cases += [c for c in triton if not c.check.startswith(("outputs/", "gradients/")) or c.check in keep]
+    results = runner.run_suite(cases)
+    failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
+    assert not failures, failures[:5]
+    passed = {(r.backend, r.check.split("/")[0]) for r in results if r.status == "pass"}
+    for backend in ("reference", "blocked", "triton"):
+        assert {(backend, c) for c in ("outputs", "gradients", "decode", "causality")} <= passed, backend
 
 
 def test_forgetting_gate_matches_flex_attention_with_captured_features():

@@ -271,3 +271,28 @@ def test_manual_decoding_loop_with_the_cache_matches_the_batch_form():
         torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-5, atol=1e-5)
         with pytest.raises(zt.IntegrationError, match="position_ids disagree with the attnzoo cache"):
             model(ids[:, :1], position_ids=offset[:, :1], cache=cache, use_cache=True)
+
+
+def test_a_gate_from_the_layer_input_is_owned_by_each_layer_and_decodes_like_the_batch_form():
+    """The forgetting gate with source: input (as the paper computes it): apply() gives each layer's core a
+    projection of the layer's input (the hidden states the attention module receives) to one gate per head, part
+    of the model's parameters and trained through it; decoding with the cache equals the batch form."""
+    spec = {"name": "fox-input", "attention": {"causal": True},
+            "transforms": [{"kind": "forgetting_gate", "source": "input", "bias_init": 1.0}]}
+    model = zt.apply(make("llama"), spec, budget=None)
+    names = [n for n, _ in model.named_parameters() if "token_projections" in n]
+    assert len(names) == 4 and all(".attnzoo.token_projections.forgetting_gate__gate." in n for n in names)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "token_projections" in name:
+                p.add_(0.5 * torch.randn_like(p))
+    ids = prompts(1, 10)
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = zt.AttnzooCache(model)
+        steps = [model(ids[:, :6], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(6, 10)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-5, atol=1e-5)
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad for n, p in model.named_parameters() if "token_projections" in n]
+    assert all(g is not None and float(g.abs().sum()) > 0 for g in grads)

@@ -19,7 +19,7 @@ from ..inputs import check_positions, check_qkv
 from . import eviction
 from .tolerance import check_close
 from .trace import culprit
-from .vectors import VectorCase, load, make_inputs, params_of, run_batch, run_case
+from .vectors import VectorCase, inputs_of, load, make_inputs, params_of, run_batch, run_case
 
 HALF = (torch.float16, torch.bfloat16)
 #: First position of the offset shapes: past float16's largest finite value (65,504).
@@ -134,7 +134,8 @@ def _trace(target: Target, inputs: dict, dtype) -> str | None:
     q, k, v = (inputs[n].to(dtype) for n in ("q", "k", "v"))
     n = q.shape[2]
     positions = check_positions(inputs.get("positions"), q.shape[0], n, q.device)
-    grouped = variant.plan.split_params(params_of(inputs, dtype), check_qkv(q, k, v), q)
+    grouped = variant.plan.add_inputs(variant.plan.split_params(params_of(inputs, dtype), check_qkv(q, k, v), q),
+                                      inputs_of(inputs, dtype), q.shape[0], q.shape[1], n, q)
     return culprit(variant.plan, q, k, v, grouped, positions, inputs.get("key_mask"))
 
 
@@ -230,6 +231,9 @@ def check_causality(target: Target) -> None:
     for name in ("q", "k", "v"):
         noise = torch.randn(changed[name][:, :, 25:].shape, generator=gen, dtype=torch.float64)
         changed[name] = torch.cat([changed[name][:, :, :25], changed[name][:, :, 25:] + 3 * noise], dim=2)
+    for name in [key for key in changed if key.startswith("input.")]:  # per-token inputs of the later tokens too
+        noise = torch.randn(changed[name][..., 25:].shape, generator=gen, dtype=torch.float64)
+        changed[name] = torch.cat([changed[name][..., :25], changed[name][..., 25:] + 3 * noise], dim=-1)
     variant = target.variant()
     a = run_batch(variant, inputs, target.dtype, False, target.device)["out"][:, :, :25]
     b = run_batch(variant, changed, target.dtype, False, target.device)["out"][:, :, :25]
@@ -243,7 +247,8 @@ def check_batch_invariance(target: Target) -> None:
     variant = target.variant()
     whole = run_batch(variant, inputs, target.dtype, False, target.device)["out"]
     for row in range(3):
-        alone = {k: (v[row:row + 1] if k in ("q", "k", "v") else v) for k, v in inputs.items()}
+        alone = {k: (v[row:row + 1] if k in ("q", "k", "v") or k.startswith("input.") else v)
+                 for k, v in inputs.items()}
         one = run_batch(variant, alone, target.dtype, False, target.device)["out"]
         check_close(f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, target.dtype)
 
@@ -260,15 +265,22 @@ def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_
     outs = []
     with torch.no_grad():
         if prefill:
-            outs.append(variant.prefill(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache, params))
+            outs.append(variant.prefill(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache, params,
+                                        inputs=_token_inputs(inputs, dtype, device, slice(0, prefill))))
         for i in range(prefill, q.shape[2]):
-            outs.append(variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params))
+            outs.append(variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params,
+                                       inputs=_token_inputs(inputs, dtype, device, slice(i, i + 1))))
             if budget is not None and cache.num_tokens > budget and not problems:
                 problems.append(f"cache holds {cache.num_tokens} tokens after step {i + 1}, over its budget "
                                 f"{budget}")
     if watcher is not None:
         problems += watcher.problems
     return torch.cat(outs, dim=2), cache, problems
+
+
+def _token_inputs(inputs, dtype, device, tokens):
+    found = inputs_of(inputs, dtype, tokens)
+    return {key: t.to(device) for key, t in found.items()} if found else None
 
 
 def check_decode(target: Target) -> None:

@@ -75,6 +75,8 @@ def make_inputs(variant, case: VectorCase, spec_name: str) -> dict[str, torch.Te
     init = variant.init_params(num_heads=h, head_dim=d, num_kv_heads=hkv, dtype=torch.float64)
     for key in sorted(init):
         tensors[f"param.{key}"] = init[key] + 0.5 * normal(*init[key].shape)
+    for key, (_, declared) in sorted(variant.plan.token_inputs().items()):  # per-token inputs (B, H, N)
+        tensors[f"input.{key}"] = declared.bias_init + normal(b, h, n)
     if case.masked_rows:
         mask = torch.ones(b, n, dtype=torch.bool)
         mask[-1, 0] = False
@@ -82,13 +84,24 @@ def make_inputs(variant, case: VectorCase, spec_name: str) -> dict[str, torch.Te
     return tensors
 
 
-def params_of(tensors: dict[str, torch.Tensor], dtype=None, requires_grad=False) -> dict[str, torch.Tensor]:
+def params_of(tensors: dict[str, torch.Tensor], dtype=None, requires_grad=False, prefix: str = "param."
+              ) -> dict[str, torch.Tensor]:
     out = {}
     for key, value in tensors.items():
-        if key.startswith("param."):
+        if key.startswith(prefix):
             value = value.to(dtype) if dtype is not None else value.clone()
-            out[key.removeprefix("param.")] = value.requires_grad_(requires_grad)
+            out[key.removeprefix(prefix)] = value.requires_grad_(requires_grad)
     return out
+
+
+def inputs_of(tensors: dict[str, torch.Tensor], dtype=None, tokens: slice | None = None
+              ) -> dict[str, torch.Tensor] | None:
+    """The per-token inputs of a case (``input.<kind>.<name>``, (B, H, N)), the tokens ``tokens`` of them, or
+    None when it has none."""
+    out = params_of(tensors, dtype, prefix="input.")
+    if tokens is not None:
+        out = {key: value[..., tokens] for key, value in out.items()}
+    return out or None
 
 
 def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection: bool = False
@@ -98,6 +111,7 @@ def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection:
     # copies: the inputs are shared through the memo, and requires_grad_ below must not touch them
     q, k, v = (inputs[n].to(device=device, dtype=dtype, copy=True) for n in ("q", "k", "v"))
     params = {key: p.to(device=device, copy=True) for key, p in params_of(inputs, dtype).items()}
+    token_inputs = {key: t.to(device=device, copy=True) for key, t in (inputs_of(inputs, dtype) or {}).items()}
     positions = inputs.get("positions")
     positions = positions.to(device) if positions is not None else None
     key_mask = inputs.get("key_mask")
@@ -105,18 +119,19 @@ def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection:
     if not grad:
         with torch.no_grad():
             result = variant(q, k, v, params=params, positions=positions, key_mask=key_mask,
-                             return_accumulated=selection)
+                             return_accumulated=selection, inputs=token_inputs or None)
         if selection:
             return {"out": result[0], "F": result[1]}
         return {"out": result}
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    for p in params.values():
+    for p in (*params.values(), *token_inputs.values()):
         p.requires_grad_()
-    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask)
-    grads = torch.autograd.grad(out, [q, k, v, *params.values()], inputs["cotangent"].to(device=device, dtype=dtype),
+    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask, inputs=token_inputs or None)
+    wrt = {"q": q, "k": k, "v": v, **{f"param.{key}": p for key, p in params.items()},
+           **{f"input.{key}": t for key, t in token_inputs.items()}}
+    grads = torch.autograd.grad(out, list(wrt.values()), inputs["cotangent"].to(device=device, dtype=dtype),
                                 allow_unused=True)
     result = {"out": out.detach()}
-    wrt = {"q": q, "k": k, "v": v, **{f"param.{key}": p for key, p in params.items()}}
     for (name, x), g in zip(wrt.items(), grads, strict=True):
         result[f"grad.{name}"] = g.detach() if g is not None else torch.zeros_like(x).detach()
     return result
@@ -129,7 +144,8 @@ def run_case(variant, case: VectorCase, tensors: dict[str, torch.Tensor], dtype=
         params = params_of(tensors, dtype)
         cache = variant.new_cache(batch=case.batch, budget=case.budget)
         with torch.no_grad():
-            steps = [variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params)
+            steps = [variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params=params,
+                                    inputs=inputs_of(tensors, dtype, slice(i, i + 1)))
                      for i in range(case.length)]
         return {"out": torch.cat(steps, dim=2), "kept_positions": cache.positions.clone()}
     return run_batch(variant, tensors, dtype, grad=True)

@@ -211,13 +211,14 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                f"{expected}: run apply() again")
     b, _, n, _ = query.shape
     cache = getattr(module, "_attnzoo_cache", None)
+    x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
     sliding = kwargs.get("sliding_window")
     positions = _positions(kwargs.get("position_ids"), b, n, where)
     if isinstance(cache, AttnzooCache):
         layer = cache._layer_for(module)
         mask = _new_token_mask(attention_mask, b, n, where, exact=False)
         _check_window(sliding, layer.seen, where)
-        out = layer.attend(core, query, key, value, mask, positions, where)
+        out = layer.attend(core, query, key, value, mask, positions, where, x=x)
     else:
         if key.shape[2] != n:
             held = type(cache).__name__ if cache is not None else "a cache"
@@ -226,7 +227,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                    f"after apply(); pass cache=AttnzooCache(model) to a manual forward)")
         mask = _new_token_mask(attention_mask, b, n, where, exact=True)
         _check_window(sliding, n, where)
-        out = core(query, key, value, positions=positions, key_mask=mask)
+        out = core(query, key, value, positions=positions, key_mask=mask, x=x)
     return out.transpose(1, 2), None
 
 
@@ -349,7 +350,7 @@ class _AttnzooLayer(CacheLayerMixin):
             self._reorder(torch.arange(self.kv.batch).repeat_interleave(repeats))
 
     # attnzoo ----------------------------------------------------------------------------------------------------
-    def attend(self, core: Attention, q, k, v, key_mask, positions, where: str) -> torch.Tensor:
+    def attend(self, core: Attention, q, k, v, key_mask, positions, where: str, x=None) -> torch.Tensor:
         """Prefill (T > 1) or decode (T = 1) the new tokens q (B, H, T, D), k/v (B, H_kv, T, D) into this layer's
         attnzoo cache; ``key_mask`` (B, T) or None; ``positions`` (B, T) 1-based from transformers, or None."""
         if self._pending is not k:
@@ -368,8 +369,8 @@ class _AttnzooLayer(CacheLayerMixin):
         if positions is not None:
             _check_cache_positions(self.kv.next_position, positions, key_mask, where)
         if n == 1:
-            return core.decode(q, k, v, self.kv, key_mask=key_mask)
-        return core.prefill(q, k, v, self.kv, key_mask=key_mask)
+            return core.decode(q, k, v, self.kv, key_mask=key_mask, x=x)
+        return core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
 
     def memory(self) -> dict:
         report = {"layer": self.index, "seen": self.seen, "budget": self.budget, "tokens": 0, "evicted": 0,
@@ -476,7 +477,10 @@ def _validate_budget(core: Attention, budget, module) -> None:
 
 # -- apply ---------------------------------------------------------------------------------------------------------
 def _cache_hook(module, args, kwargs):
-    """Forward pre-hook: remember the cache the attention module was called with, for the attention function."""
+    """Forward pre-hook: remember the cache the attention module was called with, and its input (the hidden states,
+    for transforms that take per-token inputs from the layer input), for the attention function."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    module._attnzoo_input = hidden if isinstance(hidden, torch.Tensor) else None
     cache = None
     for name in ("cache", "past_key_values", "layer_past"):
         if kwargs.get(name) is not None:
@@ -487,6 +491,7 @@ def _cache_hook(module, args, kwargs):
 
 def _cache_unhook(module, args, kwargs, output):
     module._attnzoo_cache = None
+    module._attnzoo_input = None
 
 
 def _applied_modules(model) -> list[torch.nn.Module]:
@@ -532,7 +537,8 @@ def apply(model, spec, *, budget=_UNSET, backend: str = "auto"):
         dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
         device = reference.device if reference is not None else None
         try:
-            core = Attention(layer_spec, heads, head_dim, kv_heads, backend=backend, dtype=dtype, device=device)
+            core = Attention(layer_spec, heads, head_dim, kv_heads, backend=backend, dtype=dtype, device=device,
+                             input_dim=config.hidden_size)
             core.variant.plan.check_dims(_dims(heads, head_dim, kv_heads))
         except ValueError as exc:
             raise IntegrationError(f"{_where(module)}: {exc}") from None

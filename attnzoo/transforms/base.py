@@ -107,6 +107,18 @@ class Context:
         return self.query_features[key], self.key_features[key]
 
 
+@dataclass(frozen=True)
+class TokenInput:
+    """A per-token input a transform needs from the caller, (B, H, N) per query head and token: typically a
+    projection of the layer input x, which the caller owns (``attnzoo.nn.Attention`` makes a linear map from
+    ``x`` for it, with its weight at 0 and its bias at ``bias_init``). The caller passes it as
+    ``inputs={"<kind>.<name>": tensor}``; the transform finds it in ``params`` beside its parameters."""
+
+    name: str
+    bias_init: float = 0.0
+    description: str = ""
+
+
 @dataclass
 class TokenRows:
     """What a transform computing per-token features sees: the rows given to attention after the row maps, q'
@@ -149,6 +161,10 @@ class Transform:
     # -- declared by subclasses -------------------------------------------------------------------------------
     def parameters(self) -> list[ParamSpec]:
         """The learnable parameters this transform needs (may depend on its options)."""
+        return []
+
+    def token_inputs(self) -> list[TokenInput]:
+        """The per-token inputs the caller passes (:class:`TokenInput`); none by default."""
         return []
 
     def check_spec(self, spec: Any) -> str | None:
