@@ -41,11 +41,13 @@ class _RmsNorm(RowMapTransform):
         """rows (B, Hx, N, D) → normalised rows, computed in at least float32 (the numerics contract)."""
         wide = torch.promote_types(rows.dtype, torch.float32)
         x = rows.to(wide)
+        gain = params["gain"].to(wide)
+        if self.options.over == "head" and gain.dim() == 1:  # torch's fused RMS norm: the same formula
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight=gain, eps=self.options.eps)
         if self.options.over == "head":
             mean_square = x.square().mean(-1, keepdim=True)
         else:
             mean_square = x.square().mean(dim=(1, 3), keepdim=True)
-        gain = params["gain"].to(wide)
         if gain.dim() == 2:
             gain = gain[:, None, :]  # (Hx, 1, D) against (B, Hx, N, D)
         return x * torch.rsqrt(mean_square + self.options.eps) * gain
