@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
 	$(BIN)/python -m pip install -q -e '.[dev,triton,transformers]'
+	# xformers without its dependencies: its wheel pins a CUDA build of torch; on CPU attnzoo uses only its
+	# attention-bias classes (packed input), and the xformers backend declines with a reason
+	$(BIN)/python -m pip install -q --no-deps xformers==0.0.35
 	for p in plugins/*/; do $(BIN)/python -m pip install -q --force-reinstall --no-deps "./$$p" || exit 1; done
 	touch $@
 

@@ -11,6 +11,7 @@ from .backends.base import Mode, batch_mode
 from .cache import ACCUMULATED_STATE, KVCache
 from .errors import UnsupportedError
 from .inputs import check_key_mask, check_positions, check_qkv
+from .packing import as_documents, document_positions, run_packed
 from .plan import Plan
 from .registry import get_registry
 from .spec import load_spec
@@ -78,7 +79,7 @@ class Variant:
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_accumulated: bool = False,
-                 return_selection: bool | None = None, inputs=None):
+                 return_selection: bool | None = None, inputs=None, documents=None):
         """Attention over the whole sequence.
 
         q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
@@ -88,7 +89,15 @@ class Variant:
         (B, N, N), or None for a spec without an accumulator (``return_selection``: the old name, deprecated).
         ``inputs``: the per-token inputs the transforms declare (``Transform.token_inputs``), ``{"<kind>.<name>":
         (B, H, N)}``, e.g. the forgetting gate's logits from the layer input (``source: input``).
+        ``documents``: packed input, several documents per row (``cu_seqlens``, (B, N) document ids, a list of
+        lengths or an xformers ``BlockDiagonal(Causal)Mask``; docs/packing.md): each document is attended alone,
+        positions restart at 1 in each (given ``positions`` must increase within each document), padding tokens
+        (in no document) output 0.
         """
+        if documents is not None:
+            return self._packed(q, k, v, params, positions, key_mask, renamed_flag(return_accumulated,
+                                                                                   return_selection),
+                                inputs, documents)
         return_accumulated = renamed_flag(return_accumulated, return_selection)
         dims = check_qkv(q, k, v)
         b, _, n, _ = q.shape
@@ -98,6 +107,24 @@ class Variant:
         grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, q.shape[1], n, q)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
+
+    def _packed(self, q, k, v, params, positions, key_mask, return_accumulated, inputs, documents):
+        dims = check_qkv(q, k, v)
+        b, h, n, _ = q.shape
+        if key_mask is not None:
+            raise ValueError("documents and key_mask together: mark padding tokens as document id -1 (or leave "
+                             "them after the last cu_seqlens offset) instead")
+        docs = as_documents(documents, b, n, q.device, self.plan.causal)
+        pos = document_positions(docs, positions, q.device)
+        self.plan.check_dims(dims)
+        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, h, n, q)
+        backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
+
+        def forward(qg, kg, vg, pg, posg, want):
+            return backend.forward(self.plan, qg, kg, vg, pg, posg, None, return_accumulated=want)
+
+        token_inputs = [(t.kind, declared.name) for t, declared in self.plan.token_inputs().values()]
+        return run_packed(forward, q, k, v, grouped, pos, docs, token_inputs, return_accumulated)
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, budget: int | None = _UNSET) -> KVCache:

@@ -71,15 +71,15 @@ class Attention(torch.nn.Module):
         return {key.replace("__", "."): proj(x).transpose(1, 2) for key, proj in self.token_projections.items()}
 
     def forward(self, q, k, v, positions=None, key_mask=None, return_accumulated: bool = False,
-                return_selection: bool | None = None, x: torch.Tensor | None = None):
+                return_selection: bool | None = None, x: torch.Tensor | None = None, documents=None):
         """The batch form (training, or a whole sequence): q (B, H, N, D), k and v (B, H_kv, N, D). With
         ``return_accumulated`` also returns F (B, N, N) (None without an accumulator); inside
         :func:`recording_accumulated` F is recorded for the memory loss either way (``return_selection``: the
-        old name, deprecated)."""
+        old name, deprecated). ``documents``: packed input (docs/packing.md)."""
         return_accumulated = renamed_flag(return_accumulated, return_selection)
         want = return_accumulated or (self._recording is not None and self.has_accumulator)
         result = self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask,
-                              return_accumulated=want, inputs=self.token_inputs(x, q.shape[2]))
+                              return_accumulated=want, inputs=self.token_inputs(x, q.shape[2]), documents=documents)
         if not want:
             return result
         out, accumulated = result

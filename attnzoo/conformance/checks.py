@@ -220,6 +220,52 @@ def check_accumulated(target: Target) -> None:
     _compare(target, "return_accumulated", got, truth, low, inputs)
 
 
+#: the documents of the packed check: one token (a document that sees only itself), an odd length, a long one
+PACKED_LENGTHS = (1, 63, 200)
+
+
+def _documents_alone(variant, inputs: dict, dtype, grad: bool) -> dict[str, torch.Tensor]:
+    """Each document of a packed row run alone through ``variant`` (no packing involved), assembled: the outputs
+    and the gradients of q, k, v and the per-token inputs side by side, the parameters' gradients summed."""
+    parts: list[dict[str, torch.Tensor]] = []
+    start = 0
+    for length in PACKED_LENGTHS:
+        tokens = slice(start, start + length)
+        alone = {}
+        for key, value in inputs.items():
+            if key in ("q", "k", "v", "cotangent"):
+                alone[key] = value[:, :, tokens]
+            elif key.startswith("input."):
+                alone[key] = value[..., tokens]
+            else:
+                alone[key] = value
+        parts.append(run_batch(variant, alone, dtype, grad))
+        start += length
+    out = {}
+    for key in parts[0]:
+        if key.startswith("grad.param."):
+            out[key] = sum(p[key] for p in parts)
+        else:
+            out[key] = torch.cat([p[key] for p in parts], dim=-1 if key.startswith("grad.input.") else 2)
+    return out
+
+
+def check_packed(target: Target, grad: bool) -> None:
+    """A packed row of three documents (lengths 1, 63, 200; ``documents=`` as a list of lengths) equals each
+    document run alone through the reference: outputs, and gradients of q, k, v, parameters and per-token inputs
+    (positions restart, F resets, each document's first token is the protected one)."""
+    target.require(grad=grad)
+    inputs = _random_case(target, Shape("packed", 1, 4, 2, sum(PACKED_LENGTHS), 8))
+    truth = _memo(target, ("packed", grad, torch.float64),
+                  lambda: _documents_alone(target.reference(), inputs, torch.float64, grad))
+    low = None
+    if target.dtype != torch.float64:
+        low = _memo(target, ("packed", grad, target.dtype),
+                    lambda: _documents_alone(target.reference(), inputs, target.dtype, grad))
+    got = run_batch(target.variant(), inputs, target.dtype, grad, target.device, documents=list(PACKED_LENGTHS))
+    _compare(target, f"packed documents {PACKED_LENGTHS}", got, truth, low)
+
+
 def check_causality(target: Target) -> None:
     """Perturbing tokens after position t leaves outputs at positions <= t unchanged."""
     if not target.spec.attention.causal:

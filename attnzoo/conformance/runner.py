@@ -124,6 +124,9 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                     add(f"outputs/{shape.id}", _flags(shape), checks.check_differential, shape, False)
                     add(f"gradients/{shape.id}", _flags(shape), checks.check_differential, shape, True)
                 add("accumulated", ("accumulator",), checks.check_accumulated)
+                if not half:
+                    add("packed/outputs", ("packing",), checks.check_packed, False)
+                    add("packed/gradients", ("packing",), checks.check_packed, True)
                 add("decode", ("decode", "offset-positions"), checks.check_decode)
                 if half:
                     continue

@@ -104,10 +104,10 @@ def inputs_of(tensors: dict[str, torch.Tensor], dtype=None, tokens: slice | None
     return out or None
 
 
-def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection: bool = False
-           ) -> dict[str, torch.Tensor]:
+def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection: bool = False, documents=None
+              ) -> dict[str, torch.Tensor]:
     """The batch form on ``inputs`` (float64, CPU) cast to ``dtype`` and moved to ``device``: out, and the
-    gradients of q, k, v and every parameter (``grad``), or F (``selection``)."""
+    gradients of q, k, v and every parameter (``grad``), or F (``selection``); ``documents``: packed input."""
     # copies: the inputs are shared through the memo, and requires_grad_ below must not touch them
     q, k, v = (inputs[n].to(device=device, dtype=dtype, copy=True) for n in ("q", "k", "v"))
     params = {key: p.to(device=device, copy=True) for key, p in params_of(inputs, dtype).items()}
@@ -119,14 +119,15 @@ def run_batch(variant, inputs: dict, dtype, grad: bool, device="cpu", selection:
     if not grad:
         with torch.no_grad():
             result = variant(q, k, v, params=params, positions=positions, key_mask=key_mask,
-                             return_accumulated=selection, inputs=token_inputs or None)
+                             return_accumulated=selection, inputs=token_inputs or None, documents=documents)
         if selection:
             return {"out": result[0], "F": result[1]}
         return {"out": result}
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     for p in (*params.values(), *token_inputs.values()):
         p.requires_grad_()
-    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask, inputs=token_inputs or None)
+    out = variant(q, k, v, params=params, positions=positions, key_mask=key_mask, inputs=token_inputs or None,
+                  documents=documents)
     wrt = {"q": q, "k": k, "v": v, **{f"param.{key}": p for key, p in params.items()},
            **{f"input.{key}": t for key, t in token_inputs.items()}}
     grads = torch.autograd.grad(out, list(wrt.values()), inputs["cotangent"].to(device=device, dtype=dtype),

@@ -1,0 +1,203 @@
+"""Packed sequences: several documents in one row of q, k, v (docs/packing.md).
+
+A packed row holds documents back to back, as training pipelines pack them (FlexAttention's document mask,
+xformers' ``BlockDiagonalCausalMask.from_seqlens``, flash-attn's ``cu_seqlens``). Each document is attended as if it
+were alone: its tokens see only its own tokens, its positions restart at 1 (its first token is the one selective
+attention and StreamingLLM protect), and every transform acts per document: masks and windows, row maps, per-token
+features (the forgetting gate's running sum restarts), and the selective accumulator (F resets, since no query of
+one document selects a key of another).
+
+The documents may be given three ways, all turned into :class:`Documents`:
+
+- ``cu_seqlens``: a 1-D integer tensor of offsets ``[0, l_1, l_1 + l_2, ...]`` into the row's tokens (into the
+  batch's tokens flattened, ``B * N``, when B > 1; no document may straddle two rows), or a list of lengths;
+- document ids: a (B, N) integer tensor, each document's tokens contiguous, ``-1`` for padding;
+- an xformers attention bias: ``BlockDiagonalCausalMask`` (for a causal spec) or ``BlockDiagonalMask`` (for a
+  non-causal one), e.g. ``BlockDiagonalCausalMask.from_seqlens([1, 63, 200])``; it needs no GPU.
+
+Tokens in no document (after the last offset, or with id -1) are padding: their outputs are 0 and they are never
+attended.
+
+How it runs: the documents of equal length are stacked into one batch and handed to the backend's batch form (so
+every backend's fast path applies, no key block of another document is ever visited, and each document's positions
+are consecutive); the outputs are written back into the packed layout. The backend sees ordinary batches: packing
+needs nothing from it, so it holds for every backend and plugin that passes the conformance suite.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_XFORMERS_CAUSAL = {"BlockDiagonalCausalMask": True, "BlockDiagonalMask": False}
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of a packed batch: ``ids`` (B, N) int64 (-1 for padding) and ``segments``, one
+    ``(row, start, stop)`` per document, in row order."""
+
+    ids: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+
+    def lengths(self) -> list[int]:
+        return [stop - start for _, start, stop in self.segments]
+
+
+def _from_offsets(offsets: list[int], batch: int, n: int, device, what: str) -> Documents:
+    if len(offsets) < 2 or offsets[0] != 0:
+        raise ValueError(f"{what} must start at 0 and hold at least one document, got {offsets[:8]}")
+    if any(b <= a for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise ValueError(f"{what} must increase strictly (every document has at least one token), got {offsets[:8]}")
+    if offsets[-1] > batch * n:
+        raise ValueError(f"{what} ends at {offsets[-1]}, past the {batch * n} tokens of a ({batch}, N = {n}) batch")
+    ids = torch.full((batch * n,), -1, dtype=torch.int64)
+    segments = []
+    for doc, (start, stop) in enumerate(zip(offsets, offsets[1:], strict=False)):
+        row = start // n
+        if (stop - 1) // n != row:
+            raise ValueError(f"{what}: document {doc} (tokens {start}..{stop - 1}) straddles rows {row} and "
+                             f"{(stop - 1) // n} of N = {n}")
+        ids[start:stop] = doc
+        segments.append((row, start - row * n, stop - row * n))
+    return Documents(ids.view(batch, n).to(device), tuple(segments))
+
+
+def _from_ids(ids: torch.Tensor, batch: int, n: int, device) -> Documents:
+    if ids.shape != (batch, n):
+        raise ValueError(f"document ids must have shape (B, N) = ({batch}, {n}), got {tuple(ids.shape)}")
+    ids = ids.to(torch.int64).cpu()
+    if bool((ids < -1).any()):
+        raise ValueError("document ids must be >= 0, or -1 for padding")
+    segments = []
+    for row in range(batch):
+        values = ids[row]
+        change = torch.nonzero(values[1:] != values[:-1]).flatten().tolist()
+        starts = [0] + [c + 1 for c in change]
+        stops = starts[1:] + [n]
+        seen = set()
+        for start, stop in zip(starts, stops, strict=True):
+            doc = int(values[start])
+            if doc < 0:
+                continue
+            if doc in seen:
+                raise ValueError(f"document id {doc} appears in two separate runs of row {row}: a document's "
+                                 f"tokens must be contiguous")
+            seen.add(doc)
+            segments.append((row, start, stop))
+    return Documents(ids.to(device), tuple(segments))
+
+
+def _from_xformers(bias: Any, batch: int, n: int, device, causal: bool) -> Documents:
+    name = type(bias).__name__
+    if name not in _XFORMERS_CAUSAL:
+        raise ValueError(f"xformers bias {name} is not supported as packing input (supported: "
+                         f"{', '.join(_XFORMERS_CAUSAL)})")
+    if _XFORMERS_CAUSAL[name] != causal:
+        want = "BlockDiagonalCausalMask" if causal else "BlockDiagonalMask"
+        raise ValueError(f"xformers bias {name} is {'' if _XFORMERS_CAUSAL[name] else 'not '}causal but the spec "
+                         f"is {'' if causal else 'not '}causal: use {want}")
+    q_starts, k_starts = list(bias.q_seqinfo.seqstart_py), list(bias.k_seqinfo.seqstart_py)
+    if q_starts != k_starts:
+        raise ValueError(f"xformers bias {name}: the query and key documents differ ({q_starts[:6]} and "
+                         f"{k_starts[:6]}); packing is self-attention, one set of documents")
+    return _from_offsets(q_starts, batch, n, device, f"xformers bias {name}'s sequence starts")
+
+
+def as_documents(documents: Any, batch: int, n: int, device, causal: bool) -> Documents:
+    """Turn any of the accepted forms (module docstring) into :class:`Documents`; one clear error line otherwise."""
+    if isinstance(documents, Documents):
+        if documents.ids.shape != (batch, n):
+            raise ValueError(f"documents were made for shape {tuple(documents.ids.shape)}, not ({batch}, {n})")
+        return documents
+    if type(documents).__module__.startswith("xformers."):
+        return _from_xformers(documents, batch, n, device, causal)
+    if isinstance(documents, (list, tuple)):
+        if not documents or not all(isinstance(x, int) and not isinstance(x, bool) for x in documents):
+            raise ValueError("documents given as a list must be document lengths (positive ints)")
+        if any(x < 1 for x in documents):
+            raise ValueError(f"document lengths must be >= 1, got {list(documents)[:8]}")
+        offsets = [0]
+        for length in documents:
+            offsets.append(offsets[-1] + length)
+        return _from_offsets(offsets, batch, n, device, "document lengths")
+    if isinstance(documents, torch.Tensor):
+        if documents.dtype.is_floating_point or documents.dtype == torch.bool:
+            raise ValueError("documents must be an integer tensor (cu_seqlens or document ids)")
+        if documents.dim() == 1:
+            return _from_offsets([int(x) for x in documents.tolist()], batch, n, device, "cu_seqlens")
+        if documents.dim() == 2:
+            return _from_ids(documents, batch, n, device)
+        raise ValueError(f"documents: a 1-D cu_seqlens or (B, N) document ids, got shape {tuple(documents.shape)}")
+    raise ValueError(f"documents must be cu_seqlens, (B, N) document ids, a list of lengths or an xformers "
+                     f"BlockDiagonal(Causal)Mask, got {type(documents).__name__}")
+
+
+def document_positions(docs: Documents, positions: torch.Tensor | None, device) -> torch.Tensor:
+    """Positions (B, N) int64: 1..L in each document by default; given ones must be >= 1 and increase strictly
+    within each document. Padding tokens get position 1 (they are never attended)."""
+    batch, n = docs.ids.shape
+    out = torch.ones(batch, n, dtype=torch.int64, device=device)
+    if positions is None:
+        for row, start, stop in docs.segments:
+            out[row, start:stop] = torch.arange(1, stop - start + 1, device=device)
+        return out
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError("positions must be an integer tensor of 1-based positions")
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0).expand(batch, -1)
+    if positions.shape != (batch, n):
+        raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
+    positions = positions.to(device=device, dtype=torch.int64)
+    for doc, (row, start, stop) in enumerate(docs.segments):
+        seg = positions[row, start:stop]
+        if bool((seg < 1).any()):
+            raise ValueError(f"positions are 1-based: document {doc} (row {row}) has a position below 1")
+        if stop - start > 1 and bool((seg[1:] <= seg[:-1]).any()):
+            raise ValueError(f"positions must increase strictly within each document: document {doc} (row {row}, "
+                             f"tokens {start}..{stop - 1}) does not")
+        out[row, start:stop] = seg
+    return out
+
+
+def run_packed(forward, q, k, v, grouped, positions, docs: Documents, token_inputs: list[tuple[str, str]],
+               return_accumulated: bool):
+    """Run ``forward(q, k, v, params, positions, return_accumulated)`` (a backend's batch form) on the documents,
+    those of equal length stacked into one batch, and write the results back into the packed layout: out
+    (B, H, N, D), 0 at padding; F (B, N, N), block-diagonal, when ``return_accumulated``. ``token_inputs``:
+    the (kind, name) of the per-token inputs (B, H, N) in ``grouped``, sliced per document like q."""
+    b, h, n, d = q.shape
+    by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for segment in docs.segments:
+        by_length[segment[2] - segment[1]].append(segment)
+    out = q.new_zeros(b, h, n, d)
+    accumulated = None
+    for segments in by_length.values():
+        params = {kind: dict(group) for kind, group in grouped.items()}
+        for kind, name in token_inputs:
+            params[kind][name] = _take_tokens(grouped[kind][name], segments)
+        result = forward(_take_rows(q, segments), _take_rows(k, segments), _take_rows(v, segments), params,
+                         _take_tokens(positions, segments), return_accumulated)
+        group_out, group_f = result if return_accumulated else (result, None)
+        for i, (row, start, stop) in enumerate(segments):
+            out[row, :, start:stop] = group_out[i]
+            if group_f is not None:
+                if accumulated is None:
+                    accumulated = group_f.new_zeros(b, n, n)
+                accumulated[row, start:stop, start:stop] = group_f[i]
+    if return_accumulated:
+        return out, accumulated
+    return out
+
+
+def _take_rows(t: torch.Tensor, segments) -> torch.Tensor:
+    """The documents' rows of t (B, X, N, D), stacked: (len(segments), X, L, D)."""
+    return torch.stack([t[row, :, start:stop] for row, start, stop in segments])
+
+
+def _take_tokens(t: torch.Tensor, segments) -> torch.Tensor:
+    """The documents' tokens of t (B, ..., N), stacked: (len(segments), ..., L)."""
+    return torch.stack([t[row, ..., start:stop] for row, start, stop in segments])

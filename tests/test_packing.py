@@ -1,0 +1,128 @@
+"""Packed sequences (docs/packing.md): documents given as cu_seqlens, document ids, lengths or an xformers
+block-diagonal bias are each attended alone; errors are one line."""
+
+import pytest
+import torch
+
+import attnzoo
+
+LENGTHS = [1, 63, 200]
+
+
+def qkv(b=1, n=264, h=4, hkv=2, d=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def alone(variant, q, k, v, params, lengths, row=0, positions=None):
+    outs, start = [], 0
+    for length in lengths:
+        tokens = slice(start, start + length)
+        pos = positions[tokens] if positions is not None else None
+        outs.append(variant(q[row:row + 1, :, tokens], k[row:row + 1, :, tokens], v[row:row + 1, :, tokens],
+                            params=params, positions=pos))
+        start += length
+    return torch.cat(outs, dim=2)
+
+
+def test_cu_seqlens_document_ids_lengths_and_an_xformers_bias_give_the_same_result():
+    attn_bias = pytest.importorskip("xformers.ops.fmha.attn_bias")
+    variant = attnzoo.compile("selective-ssa", backend="blocked")
+    q, k, v = qkv()
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(LENGTHS))[None]
+    forms = [torch.tensor([0, 1, 64, 264]), ids, LENGTHS, attn_bias.BlockDiagonalCausalMask.from_seqlens(LENGTHS)]
+    results = [variant(q, k, v, documents=form) for form in forms]
+    want = alone(attnzoo.compile("selective-ssa", backend="reference"), q, k, v, None, LENGTHS)
+    for got in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_the_xformers_bias_materialised_on_cpu_is_the_mask_packing_applies():
+    """BlockDiagonalCausalMask.materialize() (-inf outside a document's causal block) against the pairs the
+    reference lets attend when each document is alone: the same set."""
+    attn_bias = pytest.importorskip("xformers.ops.fmha.attn_bias")
+    bias = attn_bias.BlockDiagonalCausalMask.from_seqlens(LENGTHS).materialize((264, 264), dtype=torch.float32)
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(LENGTHS))
+    index = torch.arange(264)
+    ours = (ids[:, None] == ids[None, :]) & (index[None, :] <= index[:, None])
+    assert torch.equal(bias == 0, ours)
+
+
+def test_two_rows_with_their_own_documents_and_padding():
+    """cu_seqlens over the batch flattened (B * N), each row its own documents, tokens after the last offset and
+    id -1 are padding: output 0, gradient 0; positions given within documents are kept."""
+    variant = attnzoo.compile("forgetting", backend="blocked")
+    ref = attnzoo.compile("forgetting", backend="reference")
+    q, k, v = qkv(b=2, n=40)
+    got = variant(q, k, v, documents=torch.tensor([0, 10, 40, 40 + 25, 40 + 31]))  # row 1: 25, 6, then 9 padding
+    torch.testing.assert_close(got[0:1], alone(ref, q, k, v, None, [10, 30]), rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[1:2, :, :31], alone(ref, q, k, v, None, [25, 6], row=1), rtol=0, atol=1e-12)
+    assert float(got[1, :, 31:].abs().max()) == 0.0
+    dq, = torch.autograd.grad(got.sum(), [q])
+    assert float(dq[1, :, 31:].abs().max()) == 0.0
+    ids = torch.tensor([[0] * 10 + [1] * 30, [5] * 25 + [-1] * 15])
+    positions = torch.stack([torch.cat([torch.arange(100, 110), torch.arange(7, 37)]), torch.arange(3, 43)])
+    got = variant(q, k, v, documents=ids, positions=positions)
+    torch.testing.assert_close(got[0:1], alone(ref, q, k, v, None, [10, 30], positions=positions[0]), rtol=0,
+                               atol=1e-12)
+    torch.testing.assert_close(got[1:2, :, :25], alone(ref, q, k, v, None, [25], row=1, positions=positions[1]),
+                               rtol=0, atol=1e-12)
+
+
+def test_packed_f_is_block_diagonal_and_resets_per_document():
+    variant = attnzoo.compile("selective", backend="blocked")
+    q, k, v = qkv(n=80)
+    _, f = variant(q, k, v, documents=[30, 50], return_accumulated=True)
+    _, f1 = variant(q[:, :, :30], k[:, :, :30], v[:, :, :30], return_accumulated=True)
+    _, f2 = variant(q[:, :, 30:], k[:, :, 30:], v[:, :, 30:], return_accumulated=True)
+    torch.testing.assert_close(f, torch.block_diag(f1[0], f2[0])[None], rtol=0, atol=1e-12)
+    assert float(f[0, 30:, 30].abs().max()) == 0.0  # the second document's first token is protected
+
+
+def test_attnzoo_nn_takes_documents():
+    import attnzoo.nn
+
+    layer = attnzoo.nn.Attention("ssa", num_heads=4, head_dim=8, num_kv_heads=2, dtype=torch.float64)
+    q, k, v = qkv(n=20)
+    want = torch.cat([layer(q[:, :, :8], k[:, :, :8], v[:, :, :8]), layer(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:])], 2)
+    torch.testing.assert_close(layer(q, k, v, documents=[8, 12]), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("documents, message", [
+    (torch.tensor([0, 30, 50]), r"^cu_seqlens: document 1 \(tokens 30\.\.49\) straddles rows 0 and 1 of N = 40$"),
+    (torch.tensor([0, 10, 10]), r"^cu_seqlens must increase strictly"),
+    (torch.tensor([1, 10]), r"^cu_seqlens must start at 0"),
+    (torch.tensor([0, 90]), r"^cu_seqlens ends at 90, past the 80 tokens of a \(2, N = 40\) batch$"),
+    (torch.tensor([[0] * 10 + [1] * 20 + [0] * 10, [0] * 40]), r"^document id 0 appears in two separate runs of row 0"),
+    (torch.zeros(2, 39, dtype=torch.int64), r"^document ids must have shape \(B, N\) = \(2, 40\)"),
+    ([10, 0], r"^document lengths must be >= 1"),
+    (torch.zeros(2, 40), r"^documents must be an integer tensor"),
+    ("abc", r"^documents must be cu_seqlens"),
+])
+def test_bad_documents_are_one_line(documents, message):
+    q, k, v = qkv(b=2, n=40)
+    with pytest.raises(ValueError, match=message):
+        attnzoo.compile("vanilla")(q, k, v, documents=documents)
+
+
+def test_xformers_biases_that_do_not_fit_are_refused_with_one_line():
+    attn_bias = pytest.importorskip("xformers.ops.fmha.attn_bias")
+    q, k, v = qkv(n=40)
+    with pytest.raises(ValueError, match=r"^xformers bias BlockDiagonalMask is not causal but the spec is causal: "
+                                         r"use BlockDiagonalCausalMask$"):
+        attnzoo.compile("vanilla")(q, k, v, documents=attn_bias.BlockDiagonalMask.from_seqlens([20, 20]))
+    local = attn_bias.BlockDiagonalCausalMask.from_seqlens([20, 20]).make_local_attention(4)
+    with pytest.raises(ValueError, match=r"^xformers bias BlockDiagonalCausalLocalAttentionMask is not supported"):
+        attnzoo.compile("vanilla")(q, k, v, documents=local)
+
+
+def test_documents_with_a_key_mask_or_bad_positions_are_refused():
+    q, k, v = qkv(n=40)
+    variant = attnzoo.compile("vanilla")
+    with pytest.raises(ValueError, match="mark padding tokens as document id -1"):
+        variant(q, k, v, documents=[40], key_mask=torch.ones(1, 40, dtype=torch.bool))
+    positions = torch.cat([torch.arange(1, 21), torch.arange(1, 21).flip(0)])
+    with pytest.raises(ValueError, match=r"^positions must increase strictly within each document: document 1"):
+        variant(q, k, v, documents=[20, 20], positions=positions)
