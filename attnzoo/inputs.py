@@ -72,8 +72,8 @@ def check_positions(positions: Any, batch: int, n: int, device, key_mask: torch.
             earlier = positions[row, :col] if real is None else positions[row, :col][real[row, :col]]
             before = int(earlier[-1])
             raise ValueError(f"positions must increase strictly along each row (offsets and gaps are fine): row "
-                             f"{row} goes from {before} to {int(positions[row, col])} at index {col}; restarting "
-                             f"positions (packed documents) are not supported yet")
+                             f"{row} goes from {before} to {int(positions[row, col])} at index {col}; pass documents= "
+                             f"for packed documents")
     if real is not None and not bool(real.all()):
         big = torch.iinfo(torch.int64).max
         following = torch.where(real, positions, big).flip(-1).cummin(-1).values.flip(-1)

@@ -167,37 +167,78 @@ def run_packed(forward, q, k, v, grouped, positions, docs: Documents, token_inpu
                return_accumulated: bool):
     """Run ``forward(q, k, v, params, positions, return_accumulated)`` (a backend's batch form) on the documents,
     those of equal length stacked into one batch, and write the results back into the packed layout: out
-    (B, H, N, D), 0 at padding; F (B, N, N), block-diagonal, when ``return_accumulated``. ``token_inputs``:
-    the (kind, name) of the per-token inputs (B, H, N) in ``grouped``, sliced per document like q."""
+    (B, H, N, D), 0 at padding; F (B, N, N), block-diagonal, when ``return_accumulated``. ``token_inputs``: the
+    (kind, name) of the per-token inputs (B, H, N) in ``grouped``, gathered per document like q.
+
+    Gathering and scattering copy each token once, forward and backward (:class:`_Gather`, :class:`_Scatter`:
+    their gradients are the scatter and the gather, not one full-size tensor per document)."""
     b, h, n, d = q.shape
     by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     for segment in docs.segments:
         by_length[segment[2] - segment[1]].append(segment)
-    out = q.new_zeros(b, h, n, d)
-    accumulated = None
-    for segments in by_length.values():
+    groups = list(by_length.values())
+    outputs, f_parts = [], []
+    for segments in groups:
+        key = tuple(segments)
         params = {kind: dict(group) for kind, group in grouped.items()}
-        for kind, name in token_inputs:
-            params[kind][name] = _take_tokens(grouped[kind][name], segments)
-        result = forward(_take_rows(q, segments), _take_rows(k, segments), _take_rows(v, segments), params,
-                         _take_tokens(positions, segments), return_accumulated)
+        for kind, name in token_inputs:  # (B, H, N) -> (G, H, L)
+            params[kind][name] = _Gather.apply(grouped[kind][name], key)
+        pos = torch.stack([positions[row, start:stop] for row, start, stop in segments])
+        result = forward(*(_Gather.apply(t, key) for t in (q, k, v)), params, pos, return_accumulated)
         group_out, group_f = result if return_accumulated else (result, None)
+        outputs.append(group_out)
+        if group_f is not None:
+            f_parts.append((segments, group_f))
+    out = (_Scatter.apply((b, h, n, d), tuple(tuple(g) for g in groups), *outputs) if outputs
+           else q.new_zeros(b, h, n, d))
+    if not return_accumulated:
+        return out
+    accumulated = None
+    for segments, f in f_parts:
+        if accumulated is None:
+            accumulated = f.new_zeros(b, n, n)
         for i, (row, start, stop) in enumerate(segments):
-            out[row, :, start:stop] = group_out[i]
-            if group_f is not None:
-                if accumulated is None:
-                    accumulated = group_f.new_zeros(b, n, n)
-                accumulated[row, start:stop, start:stop] = group_f[i]
-    if return_accumulated:
-        return out, accumulated
-    return out
+            accumulated[row, start:stop, start:stop] = f[i]
+    return out, accumulated
 
 
-def _take_rows(t: torch.Tensor, segments) -> torch.Tensor:
-    """The documents' rows of t (B, X, N, D), stacked: (len(segments), X, L, D)."""
-    return torch.stack([t[row, :, start:stop] for row, start, stop in segments])
+class _Gather(torch.autograd.Function):
+    """The documents ``segments`` ((row, start, stop), all of one length L) of t (B, X, N[, D]), stacked along a
+    new batch dim: (G, X, L[, D]); the gradient scatters back into one zero tensor."""
+
+    @staticmethod
+    def forward(ctx, t, segments):
+        ctx.shape, ctx.segments = t.shape, segments
+        row, first, stop = segments[0]
+        length = stop - first
+        if all(r == row and s == first + i * length for i, (r, s, _) in enumerate(segments)):
+            # documents back to back in one row: a strided view, no copy
+            span = t[row, :, first:first + len(segments) * length]
+            return span.unflatten(1, (len(segments), length)).transpose(0, 1)
+        return torch.stack([t[row, :, start:stop] for row, start, stop in segments])
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.shape)
+        for i, (row, start, stop) in enumerate(ctx.segments):
+            out[row, :, start:stop] = grad[i]
+        return out, None
 
 
-def _take_tokens(t: torch.Tensor, segments) -> torch.Tensor:
-    """The documents' tokens of t (B, ..., N), stacked: (len(segments), ..., L)."""
-    return torch.stack([t[row, ..., start:stop] for row, start, stop in segments])
+class _Scatter(torch.autograd.Function):
+    """Each group's outputs (G, H, L, D) written into a zero (B, H, N, D) at their documents; the gradient of each
+    group is the gather of its documents."""
+
+    @staticmethod
+    def forward(ctx, shape, groups, *outputs):
+        ctx.groups = groups
+        out = outputs[0].new_zeros(shape)
+        for segments, values in zip(groups, outputs, strict=True):
+            for i, (row, start, stop) in enumerate(segments):
+                out[row, :, start:stop] = values[i]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, None, *(torch.stack([grad[row, :, start:stop] for row, start, stop in segments])
+                              for segments in ctx.groups))

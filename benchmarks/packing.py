@@ -42,16 +42,24 @@ def run(variant, tensors, packed: bool, docs: int, length: int, grad: bool) -> N
             variant(*tensors, **kwargs)
 
 
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
 def peak_mib(spec: str, backend: str, packed: bool, docs: int, length: int, heads: int, head_dim: int,
              grad: bool) -> float:
-    """Peak resident memory above the inputs, in a fresh process (MiB)."""
-    code = (f"import resource, torch, attnzoo, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-            f"from packing import inputs, run; torch.set_num_threads(2);"
+    """Peak resident memory above the inputs, in a fresh process (MiB; Linux: the peak is reset once the inputs
+    exist, through /proc/self/clear_refs)."""
+    code = (f"import torch, attnzoo, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+            f"from packing import inputs, run, rss_kib; torch.set_num_threads(2);"
             f"v = attnzoo.compile({spec!r}, backend={backend!r});"
             f"t = inputs({packed}, {docs}, {length}, {heads}, {head_dim}, {grad});"
-            f"base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+            f"open('/proc/self/clear_refs', 'w').write('5'); base = rss_kib('VmRSS');"
             f"run(v, t, {packed}, {docs}, {length}, {grad});"
-            f"print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)")
+            f"print(rss_kib('VmHWM') - base)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(result.stdout.strip().splitlines()[-1]) / 1024
 
