@@ -51,7 +51,8 @@ def run_checks(specs, device, dtypes, smoke) -> dict[str, list[str]]:
     CPU in float64). Returns each spec's failure messages."""
     from attnzoo.conformance import runner
 
-    cases = runner.build_cases(get_registry(), specs, ["triton"], dtypes, device=str(device))
+    backends = ["triton"] + (["xformers"] if device.type == "cuda" else [])  # xformers has no CPU kernels
+    cases = runner.build_cases(get_registry(), specs, backends, dtypes, device=str(device))
     if smoke:
         cases = [c for c in cases if c.check in SMOKE_CHECKS]
     failures: dict[str, list[str]] = {name: [] for name in specs}
@@ -106,6 +107,14 @@ def _selective_f(spec_name, q, k, params) -> torch.Tensor:
     return f.float().contiguous()
 
 
+def _xformers_runs(plan, device, dtype, grad) -> bool:
+    """Whether the xformers backend accepts the spec here (it declines, with reasons, what it cannot run)."""
+    from attnzoo.backends.base import batch_mode
+
+    backend = get_registry().backends.get("xformers")
+    return backend is not None and not backend.verdict(plan, device, dtype, batch_mode(grad))
+
+
 def _candidates(spec_name, q, k, v, grad, device):
     """name -> callable running one forward (and backward when grad)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -134,6 +143,13 @@ def _candidates(spec_name, q, k, v, grad, device):
 
     runs = {"triton": triton_run, "sdpa": sdpa_run}
     plan = variant.plan
+    if device.type == "cuda" and _xformers_runs(plan, device, q.dtype, grad):
+        xvariant = attnzoo.compile(spec, backend="xformers")
+
+        def xformers_run():
+            finish(xvariant(q, k, v, params=params))
+
+        runs["xformers"] = xformers_run
     has_acc = plan.one(Slot.ACCUMULATOR) is not None
     if spec_name in MAIN_SPECS:
         block_mask = create_block_mask(lambda b_, h_, qi, ki: ki <= qi, None, None, n, n, device=device.type)
@@ -193,6 +209,8 @@ def run_timing(specs, lengths, device, dtype, heads, head_dim, repeats, deadline
                 row["vs_sdpa"] = row["triton_ms"] / row["sdpa_ms"]
             if "triton_ms" in row and "flex_ms" in row:
                 row["vs_flex"] = row["triton_ms"] / row["flex_ms"]
+            if "xformers_ms" in row and "sdpa_ms" in row:
+                row["xformers_vs_sdpa"] = row["xformers_ms"] / row["sdpa_ms"]
             rows.append(row)
             print(f"time  {name:<16} N={n:<6} {row['mode']:<8} " + "  ".join(
                 f"{key}={value:.3g}" if isinstance(value, float) else f"{key}={value}"
@@ -209,7 +227,8 @@ def to_markdown(rows, header) -> str:
              f"{header['dtype']}, B=1, H={header['heads']}, D={header['head_dim']}, causal. Ratios: triton time / "
              "baseline time in the same run (lower is better).", "",
              "| spec | N | mode | triton ms | SDPA flash ms | triton / SDPA | flex ms | triton / flex | "
-             "triton peak MiB | flex peak MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "triton peak MiB | flex peak MiB | xformers ms | xformers / SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(row, key, fmt="{:.2f}"):
         value = row.get(key)
@@ -222,7 +241,8 @@ def to_markdown(rows, header) -> str:
     for r in rows:
         lines.append(f"| {r['spec']} | {r['n']} | {r['mode']} | {f(r, 'triton_ms')} | {f(r, 'sdpa_ms')} | "
                      f"{f(r, 'vs_sdpa', '{:.2f}x')} | {f(r, 'flex_ms')} | {f(r, 'vs_flex', '{:.2f}x')} | "
-                     f"{f(r, 'triton_peak_mib', '{:.0f}')} | {f(r, 'flex_peak_mib', '{:.0f}')} |")
+                     f"{f(r, 'triton_peak_mib', '{:.0f}')} | {f(r, 'flex_peak_mib', '{:.0f}')} | "
+                     f"{f(r, 'xformers_ms')} | {f(r, 'xformers_vs_sdpa', '{:.2f}x')} |")
     return "\n".join(lines) + "\n"
 
 

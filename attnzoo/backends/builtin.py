@@ -7,6 +7,7 @@ from .blocked import BlockedBackend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .triton import TritonBackend
+from .xformers_backend import XformersBackend
 
 
 @hookimpl
@@ -15,3 +16,4 @@ def register_backends(register):
     register(BlockedBackend())
     register(FlexBackend())
     register(TritonBackend())
+    register(XformersBackend())
