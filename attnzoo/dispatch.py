@@ -155,14 +155,51 @@ class Variant:
             raise ValueError(f"decode takes one token (N = 1), got q of shape {tuple(q_t.shape)}; use prefill")
         return self._extend(q_t, k_t, v_t, cache, params, key_mask, evict_first=True, inputs=inputs)
 
-    def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None, inputs=None):
+    def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None, inputs=None, documents=None):
         """Several new tokens at once (B, H, T, D): they attend over the cache and each other, then the cache
         is evicted down to its budget. With no eviction this equals T calls of :meth:`decode`.
 
         ``key_mask`` (B, T) bool, False for padding (a left-padded batch): positions are per row, the first real
         token of each row is position 1 (the protected BOS), padding tokens are never attended and are evicted
-        first (docs/decoding.md). ``inputs``: the new tokens' per-token inputs (B, H, T) by name."""
+        first (docs/decoding.md). ``inputs``: the new tokens' per-token inputs (B, H, T) by name.
+
+        ``documents``: a packed prefill (docs/packing.md): the prompts of several requests packed in the rows of
+        q, k, v, one cache row per document (``new_cache(batch=number of documents)``, empty), each filled as if
+        prefilled alone (positions from 1, its own budget); returns the packed outputs, and decoding goes on with
+        one batch row per document."""
+        if documents is not None:
+            return self._packed_prefill(q, k, v, cache, params, key_mask, inputs, documents)
         return self._extend(q, k, v, cache, params, key_mask, evict_first=False, inputs=inputs)
+
+    def _packed_prefill(self, q, k, v, cache, params, key_mask, inputs, documents):
+        check_qkv(q, k, v)
+        b, h, n, d = q.shape
+        if key_mask is not None:
+            raise ValueError("documents and key_mask together: mark padding tokens as document id -1 instead")
+        docs = as_documents(documents, b, n, q.device, self.plan.causal)
+        count = len(docs.segments)
+        if not isinstance(cache, KVCache) or cache.batch != count or cache.num_tokens:
+            got = f"batch {cache.batch} holding {cache.num_tokens} tokens" if isinstance(cache, KVCache) else \
+                type(cache).__name__
+            raise ValueError(f"a packed prefill fills one row of an empty cache per document: make it with "
+                             f"new_cache(batch={count}), got {got}")
+        # the documents as a left-padded batch (the cache keeps per-row positions; padding is never attended and
+        # is evicted first), then the outputs back into the packed layout
+        width = max(docs.lengths())
+        mask = torch.zeros(count, width, dtype=torch.bool, device=q.device)
+
+        qp, kp, vp = (_left_pad(t, docs.segments, width) for t in (q, k, v))
+        for i, (_, start, stop) in enumerate(docs.segments):
+            mask[i, width - (stop - start):] = True
+        token_inputs = None
+        if inputs:
+            token_inputs = {key: _left_pad(t.unsqueeze(-1), docs.segments, width).squeeze(-1)
+                            for key, t in inputs.items()}
+        out_padded = self._extend(qp, kp, vp, cache, params, mask, evict_first=False, inputs=token_inputs)
+        out = q.new_zeros(b, h, n, d)
+        for i, (row, start, stop) in enumerate(docs.segments):
+            out[row, :, start:stop] = out_padded[i, :, width - (stop - start):]
+        return out
 
     def _extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
         if not isinstance(cache, KVCache):
@@ -257,3 +294,11 @@ def renamed_flag(value: bool, old: bool | None) -> bool:
     warnings.warn("return_selection is deprecated: use return_accumulated (F, the accumulated selection)",
                   DeprecationWarning, stacklevel=3)
     return bool(old) or value
+
+
+def _left_pad(t: torch.Tensor, segments, width: int) -> torch.Tensor:
+    """The documents ``segments`` of t (B, X, N, D) as rows of a left-padded (len(segments), X, width, D)."""
+    out = t.new_zeros(len(segments), t.shape[1], width, t.shape[3])
+    for i, (row, start, stop) in enumerate(segments):
+        out[i, :, width - (stop - start):] = t[row, :, start:stop]
+    return out

@@ -266,6 +266,40 @@ def check_packed(target: Target, grad: bool) -> None:
     _compare(target, f"packed documents {PACKED_LENGTHS}", got, truth, low)
 
 
+def _prefill_documents(variant, inputs: dict, dtype, device, budget, packed: bool) -> torch.Tensor:
+    """Prefill the documents of a packed row: packed into a cache of one row per document, or each alone into its
+    own cache (the truth); the outputs side by side."""
+    q, k, v = (inputs[n].to(device=device, dtype=dtype) for n in ("q", "k", "v"))
+    params = {key: p.to(device) for key, p in params_of(inputs, dtype).items()}
+    with torch.no_grad():
+        if packed:
+            cache = variant.new_cache(batch=len(PACKED_LENGTHS), budget=budget)
+            token_inputs = _token_inputs(inputs, dtype, device, slice(None))
+            return variant.prefill(q, k, v, cache, params, inputs=token_inputs, documents=list(PACKED_LENGTHS))
+        outs, start = [], 0
+        for length in PACKED_LENGTHS:
+            tokens = slice(start, start + length)
+            cache = variant.new_cache(batch=1, budget=budget)
+            outs.append(variant.prefill(q[:, :, tokens], k[:, :, tokens], v[:, :, tokens], cache, params,
+                                        inputs=_token_inputs(inputs, dtype, device, tokens)))
+            start += length
+        return torch.cat(outs, dim=2)
+
+
+def check_packed_prefill(target: Target) -> None:
+    """Three prompts packed in one row (1, 63, 200) prefilled into a cache with one row per document, with the
+    spec's evictor at a budget of 24 (eviction during the prefill), equal each prompt prefilled alone."""
+    if not target.spec.attention.causal:
+        raise Unsupported("spec is not causal: no decoding")
+    target.require(decode=True)
+    budget = 24 if target.spec.cache is not None else None
+    inputs = _random_case(target, Shape("packed", 1, 4, 2, sum(PACKED_LENGTHS), 8))
+    truth = _memo(target, ("packed-prefill", torch.float64),
+                  lambda: _prefill_documents(target.reference(), inputs, torch.float64, "cpu", budget, False))
+    got = _prefill_documents(target.variant(), inputs, target.dtype, target.device, budget, True)
+    check_close(f"packed prefill {PACKED_LENGTHS}, budget {budget}", got, truth, None, target.dtype)
+
+
 def check_causality(target: Target) -> None:
     """Perturbing tokens after position t leaves outputs at positions <= t unchanged."""
     if not target.spec.attention.causal:

@@ -127,6 +127,7 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                 if not half:
                     add("packed/outputs", ("packing",), checks.check_packed, False)
                     add("packed/gradients", ("packing",), checks.check_packed, True)
+                    add("packed/prefill", ("packing", "decode", "eviction"), checks.check_packed_prefill)
                 add("decode", ("decode", "offset-positions"), checks.check_decode)
                 if half:
                     continue
