@@ -37,6 +37,17 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, same_length:
     return Dims(num_heads=h, head_dim=d, num_kv_heads=k.shape[1])
 
 
+def positions_tensor(positions: Any, batch: int, n: int, device) -> torch.Tensor:
+    """Given positions as (B, N) int64 on ``device``: an integer tensor of shape (N,) or (B, N), else one line."""
+    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
+        raise ValueError("positions must be an integer tensor of 1-based positions")
+    if positions.dim() == 1:
+        positions = positions.unsqueeze(0).expand(batch, -1)
+    if positions.shape != (batch, n):
+        raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
+    return positions.to(device=device, dtype=torch.int64)
+
+
 def check_positions(positions: Any, batch: int, n: int, device, key_mask: torch.Tensor | None = None
                     ) -> torch.Tensor:
     """Default 1..N; accept (N,) or (B, N) integer tensors of 1-based positions that increase strictly along each
@@ -51,13 +62,7 @@ def check_positions(positions: Any, batch: int, n: int, device, key_mask: torch.
     position (1 in a left-padded row): backends see ties only at padding tokens, which are never attended."""
     if positions is None:
         return torch.arange(1, n + 1, device=device).expand(batch, n)
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise ValueError("positions must be an integer tensor of 1-based positions")
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0).expand(batch, -1)
-    if positions.shape != (batch, n):
-        raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
-    positions = positions.to(device=device, dtype=torch.int64)
+    positions = positions_tensor(positions, batch, n, device)
     real = key_mask.to(device) if key_mask is not None else None
     if bool(((positions < 1) if real is None else ((positions < 1) & real)).any()):
         raise ValueError("positions are 1-based: every position must be >= 1")

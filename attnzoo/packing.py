@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from .inputs import positions_tensor
+
 _XFORMERS_CAUSAL = {"BlockDiagonalCausalMask": True, "BlockDiagonalMask": False}
 
 
@@ -145,13 +147,7 @@ def document_positions(docs: Documents, positions: torch.Tensor | None, device) 
         for row, start, stop in docs.segments:
             out[row, start:stop] = torch.arange(1, stop - start + 1, device=device)
         return out
-    if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype == torch.bool:
-        raise ValueError("positions must be an integer tensor of 1-based positions")
-    if positions.dim() == 1:
-        positions = positions.unsqueeze(0).expand(batch, -1)
-    if positions.shape != (batch, n):
-        raise ValueError(f"positions must have shape ({n},) or ({batch}, {n}), got {tuple(positions.shape)}")
-    positions = positions.to(device=device, dtype=torch.int64)
+    positions = positions_tensor(positions, batch, n, device)
     for doc, (row, start, stop) in enumerate(docs.segments):
         seg = positions[row, start:stop]
         if bool((seg < 1).any()):

@@ -249,16 +249,22 @@ def test_refusals_are_one_line():
     assert "AttnzooCache" in one_line(caught)
 
 
+def check_cached_steps_equal_the_batch_form(model, ids, prefill: int = 6):
+    """A prefill of ``prefill`` tokens then one token per step through an AttnzooCache: the batch form's logits."""
+    with torch.no_grad():
+        want = model(ids).logits
+        cache = zt.AttnzooCache(model)
+        steps = [model(ids[:, :prefill], cache=cache, use_cache=True).logits]
+        steps += [model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(prefill, ids.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-5, atol=1e-5)
+    return cache
+
+
 def test_manual_decoding_loop_with_the_cache_matches_the_batch_form():
     model = zt.apply(make("llama"), "selective-ssa", budget=None)
     perturb(model)
     ids = prompts(1, 10)
-    with torch.no_grad():
-        want = model(ids).logits
-        cache = zt.AttnzooCache(model)
-        steps = [model(ids[:, :6], cache=cache, use_cache=True).logits]
-        steps += [model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(6, 10)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-5, atol=1e-5)
+    cache = check_cached_steps_equal_the_batch_form(model, ids)
     assert cache.memory()[0]["tokens"] == 10 and cache.get_seq_length() == 10
 
     offset = torch.arange(5, 15)[None]  # a continued sequence: the cache starts at the first position_id
@@ -287,12 +293,7 @@ def test_a_gate_from_the_layer_input_is_owned_by_each_layer_and_decodes_like_the
             if "token_projections" in name:
                 p.add_(0.5 * torch.randn_like(p))
     ids = prompts(1, 10)
-    with torch.no_grad():
-        want = model(ids).logits
-        cache = zt.AttnzooCache(model)
-        steps = [model(ids[:, :6], cache=cache, use_cache=True).logits]
-        steps += [model(ids[:, i:i + 1], cache=cache, use_cache=True).logits for i in range(6, 10)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), want, rtol=1e-5, atol=1e-5)
+    check_cached_steps_equal_the_batch_form(model, ids)
     model(ids, labels=ids).loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if "token_projections" in n]
     assert all(g is not None and float(g.abs().sum()) > 0 for g in grads)
