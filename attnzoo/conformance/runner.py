@@ -124,10 +124,6 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                     add(f"outputs/{shape.id}", _flags(shape), checks.check_differential, shape, False)
                     add(f"gradients/{shape.id}", _flags(shape), checks.check_differential, shape, True)
                 add("accumulated", ("accumulator",), checks.check_accumulated)
-                if not half:
-                    add("packed/outputs", ("packing",), checks.check_packed, False)
-                    add("packed/gradients", ("packing",), checks.check_packed, True)
-                    add("packed/prefill", ("packing", "decode", "eviction"), checks.check_packed_prefill)
                 add("decode", ("decode", "offset-positions"), checks.check_decode)
                 if half:
                     continue
@@ -135,6 +131,9 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                 add("batch-invariance", ("batch",), checks.check_batch_invariance)
                 add("evictor", ("eviction", "protected"), checks.check_evictor)
                 add("determinism", ("determinism",), checks.check_determinism)
+                add("packed/outputs", ("packing",), checks.check_packed, False)
+                add("packed/gradients", ("packing",), checks.check_packed, True)
+                add("packed/prefill", ("packing", "decode", "eviction"), checks.check_packed_prefill)
     return cases
 
 
