@@ -83,17 +83,17 @@ class BlockedBackend(Backend):
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
                                         int(positions[0, 0]), self.block_size)
             accumulated = None
-        elif (separable := self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params,
-                                               return_accumulated)) is not None:
-            out, accumulated = separable, None
         else:
-            features = plan.token_features(qs, ks, vs, positions, key_mask, params)
+            features = plan.token_features(qs, ks, vs, positions, key_mask, params)  # once, for either path
+            out = self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features)
+            accumulated = None
+        if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_accumulated, features=features)
         out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
 
-    def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_accumulated):
+    def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features):
         """Every logits transform separable (``LogitsTransform.separable``), nothing else but row maps, a causal
         spec at consecutive positions, float32/64: the key terms ``col`` summed are folded into the keys as one
         more dimension, ``q'' = [q, 1]``, ``k'' = [k, col / scale]``, ``v'' = [v, 0]``, and the whole call is one
@@ -106,7 +106,6 @@ class BlockedBackend(Backend):
                 or not plan.causal or qs.dtype not in _FOLDED_RANGE or not _consecutive(positions)):
             return None
         b, h, n, d = qs.shape
-        features = plan.token_features(qs, ks, vs, positions, None, params)
         ctx = plan.context(positions, positions.unsqueeze(1), Dims(h, d, ks.shape[1]), None, features, features)
         col = torch.zeros((), dtype=qs.dtype, device=qs.device)
         for t in transforms:

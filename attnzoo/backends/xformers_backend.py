@@ -22,6 +22,7 @@ import torch
 from ..transforms.base import Dims, Slot
 from ..transforms.masks import SlidingWindow
 from .base import Backend, Mode
+from .blocked import _consecutive
 
 
 def xformers_available() -> str | None:
@@ -38,11 +39,6 @@ def xformers_available() -> str | None:
     finally:
         logger.setLevel(level)
     return None
-
-
-def _consecutive(positions: torch.Tensor) -> bool:
-    n = positions.shape[-1]
-    return bool((positions == positions[:1, :1] + torch.arange(n, device=positions.device)).all())
 
 
 def attention_bias(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, key_mask,

@@ -64,7 +64,8 @@ class _Run:
         return dict(H=h, HKV=hkv, NQ=nq, NK=nk, D=d, KPB=kph * nk, KPHS=nk if kph > 1 else 0, TQS=b * h * nq,
                     TKS=b * h * nk)
 
-    def _terms(self, dummy):
+    def _term_args(self, dummy):
+        """QT and KT as kernel arguments (a dummy pointer each without per-token terms)."""
         return (self.qt, self.kt) if self.qt is not None else (dummy, dummy)
 
     def _meta(self, q):
@@ -101,7 +102,7 @@ class _Run:
         bounds = self.bounds if self.bounds is not None else dummy
         self.kernels._fwd[(nmb, b * h)](
             q, k, v, out, lse, self.qpos, self.kpos, kmask, carry if has_acc else dummy, logits, prm, bounds,
-            self.sink if self.sink is not None else dummy, *self._terms(dummy),
+            self.sink if self.sink is not None else dummy, *self._term_args(dummy),
             **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
             HAS_KMASK=self.key_mask is not None, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits,
             HAS_BOUNDS=self.bounds is not None, HAS_SINK=self.sink is not None)
@@ -134,10 +135,10 @@ class _Run:
         kernels = self.backward_kernels()
         kernels._bwd_dkdv[(nnb, b * hkv)](
             q, k, v, dout, lse, delta, dk, dv, pg, self.qpos, self.kpos, kmask, carry, prm, bounds,
-            *self._terms(dummy), dkt, **dims, NMB=nmb, NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp,
+            *self._term_args(dummy), dkt, **dims, NMB=nmb, NNB=nnb, scale=self.scale, SEL=self.sel, **meta, NPP=npp,
             **terms, **flags, HAS_ACC=has_acc, HAS_BOUNDS=self.bounds is not None)
         kernels._bwd_dq[(nmb, b * h)](
-            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, bounds, *self._terms(dummy),
+            q, k, v, dout, lse, delta, dq, self.qpos, self.kpos, kmask, carry, prm, bounds, *self._term_args(dummy),
             dqt, **dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, NPP=npp, **terms, **flags,
             HAS_ACC=has_acc, HAS_BOUNDS=self.bounds is not None)
         dprm = pg.sum(dim=(0, 2))[:, :n_params].t()  # (NP, H)
@@ -185,7 +186,7 @@ class _Run:
         self.kernels._decode[(b * hkv,)](
             q, k, v, out, lse, self.qpos, self.kpos, self.init_carry if has_acc else dummy,
             srow if has_acc else dummy, logits if logits is not None else dummy, prm,
-            self.sink if self.sink is not None else dummy, *self._terms(dummy), **dims, scale=self.scale,
+            self.sink if self.sink is not None else dummy, *self._term_args(dummy), **dims, scale=self.scale,
             SEL=self.sel, **meta, HAS_ACC=has_acc, WRITE_LOGITS=self.write_logits, HAS_SINK=self.sink is not None)
         return out, lse, srow, logits
 
