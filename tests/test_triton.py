@@ -184,7 +184,8 @@ def test_cli_build(tmp_path, capsys):
 
 
 # -- the kernels against the reference ----------------------------------------------------------------------------
-SMALL_SHAPES = tuple(s for s in checks.DIFFERENTIAL_SHAPES if s.length < 300)  # the interpreter is slow
+# the interpreter is slow: N = 127 (D = 16, the same BLOCK_D as D = 8) adds blocks that N = 63 already crosses
+SMALL_SHAPES = tuple(s for s in checks.DIFFERENTIAL_SHAPES if s.length < 300 and s.id != "n127")
 
 
 def _triton_cases(specs, dtype, shapes, registry=None):
@@ -199,9 +200,9 @@ def _triton_cases(specs, dtype, shapes, registry=None):
 
 @pytest.mark.parametrize("spec", sorted(get_registry().specs))
 def test_conformance_float32(spec):
-    """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), 127, masked rows and offset
+    """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), masked rows and offset
     positions, return_accumulated, causality, batch invariance, prefill + decode, the evictor, determinism.
-    (N = 1,030 and float16 in full run in `make conformance-triton`.)"""
+    (N = 127, N = 1,030 and float16 in full run in `make conformance-triton`.)"""
     results = runner.run_suite(_triton_cases([spec], torch.float32, SMALL_SHAPES))
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
