@@ -198,43 +198,59 @@ def cmd_build(args) -> int:
         table.add_row(spec.name, artifact.key[:12], "cache hit" if artifact.hit else "built", f"{built_ms:.1f}",
                       *((f"{load_ms[p]:.1f}" for p in ("forward", "backward")) if load_ms else ("- (no triton)",) * 2))
     if args.compile_for is not None:
-        status = max(status, _compile_for(args, reg, specs, rows))
+        status = max(status, _compile_for(args, reg, specs, rows, root))
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         Console(width=150).print(table)
         if args.compile_for is not None:
-            _print_compiled(rows, args)
+            _print_compiled(rows)
     return status
 
 
-def _compile_for(args, reg, specs, rows) -> int:
-    """Compile every built spec's kernels for a CUDA architecture (no GPU needed); 1 if any kernel fails."""
+def _compile_for(args, reg, specs, rows, root) -> int:
+    """Compile every built spec's kernels for the named CUDA architectures, dtypes and head dims (no GPU needed)
+    into its artifact, where the runtime loads them; 1 if any kernel fails."""
+    from .backends.triton.aot import parse_arch
+    from .backends.triton.backend import TritonBackend
     from .backends.triton.build import interpreting
     from .plan import Plan
 
     if interpreting():
         raise BadInput("--compile-for needs a process without TRITON_INTERPRET=1")
-    backend = reg.backends["triton"]
-    arch = int(args.compile_for.removeprefix("sm_"))
-    dtype = _dtype(args.dtype)
+    try:
+        archs = [parse_arch(a) for text in args.compile_for for a in text.split(",") if a]
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    dtypes = [_dtype(name) for name in args.dtype]
+    backend = TritonBackend(root=root)
     status = EXIT_OK
     built = {row["spec"] for row in rows}
     for spec, row in zip([s for s in specs if s.name in built], rows, strict=True):
-        row["compiled"] = backend.compile_for(Plan.from_spec(spec, reg), arch, dtype, args.head_dim)
+        row["compiled"] = []
+        for arch in archs:
+            for dtype in dtypes:
+                for head_dim in args.head_dim:
+                    for kernel in backend.compile_for(Plan.from_spec(spec, reg), arch, dtype, head_dim, reg):
+                        kernel.update(arch=arch, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim)
+                        row["compiled"].append(kernel)
         if any(k["error"] for k in row["compiled"]):
             status = EXIT_FAILED
     return status
 
 
-def _print_compiled(rows, args) -> None:
+def _print_compiled(rows) -> None:
     for row in rows:
-        kernels = row["compiled"]
-        shared = max((k["shared"] or 0) for k in kernels)
-        failed = [f"{k['kernel']}: {k['error']}" for k in kernels if k["error"]]
-        print(f"sm_{args.compile_for.removeprefix('sm_')} {args.dtype} D={args.head_dim} {row['spec']:<22} "
-              f"{len(kernels) - len(failed)}/{len(kernels)} kernels compiled, max shared memory {shared} B, "
-              f"{sum(k['seconds'] for k in kernels):.1f} s" + ("" if not failed else "  FAILED: " + "; ".join(failed)))
+        groups: dict[tuple, list[dict]] = {}
+        for kernel in row["compiled"]:
+            groups.setdefault((kernel["arch"], kernel["dtype"], kernel["head_dim"]), []).append(kernel)
+        for (arch, dtype, head_dim), kernels in groups.items():
+            shared = max((k["shared"] or 0) for k in kernels)
+            failed = [f"{k['variant']}: {k['error']}" for k in kernels if k["error"]]
+            print(f"sm_{arch} {dtype} D={head_dim} {row['spec']:<22} {len(kernels) - len(failed)}/{len(kernels)} "
+                  f"kernels compiled into the artifact, max shared memory {shared} B, "
+                  f"{sum(k['seconds'] for k in kernels):.1f} s"
+                  + ("" if not failed else "  FAILED: " + "; ".join(failed)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,10 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", help="artifact cache (default: $ATTNZOO_CACHE_DIR or the user cache directory)")
     p.add_argument("--force", action="store_true", help="regenerate even when cached")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--compile-for", metavar="ARCH", help="also compile every kernel for a CUDA compute capability "
-                   "(e.g. 90 or sm_90) with Triton's GPU compiler; needs no GPU, checks shared memory")
-    p.add_argument("--dtype", default="bfloat16", help="dtype of q, k, v for --compile-for (default bfloat16)")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim for --compile-for (default 128)")
+    p.add_argument("--compile-for", metavar="ARCH", nargs="+", help="also compile the kernels for these CUDA "
+                   "compute capabilities (e.g. 80 90, or sm_90) with Triton's GPU compiler, into the artifact: the "
+                   "runtime loads them instead of compiling; needs no GPU, checks shared memory")
+    p.add_argument("--dtype", nargs="+", default=["bfloat16"], help="dtypes of q, k, v for --compile-for "
+                   "(default bfloat16)")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[128], help="head dims for --compile-for "
+                   "(default 128)")
     p.set_defaults(func=cmd_build)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help

@@ -11,6 +11,9 @@
    SDPA's flash backend and compiled FlexAttention, each measured in the same run (median of interleaved
    repeats, CUDA events), with peak memory. For selective specs FlexAttention gets F as a captured N×N float32
    tensor (the only way it can express the accumulator); computing F is not included in its time.
+3. **First call** (vanilla, ssa, selective; GPU only): the first forward and backward call in a fresh process
+   with an empty Triton cache, without and with the kernels compiled at build time (``attnzoo build
+   --compile-for``), and how many kernels Triton compiled (``benchmarks/first_call.py``).
 
 Prints a markdown table of ratios to SDPA flash (and, for selective, to FlexAttention) and writes it with the raw
 figures to ``--out`` (default benchmarks/results/gpu.{md,json}). Exit code 1 if any check fails.
@@ -221,6 +224,63 @@ def run_timing(specs, lengths, device, dtype, heads, head_dim, repeats, deadline
     return rows
 
 
+# -- first-call latency ------------------------------------------------------------------------------------------
+FIRST_CALL_SPECS = ("vanilla", "ssa", "selective")
+
+
+def run_first_call(specs, dtype, heads, head_dim) -> list[dict]:
+    """First forward and backward call of each spec in a fresh process with an empty Triton cache: once without
+    build-time artifacts (Triton compiles every kernel), once after ``attnzoo build --compile-for`` for this GPU
+    (the runtime loads them: ``compiled`` should be 0). benchmarks/first_call.py does the timing."""
+    import os
+    import subprocess
+    import tempfile
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"{major}{minor}"
+    script = str(Path(__file__).with_name("first_call.py"))
+    name = str(dtype).removeprefix("torch.")
+    rows = []
+    for spec in specs:
+        row = {"spec": spec, "arch": arch}
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            for mode in ("cold", "built"):
+                env.update(ATTNZOO_CACHE_DIR=f"{tmp}/{mode}-artifacts", TRITON_CACHE_DIR=f"{tmp}/{mode}-build")
+                if mode == "built":
+                    done = subprocess.run([sys.executable, "-m", "attnzoo.cli", "build", spec, "--compile-for", arch,
+                                           "--dtype", name, "--head-dim", str(head_dim)], env=env,
+                                          capture_output=True, text=True)
+                    if done.returncode:
+                        row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "build failed"
+                        break
+                env["TRITON_CACHE_DIR"] = f"{tmp}/{mode}-run"  # empty: only the artifact can spare a compile
+                done = subprocess.run([sys.executable, script, spec, "--dtype", name, "--heads", str(heads),
+                                       "--head-dim", str(head_dim)], env=env, capture_output=True, text=True)
+                if done.returncode:
+                    row["error"] = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "run failed"
+                    break
+                row[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+    return rows
+
+
+def first_call_markdown(rows) -> str:
+    lines = ["", "## First call (fresh process, empty Triton cache, N = 1024)", "",
+             "| spec | without build-time kernels: fwd ms / bwd ms (compiled) | after `attnzoo build --compile-for`: "
+             "fwd ms / bwd ms (compiled, loaded) | second call fwd ms / bwd ms |", "|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['spec']} | {r['error']} | | |")
+            continue
+        cold, built = r["cold"], r["built"]
+        lines.append(f"| {r['spec']} | {cold['first']['forward_ms']:.0f} / {cold['first']['backward_ms']:.0f} "
+                     f"({cold['compiled']}) | {built['first']['forward_ms']:.0f} / {built['first']['backward_ms']:.0f}"
+                     f" ({built['compiled']}, {built['loaded']}) | {built['second']['forward_ms']:.2f} / "
+                     f"{built['second']['backward_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def to_markdown(rows, header) -> str:
     lines = [f"# Triton kernels on {header['device']}", "",
              f"attnzoo {header['attnzoo']}, torch {header['torch']}, triton {header['triton']}; "
@@ -285,13 +345,15 @@ def main(argv=None) -> int:
     rows = [] if args.skip_timing else run_timing(timed, lengths, device, dtype if device.type == "cuda"
                                                   else torch.float32, heads, head_dim, repeats,
                                                   start + args.budget_s)
+    first_calls = (run_first_call(FIRST_CALL_SPECS, dtype, heads, head_dim)
+                   if device.type == "cuda" and not args.skip_timing else [])
     from attnzoo.backends.triton.build import triton_version
 
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "attnzoo": attnzoo.__version__, "torch": torch.__version__, "triton": triton_version(),
               "dtype": args.dtype if device.type == "cuda" else "float32", "heads": heads, "head_dim": head_dim,
               "seconds": time.perf_counter() - start}
-    text = to_markdown(rows, header)
+    text = to_markdown(rows, header) + (first_call_markdown(first_calls) if first_calls else "")
     failed = {name: p for name, p in failures.items() if p}
     text += "\n" + (f"Checks: {len(failures) - len(failed)} of {len(failures)} specs pass." if failures else
                     "Checks: skipped.") + "\n"
@@ -299,7 +361,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"header": header, "timing": rows, "checks": failures},
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "timing": rows, "first_call": first_calls,
+                                                    "checks": failures},
                                                    indent=2) + "\n")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} in {header['seconds']:.0f} s")
     return 1 if failed else 0

@@ -325,8 +325,11 @@ def test_composed_spec_with_parameters_through_the_selector():
 
 
 def test_compile_for_a_gpu_without_one(tmp_path):
-    """Triton's GPU compiler (down to a cubin with its bundled ptxas) takes every kernel of a spec with an
-    accumulator and a learnable logits parameter; the interpreter never exercises that lowering."""
+    """Build-time compilation, as far as a CPU allows: Triton's GPU compiler (down to a cubin with its bundled
+    ptxas) takes every kernel variant the backend launches for a spec with an accumulator and a learnable logits
+    parameter, stores it in the artifact, and, installed into a fresh Triton cache, each launch the backend makes
+    on that GPU is found there (Triton's own lookup: nothing is compiled); a launch that was not compiled at
+    build time (another head dim) gets the warning that names it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["ATTNZOO_CACHE_DIR"] = str(tmp_path)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
@@ -334,12 +337,30 @@ def test_compile_for_a_gpu_without_one(tmp_path):
     spec.write_text("name: composed\ntransforms:\n  - {kind: constant_temperature}\n  - {kind: softcap, cap: 30.0}\n"
                     "  - {kind: selective_mask}\n  - {kind: query_temperature}\n")
     done = subprocess.run([sys.executable, "-m", "attnzoo.cli", "build", str(spec), "--compile-for", "sm_90",
-                           "--json"], capture_output=True, text=True, env=env, timeout=600)
+                           "--dtype", "float16", "--head-dim", "64", "--json"], capture_output=True, text=True,
+                          env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     (row,) = json.loads(done.stdout)
-    kernels = {k["kernel"]: k for k in row["compiled"]}
-    assert set(kernels) == {"_fwd", "_decode", "_sel_carry", "_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"}
-    assert all(k["error"] is None and 0 < k["shared"] <= k["limit"] for k in kernels.values()), kernels
+    kernels = row["compiled"]
+    assert {k["kernel"] for k in kernels} == {"_fwd", "_decode", "_sel_carry", "_bwd_dkdv", "_bwd_dq",
+                                              "_sel_bwd_dk", "_sel_bwd_dq"}
+    assert all(k["error"] is None and 0 < k["shared"] <= k["limit"] for k in kernels), kernels
+    cases = {case for k in kernels for case in k["cases"]}
+    assert cases == {"batch", "batch with key mask", "prefill", "decode"}
+    index = json.loads(next(tmp_path.glob("*/compiled/sm_90/index.json")).read_text())
+    assert set(index["entries"]) == {k["hash"] for k in kernels}
+
+    check = os.path.join(os.path.dirname(__file__), "data", "aot", "check_runtime.py")
+    done = subprocess.run([sys.executable, check, str(spec)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["installed"] == len(kernels)
+    assert len(result["hits"]) == result["launches"] >= len(kernels) and all(result["hits"]), result
+    assert result["warnings_compiled"] == []
+    (warning,) = result["warnings_missing"]
+    assert warning.startswith("KernelCompileWarning: attnzoo triton: spec 'composed' kernel _sel_carry[")
+    assert "BLOCK_D=32" in warning and f"not among the {len(kernels)} kernels compiled for sm_90" in warning
+    assert warning.endswith("attnzoo build composed --compile-for 90 --dtype float16 --head-dim 32")
 
 
 def test_compile_for_refuses_the_interpreter():

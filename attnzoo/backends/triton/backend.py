@@ -12,7 +12,7 @@ and ranked below every other backend by ``auto``.
 
 from __future__ import annotations
 
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +22,7 @@ from ...cache import accumulator_dtype
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
 from . import codegen
-from .build import interpreting, load_kernels, triton_version
+from .build import SOURCES, build, interpreting, kernel_module_name, load_kernels, triton_version
 
 
 def _pow2(n: int) -> int:
@@ -194,19 +194,6 @@ class _Run:
 #: largest shared memory per block, by CUDA compute capability (bytes, opt-in maximum)
 SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
 
-_TRITON_DTYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-_FLOAT32_BUFFERS = {"DQ", "DK", "DV", "DKS", "DQS", "LSE", "DELTA", "CARRY", "RCARRY", "LOGITS", "PRM", "PG", "PGS",
-                    "TOTAL", "INIT", "CARRYV", "SROW", "SINK", "QT", "KT", "DQT", "DKT"}
-
-
-def _arg_type(name: str, dtype: torch.dtype) -> str:
-    """The Triton type of a template kernel argument, as the backend passes it (see ``_Run``)."""
-    if name in ("Q", "K", "V", "O", "DO"):
-        return f"*{_TRITON_DTYPES[dtype]}"
-    if name in _FLOAT32_BUFFERS:
-        return "*fp32"
-    return {"QPOS": "*i64", "KPOS": "*i64", "KMASK": "*i8", "BOUNDS": "*i32", "scale": "fp32"}.get(name, "i32")
-
 
 def gpu_blocks(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """Query and key block sizes on a GPU: 64×64 while a row of the head fits 256 bytes (bf16/fp16 up to D = 128),
@@ -275,6 +262,8 @@ class TritonBackend(Backend):
     def __init__(self, root=None) -> None:
         self.root = root  # artifact cache directory (None: build.cache_dir())
         self._kernels: dict[tuple[str, bool, str], object] = {}
+        self._aot: tuple[int, object] | None = None  # (arch, recorder factory) while aot.capture records launches
+        self._installed: set[tuple[str, int]] = set()  # (spec hash, arch) whose build-time kernels are installed
 
     @property
     def priority(self) -> int:  # type: ignore[override]
@@ -307,12 +296,44 @@ class TritonBackend(Backend):
         memo = (plan.spec.hash, interpreting(), part)
         if memo not in self._kernels:
             self._kernels[memo] = load_kernels(plan.spec, root=self.root, plan=plan, part=part)
+        if self._aot is not None:
+            return self._aot[1](self._kernels[memo], part)
         return self._kernels[memo]
 
+    @contextmanager
+    def aot_target(self, arch: int, recorder):
+        """Within the block, launches are made as on an sm_``arch`` GPU (its block sizes and options) but on the
+        kernels ``recorder(module, part)`` returns (:func:`aot.capture`)."""
+        if interpreting():
+            raise ValueError("compiling for a GPU needs a process without TRITON_INTERPRET=1")
+        self._aot = (arch, recorder)
+        try:
+            yield
+        finally:
+            self._aot = None
+
+    def _on_gpu(self, q) -> bool:
+        return self._aot is not None or (q.device.type == "cuda" and not interpreting())
+
     def _blocks(self, q) -> tuple[int, int]:
-        if interpreting() or q.device.type != "cuda":
+        if not self._on_gpu(q):
             return 32, 32
         return gpu_blocks(q.dtype, q.shape[-1])
+
+    def _install_compiled(self, plan, q) -> None:
+        """Before the first launch of ``plan``'s kernels on this GPU's architecture: make the kernels compiled
+        at build time visible to Triton (:func:`aot.install`), so it loads rather than compiles them."""
+        from . import aot
+
+        aot.CALL.case = (q.dtype, q.shape[-1])
+        major, minor = torch.cuda.get_device_capability(q.device)
+        arch = major * 10 + minor
+        if (plan.spec.hash, arch) in self._installed:
+            return
+        artifact = build(plan.spec, root=self.root, plan=plan)
+        modules = [kernel_module_name(artifact.key, part, False) for part in SOURCES]
+        aot.install(artifact.directory, arch, modules, plan.spec.name)
+        self._installed.add((plan.spec.hash, arch))
 
     def _prm(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
         keys = codegen.layout(plan).params
@@ -346,58 +367,29 @@ class TritonBackend(Backend):
         return torch.stack(rows).contiguous(), torch.stack(cols).contiguous()
 
     def _launch_options(self, q) -> dict:
-        if interpreting() or q.device.type != "cuda":
+        if not self._on_gpu(q):
             return {}
         return gpu_options(q.dtype)
 
     # -- ahead of time -------------------------------------------------------------------------------------------
-    def compile_for(self, plan, arch: int, dtype: torch.dtype, head_dim: int = 128) -> list[dict]:
-        """Compile every kernel of ``plan``'s spec for CUDA compute capability ``arch`` (e.g. 90), with the block
-        sizes and options a GPU run of ``dtype`` and ``head_dim`` uses: Triton's GPU lowering down to a cubin
-        (its bundled ptxas), no GPU needed. One row per kernel: name, shared memory in bytes, the architecture's
-        limit, seconds, and an error or None."""
+    def compile_for(self, plan, arch: int, dtype: torch.dtype, head_dim: int = 128, registry=None) -> list[dict]:
+        """Compile ``plan``'s kernels for CUDA compute capability ``arch`` (e.g. 90) as a GPU run of ``dtype`` and
+        ``head_dim`` launches them (:mod:`aot`), into the spec's artifact, where the runtime loads them without
+        compiling. Triton's GPU lowering down to a cubin (its bundled ptxas), no GPU needed. One row per compiled
+        kernel variant: kernel, variant, cases, hash, shared memory in bytes, the architecture's limit, seconds,
+        and an error or None."""
+        from . import aot
+
         if interpreting():
             # Triton defines its own library functions for the interpreter when it is imported in that mode
             raise ValueError("compiling for a GPU needs a process without TRITON_INTERPRET=1")
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-
-        parts = {part: self.kernels(plan, part) for part in ("forward", "backward")}
-        bm, bn = gpu_blocks(dtype, head_dim)
-        common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=max(16, _pow2(head_dim)), CAUSAL_SKIP=True,
-                      HAS_KMASK=False, HAS_BOUNDS=False, HAS_INIT=False, WRITE_LOGITS=False,
-                      NPP=_pow2(max(1, len(codegen.layout(plan).params))),
-                      NTP=_pow2(max(1, len(codegen.layout(plan).terms))),
-                      HAS_ACC=plan.one(Slot.ACCUMULATOR) is not None,
-                      HAS_SINK=plan.one(Slot.NORMALISER) is not None)
-        names = ["_fwd", "_decode", "_sel_carry"], ["_bwd_dkdv", "_bwd_dq", "_sel_bwd_dk", "_sel_bwd_dq"]
-        options = gpu_options(dtype)
-        rows = []
-        for part, kernels in zip(("forward", "backward"), names, strict=True):
-            for name in kernels:
-                fn = getattr(parts[part], name, None)
-                if fn is None:  # accumulator kernels exist only for specs with an accumulator
-                    continue
-                consts = {k: v for k, v in common.items() if k in fn.arg_names}
-                if name == "_decode":
-                    consts.update(BLOCK_M=16, WRITE_LOGITS=True)
-                signature = {a: "constexpr" if a in consts else _arg_type(a, dtype) for a in fn.arg_names}
-                start = time.perf_counter()
-                row = {"kernel": name, "shared": None, "limit": SHARED_MEMORY_LIMIT.get(arch), "error": None}
-                try:
-                    compiled = triton.compile(ASTSource(fn, signature, consts), target=GPUTarget("cuda", arch, 32),
-                                              options=options)
-                    row["shared"] = compiled.metadata.shared
-                except Exception as exc:  # noqa: BLE001 - reported per kernel, one line
-                    row["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-                row["seconds"] = time.perf_counter() - start
-                if row["error"] is None and row["limit"] is not None and row["shared"] > row["limit"]:
-                    row["error"] = f"needs {row['shared']} B of shared memory, sm_{arch} has {row['limit']} B"
-                rows.append(row)
-        return rows
+        artifact = build(plan.spec, root=self.root, plan=plan)
+        return aot.compile_for(self, plan, artifact.directory, arch, dtype, head_dim,
+                               SHARED_MEMORY_LIMIT.get(arch), registry)
 
     def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
+        if self._aot is None and q.device.type == "cuda" and not interpreting():
+            self._install_compiled(plan, q)
         bm, bn = self._blocks(q)
         bounds = _window_bounds(plan, qpos, bm, bn) if causal_skip else None
         return _Run(self.kernels(plan), lambda: self.kernels(plan, "backward"), codegen.layout(plan),

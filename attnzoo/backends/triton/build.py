@@ -162,6 +162,11 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
 _modules: dict[tuple[str, bool], Any] = {}
 
 
+def kernel_module_name(key: str, part: str, interpreted: bool) -> str:
+    """The module name a spec's generated ``part`` is imported as (Triton's hooks see kernels by module)."""
+    return f"attnzoo_kernels_{key[:16]}_{part}{'_interp' if interpreted else ''}"
+
+
 def interpreting() -> bool:
     """True when Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``; CPU checking mode)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -174,7 +179,7 @@ def load_kernels(spec, registry=None, root: Path | None = None, plan=None, part:
     path = artifact.path(part)
     memo = (str(path), interpreting())
     if memo not in _modules:
-        name = f"attnzoo_kernels_{artifact.key[:16]}_{part}{'_interp' if memo[1] else ''}"
+        name = kernel_module_name(artifact.key, part, memo[1])
         module_spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module  # triton resolves the kernels' globals through the module

@@ -17,7 +17,10 @@ from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
 #: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
+
+#: the integer kernel arguments Triton must not specialise on their values (every one but the head dim D)
+SIZES = ("H", "HKV", "NQ", "NK", "KPB", "KPHS", "NMB", "NNB", "TQS", "TKS", "NT", "SEL")
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,11 @@ def generate(plan) -> dict[str, str]:
             "",
             "import triton",
             "import triton.language as tl",
+            "",
+            "# sizes and indices are not specialised on their values (only D is: its divisibility keeps loads",
+            "# vectorised), so a kernel compiled at build time (attnzoo build --compile-for) serves every sequence",
+            "# length, batch and head count",
+            f"SIZES = {list(SIZES)!r}",
         ]
         helpers = [header, _mask_helper(plan), logits]
         if part == "forward":

@@ -97,7 +97,7 @@ def _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK, D, KPB, 
 '''
 
 ACC_FORWARD = '''
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _sel_carry(Q, K, QPOS, KPOS, KMASK, INIT, CARRY, TOTAL, PRM,
                H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -149,7 +149,7 @@ def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile,
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
                 H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
@@ -187,7 +187,7 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
     tl.store(PGS + (b * NNB + n) * NPP + tl.arange(0, NPP), dpv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
                 H, HKV, NQ, NK, D, KPB, KPHS, NMB, scale, SEL,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
@@ -216,7 +216,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
 '''
 
 FORWARD = '''
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK, QT, KT,
          H, HKV, NQ, NK, D, KPB, KPHS, NMB, TQS, TKS, scale, SEL,
          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -273,7 +273,7 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK, Q
     tl.store(LSE + (b * H + h) * NQ + rows, lse, mask=rv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK, QT, KT,
             H, HKV, NK, D, KPB, KPHS, TQS, TKS, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -324,7 +324,7 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK, QT, KT
 '''
 
 BACKWARD = '''
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, QT, KT, DKT,
               H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, TQS, TKS, NT, scale, SEL,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
@@ -385,7 +385,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
     _store_rows(DV, (b * HKV + kvh) * NK, cols, NK, D, dv, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SIZES)
 def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, QT, KT, DQT,
             H, HKV, NQ, NK, D, KPB, KPHS, NMB, TQS, TKS, NT, scale, SEL,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
