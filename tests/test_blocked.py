@@ -19,7 +19,10 @@ def registry():
 
 
 def test_conformance_with_16_query_blocks(registry):
-    cases = runner.build_cases(registry, None, ["blocked16"], (torch.float64, torch.float32))
+    """Many blocks (and forward spans) at the suite's small sizes: every check in float64, the outputs and
+    gradients (the numerics) in float32 too."""
+    cases = [c for c in runner.build_cases(registry, None, ["blocked16"], (torch.float64, torch.float32))
+             if c.dtype == "float64" or c.check.startswith(("outputs/", "gradients/", "packed/"))]
     results = runner.run_suite(cases)
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]

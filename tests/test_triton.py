@@ -198,12 +198,36 @@ def _triton_cases(specs, dtype, shapes, registry=None):
     return [c for c in cases if not c.check.startswith(("outputs/", "gradients/", "packed/")) or c.check in keep]
 
 
+def _kernel_body(name):
+    plan = _plan(name)
+    return {part: src.split('"""', 2)[2] for part, src in codegen.generate(plan).items()}
+
+
+#: specs whose kernels are vanilla's, byte for byte (only row maps, computed by the backend's torch prologue),
+#: with no evictor or normaliser (which change the launch): they get the vectors, outputs and gradients at two
+#: shapes and causality; vanilla itself gets everything
+SHARES_VANILLA = {name for name in get_registry().specs if name != "vanilla"
+                  and _plan(name).evictor_cls is None and _plan(name).one(Slot.NORMALISER) is None
+                  and _kernel_body(name) == _kernel_body("vanilla")}
+_SHARED_CHECKS = ("vectors/", "outputs/gqa-n63", "gradients/gqa-n63", "outputs/offset-gaps-n45",
+                  "gradients/offset-gaps-n45", "causality")
+
+
+def test_specs_sharing_vanillas_kernels_are_the_row_map_ones():
+    assert {"ssa", "ssa-query", "ssa-key", "ssa-value", "gated"} <= SHARES_VANILLA
+    assert not SHARES_VANILLA & {"selective", "softcap", "alibi", "h2o", "sink", "local"}
+
+
 @pytest.mark.parametrize("spec", sorted(get_registry().specs))
 def test_conformance_float32(spec):
     """Every shipped spec: vectors, outputs and all gradients at N = 1, 63 (GQA), masked rows and offset
-    positions, return_accumulated, causality, batch invariance, prefill + decode, the evictor, determinism.
-    (N = 127, N = 1,030 and float16 in full run in `make conformance-triton`.)"""
-    results = runner.run_suite(_triton_cases([spec], torch.float32, SMALL_SHAPES))
+    positions, return_accumulated, causality, batch invariance, prefill + decode, the evictor, determinism
+    (a sample for the specs whose kernels are vanilla's, :data:`SHARES_VANILLA`). (N = 127, N = 1,030 and
+    float16 in full run in `make conformance-triton`.)"""
+    cases = _triton_cases([spec], torch.float32, SMALL_SHAPES)
+    if spec in SHARES_VANILLA:
+        cases = [c for c in cases if c.check.startswith(_SHARED_CHECKS)]
+    results = runner.run_suite(cases)
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
     unsupported = {r.check for r in results if r.status == "unsupported"}
