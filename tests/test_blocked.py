@@ -217,3 +217,47 @@ def test_separable_key_terms_fold_into_one_sdpa_call_or_decline(monkeypatch, bia
     assert seen == [folded]
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_selective_leaves_out_negligible_keys_exactly(registry, monkeypatch, dtype, tol):
+    """Keys whose F is past the negligible bound for a whole block (selective_kernel.negligible_f) are left out
+    of the forward and backward passes. Keys were in fact left out (large selector logits make F grow fast, as
+    a trained selector does), and outputs and every gradient equal those of the same computation visiting every
+    key (to rounding: what is left out weighs below e^-104) and the reference's."""
+    from attnzoo.backends import selective_kernel
+
+    pruned = []
+    live = selective_kernel.Keys.live.__func__
+
+    def spy(cls, carry, start, stop, limit, keep=0.8):
+        keys = live(cls, carry, start, stop, limit, keep)
+        if keys.index is not None:
+            pruned.append(start - keys.before)
+        return keys
+
+    monkeypatch.setattr(selective_kernel.Keys, "live", classmethod(spy))
+    gen = torch.Generator().manual_seed(3)
+    q = (3 * torch.randn(2, 4, 300, 8, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    k, v = ((3 * torch.randn(2, 2, 300, 8, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+            for _ in range(2))
+    cot = torch.randn(2, 4, 300, 8, generator=gen, dtype=torch.float64).to(dtype)
+    variant = attnzoo.compile("selective", backend="blocked16", registry=registry)
+
+    def run():
+        out = variant(q, k, v)
+        return [out, *torch.autograd.grad(out, (q, k, v), cot)]
+
+    got = run()
+    assert pruned and max(pruned) > 100, pruned
+    monkeypatch.setattr(selective_kernel, "negligible_f", lambda *args: float("inf"))
+    pruned.clear()
+    every = run()
+    assert not pruned
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = attnzoo.compile("selective", backend="reference")(q64, k64, v64)
+    reference = [want, *torch.autograd.grad(want, (q64, k64, v64), cot.double())]
+    for name, g, e, w in zip(["out", "q", "k", "v"], got, every, reference, strict=True):
+        torch.testing.assert_close(g, e, rtol=tol, atol=tol, msg=name)
+        torch.testing.assert_close(g.double(), w, rtol=1e-4 if dtype == torch.float32 else 1e-9,
+                                   atol=1e-4 if dtype == torch.float32 else 1e-8, msg=name)

@@ -126,16 +126,19 @@ class SelectiveCausal(torch.autograd.Function):
         buffer = torch.empty(b * min(span, n) * n, dtype=q.dtype, device=q.device)  # one mask for every span
         for start in range(0, n, span):
             stop = min(start + span, n)
-            # -F for the span's queries against every key they see; each block of ``block`` queries computes
-            # its part from its own carry, exactly as the backward pass recomputes it
-            mask = buffer[:b * (stop - start) * stop].view(b, stop - start, stop)
+            keys = Keys.live(carry, start, stop, limit)  # the earlier keys still worth visiting, then the span's
+            # -F for the span's queries against those keys; each block of ``block`` queries computes its part
+            # from its own carry, exactly as the backward pass recomputes it
+            mask = buffer[:b * (stop - start) * keys.count].view(b, stop - start, keys.count)
             for lo in range(start, stop, block):
                 hi = min(lo + block, stop)
                 carries.append(carry[:, :hi].clone())
-                s = _selection(q, ke, sel, lo, hi, scale, pointwise, bos)[0]
-                _neg_f_into(mask[:, lo - start:hi - start], s, carry[:, :hi], limit)
-                carry[:, :hi] += s.sum(dim=2, dtype=wide)
-            _span_attention(q, ke, ve, mask.unsqueeze(1), scale, start, stop, out, lse)
+                upto = keys.upto(hi)
+                s = _selection(q[:, sel, lo:hi], upto.take(ke[:, sel], 1), hi - lo, scale, pointwise,
+                               bos and upto.has_first)[0]
+                _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), limit)
+                upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
+            _span_attention(q, ke, ve, keys, mask.unsqueeze(1), scale, start, stop, out, lse)
         ctx.save_for_backward(q, ke, ve, out, lse, *carries)
         ctx.meta = (scale, sel, pointwise, bos, block, group, limit)
         return out
@@ -156,23 +159,94 @@ class SelectiveCausal(torch.autograd.Function):
         for index in reversed(range(len(starts))):
             start = starts[index]
             stop = min(start + block, n)
-            s, l_sel = _selection(q, ke, sel, start, stop, scale, pointwise, bos)
-            neg_f = torch.empty(b, stop - start, stop, dtype=q.dtype, device=q.device)
-            _neg_f_into(neg_f, s, carries[index], limit)
+            carry = carries[index]
+            keys = Keys.live(carry, start, stop, limit)
+            s, l_sel = _selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, scale, pointwise,
+                                  bos and keys.has_first)
+            neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
+            _neg_f_into(neg_f, s, keys.take(carry, 1), limit)
+            k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
+            dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
             # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
-            d_f = _tiles_backward(q, ke, ve, grad_out, lse, neg_delta, neg_f, scale, start, stop, block,
-                                  dq, dk, dv).transpose(1, 2)  # transposed, (B, Nk, Bq), like S^T
+            d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop], lse[:, :, start:stop],
+                                  neg_delta[:, :, start:stop], neg_f, scale, dq[:, :, start:stop], dk_c, dv_c)
+            keys.add_into(dk, dk_c, 2, buffer=True)
+            keys.add_into(dv, dv_c, 2, buffer=True)
             # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
+            d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
             total = d_f.sum(dim=2, keepdim=True)
-            d_s = total - torch.cumsum(d_f, dim=2) + dcarry[:, :stop, None]
-            dcarry = torch.cat([dcarry[:, :stop] + total[:, :, 0], dcarry[:, stop:]], dim=1)
-            d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), start, stop, pointwise, bos))
-            dk[:, sel, :stop] += (d_sel @ q[:, sel, start:stop]) * scale
-            dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ ke[:, sel, :stop]) * scale
+            d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None]
+            keys.add_into(dcarry, total[:, :, 0], 1)
+            d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), stop - start, pointwise, bos and keys.has_first))
+            keys.add_into(dk[:, sel], (d_sel @ q[:, sel, start:stop]) * scale, 1)
+            dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ keys.take(ke[:, sel], 1)) * scale
         if group > 1:
             dk = dk.view(b, h // group, group, n, d).sum(2)
             dv = dv.view(b, h // group, group, n, d).sum(2)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None
+
+
+class Keys:
+    """The keys a block of queries [start, stop) visits: every key < stop, or (:meth:`live`) only the earlier
+    keys whose F is under the negligible bound in some batch row, then the block's own keys. A key's F only grows
+    with the query, so a key left out is negligible for every later query too (exp(-104) of the row's largest,
+    :func:`negligible_f`): leaving it out changes no float32 result, and it is what selective attention's
+    pruning does. Its carry then stops growing (it stays past the bound), in the forward and backward alike."""
+
+    def __init__(self, start: int, stop: int, index: torch.Tensor | None = None, before: int | None = None):
+        self.start, self.stop, self.index = start, stop, index
+        self.before = start if index is None else before  # how many of the keys come before ``start``
+        self.count = stop if index is None else index.numel()
+
+    @classmethod
+    def live(cls, carry, start: int, stop: int, limit: float, keep: float = 0.8) -> Keys:
+        """Left out only when at most ``keep`` of the earlier keys are live (otherwise gathering costs more than
+        it saves)."""
+        if start == 0 or limit == math.inf:
+            return cls(start, stop)
+        alive = (carry[:, :start] < limit).any(dim=0).nonzero().squeeze(1)
+        if alive.numel() > keep * start:
+            return cls(start, stop)
+        index = torch.cat([alive, torch.arange(start, stop, device=carry.device)])
+        return cls(start, stop, index, alive.numel())
+
+    @property
+    def has_first(self) -> bool:
+        """Whether key 0 (BOS) is the first of these keys."""
+        return self.index is None or (self.index.numel() > 0 and int(self.index[0]) == 0)
+
+    def upto(self, hi: int) -> Keys:
+        """The keys before ``hi`` (a block inside a span: the earlier live keys, then the span's keys up to hi)."""
+        if self.index is None:
+            return Keys(self.start, hi)
+        return Keys(self.start, hi, self.index[:self.before + hi - self.start], self.before)
+
+    def earlier(self) -> Keys:
+        """The keys before ``start``."""
+        if self.index is None:
+            return Keys(0, self.start)
+        return Keys(0, self.start, self.index[:self.before], self.before)
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.index is None:
+            return t.narrow(dim, 0, self.stop)
+        return t.index_select(dim, self.index)
+
+    def grad_buffer(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Where gradients for these keys accumulate: a view of ``t`` or a zero buffer (see :meth:`add_into`)."""
+        if self.index is None:
+            return t.narrow(dim, 0, self.stop)
+        shape = list(t.shape)
+        shape[dim] = self.count
+        return t.new_zeros(shape)
+
+    def add_into(self, t: torch.Tensor, values: torch.Tensor, dim: int, buffer: bool = False) -> None:
+        """t[keys] += values along ``dim`` (nothing to do for a :meth:`grad_buffer` view)."""
+        if self.index is None:
+            if not buffer:
+                t.narrow(dim, 0, self.stop).add_(values)
+            return
+        t.index_add_(dim, self.index, values)
 
 
 #: heads and keys per tile of the backward pass: a tile's probabilities (4 × 256 × 1024 float32, 4 MiB) stay
@@ -182,38 +256,41 @@ TILE_HEADS = 4
 TILE_KEYS = 1024
 
 
-def _tiles_backward(q, ke, ve, grad_out, lse, neg_delta, neg_f, scale, start, stop, block, dq, dk, dv):
-    """The softmax backward of queries [start, stop) against keys [0, stop), in tiles of heads and keys: adds
-    into dq, dk, dv (B, H, ·, D) and returns -sum over heads of dL/dlogits, i.e. dL/dF (B, Bq, stop).
+def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv):
+    """The softmax backward of a block of queries (q, grad_out, lse, neg_delta, dq: (B, H, Bq, ·)) against its
+    keys (k, v, dk, dv: (B, H, Nk, ·), the block's own keys last), in tiles of heads and keys: adds into dq, dk,
+    dv and returns -sum over heads of dL/dlogits, i.e. dL/dF (B, Bq, Nk).
 
-    ``neg_f`` is -F (B, Bq, stop), 0 for future keys; the tile's probabilities are exp(logits - F - lse), with
-    the exponent clamped above the subnormal range (exp of a large F would otherwise run through subnormals,
-    slow on CPU; such probabilities are below 1e-34 either way) and exactly 0 for future keys."""
-    b, h, _, d = q.shape
-    bq = stop - start
+    ``neg_f`` is -F (B, Bq, Nk). The tile's probabilities are exp(logits - F - lse), with the exponent clamped
+    above the subnormal range (exp of a large F would otherwise run through subnormals, slow on CPU; such
+    probabilities are below 1e-34 either way) and exactly 0 for future keys."""
+    b, h, bq, d = q.shape
+    nk = k.shape[2]
+    diagonal = nk - bq  # where the block's own keys start
     floor = math.log(torch.finfo(q.dtype).tiny) + 7.0
-    chunk = block * max(1, TILE_KEYS // block)  # key tiles end on block boundaries: the last holds the diagonal
+    # key tiles: the last one holds the whole diagonal block
+    firsts = list(range(0, max(diagonal, 1), TILE_KEYS))
+    bounds = list(zip(firsts, [*firsts[1:], nk], strict=True))
     future = torch.ones(bq, bq, dtype=torch.bool, device=q.device).triu_(1)
-    d_f = torch.empty(b, bq, stop, dtype=q.dtype, device=q.device)
+    d_f = torch.empty(b, bq, nk, dtype=q.dtype, device=q.device)
     for h0 in range(0, h, TILE_HEADS):
         h1 = min(h0 + TILE_HEADS, h)
         heads, m = slice(h0, h1), (h1 - h0) * b
 
-        def rows(t, lo, hi, _heads=heads, _m=m):
-            return t[:, _heads, lo:hi].reshape(_m, hi - lo, t.shape[-1])
+        def rows(t, lo=0, hi=None, _heads=heads, _m=m):
+            t = t[:, _heads, lo:hi]
+            return t.reshape(_m, t.shape[2], t.shape[3])
 
-        q_blk, g_blk = rows(q, start, stop), rows(grad_out, start, stop)
-        lse_blk = lse[:, heads, start:stop, None]
-        nd_blk = rows(neg_delta, start, stop)
+        q_blk, g_blk, nd_blk = rows(q), rows(grad_out), rows(neg_delta)
+        lse_blk = lse[:, heads, :, None]
         dq_blk = torch.zeros(m, bq, d, dtype=q.dtype, device=q.device)
-        for c0 in range(0, stop, chunk):
-            c1 = min(c0 + chunk, stop)
-            k_t, v_t = rows(ke, c0, c1), rows(ve, c0, c1)
+        for c0, c1 in bounds:
+            k_t, v_t = rows(k, c0, c1), rows(v, c0, c1)
             bias = (neg_f[:, None, :, c0:c1] - lse_blk).reshape(m, bq, c1 - c0)
             p = torch.baddbmm(bias, q_blk, k_t.transpose(1, 2), alpha=scale)  # logits - F - lse
             p.clamp_min_(floor).exp_()
-            if c1 > start:  # the diagonal block: exactly 0 above the diagonal
-                p[..., start - c0:].masked_fill_(future, 0.0)
+            if c1 > diagonal:  # the diagonal block: exactly 0 above the diagonal
+                p[..., diagonal - c0:].masked_fill_(future, 0.0)
             dv[:, heads, c0:c1] += (p.transpose(1, 2) @ g_blk).view(b, h1 - h0, c1 - c0, d)
             dl = p.mul_(torch.baddbmm(nd_blk, g_blk, v_t.transpose(1, 2)))  # dL/dlogits = p (dp - delta)
             dq_blk.baddbmm_(dl, k_t, alpha=scale)
@@ -223,25 +300,26 @@ def _tiles_backward(q, ke, ve, grad_out, lse, neg_delta, neg_f, scale, start, st
                 torch.neg(summed, out=d_f[:, :, c0:c1])
             else:
                 d_f[:, :, c0:c1].sub_(summed)
-        dq[:, heads, start:stop] += dq_blk.view(b, h1 - h0, bq, d)
+        dq[:, heads] += dq_blk.view(b, h1 - h0, bq, d)
     return d_f
 
 
-def _selection(q, ke, sel, start, stop, scale, pointwise, bos):
-    """The block's selection, transposed: S^T (B, Nk, Bq) = the pointwise selection of the selector logits where
-    a query may select a key (strictly earlier, or itself unless ``exclude_self``; never BOS when ``bos``), and
-    those logits l^T.
+def _selection(q_sel, k_sel, bq, scale, pointwise, bos):
+    """A block's selection, transposed: S^T (B, Nk, Bq) = the pointwise selection of the selector logits where
+    a query may select a key (strictly earlier, or itself unless ``exclude_self``; never BOS, the first key,
+    when ``bos``), and those logits l^T. ``q_sel`` (B, Bq, D) are the block's selector queries, ``k_sel``
+    (B, Nk, D) its keys, the block's own keys last.
 
     Keys run along rows so that the cumulative sum over queries is along the contiguous last dim (much faster
     on CPU than a cumulative sum across rows)."""
-    l_sel = (ke[:, sel, :stop] @ q[:, sel, start:stop].transpose(-1, -2)) * scale
-    return _exclude(pointwise.value(l_sel), start, stop, pointwise, bos), l_sel
+    l_sel = (k_sel @ q_sel.transpose(-1, -2)) * scale
+    return _exclude(pointwise.value(l_sel), bq, pointwise, bos), l_sel
 
 
-def _exclude(t, start, stop, pointwise, bos):
-    """Zero, in place, the pairs no query may select: on the diagonal block key j needs j < i (j <= i unless
-    ``exclude_self``), and BOS (column 0) when ``bos``."""
-    t[:, start:stop].triu_(1 if pointwise.exclude_self else 0)
+def _exclude(t, bq, pointwise, bos):
+    """Zero, in place, the pairs no query may select: on the diagonal block (the last ``bq`` keys) key j needs
+    j < i (j <= i unless ``exclude_self``), and BOS (the first key) when ``bos``."""
+    t[:, t.shape[1] - bq:].triu_(1 if pointwise.exclude_self else 0)
     if bos:
         t[:, 0] = 0
     return t
@@ -291,17 +369,20 @@ def _neg_f_into(out, s, carry, limit=math.inf):
     out[:, :, nk:] = 0
 
 
-def _span_attention(q, ke, ve, mask, scale, start, stop, out, lse):
-    """Attention of queries [start, stop) with the additive mask (B, 1, Bq, stop): the keys before the span in
-    one call without a causal mask, the span's own keys (a square) in one call with the op's causal flag (which
-    skips the tiles above the diagonal), merged by their log-sum-exps."""
+def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse):
+    """Attention of queries [start, stop) against ``keys`` with the additive mask (B, 1, Bq, keys.count): the
+    keys before the span in one call without a causal mask, the span's own keys (a square, the last columns) in
+    one call with the op's causal flag (which skips the tiles above the diagonal), merged by their
+    log-sum-exps."""
     q_blk = q[:, :, start:stop]
-    out_d, lse_d = flash_block(q_blk, ke[:, :, start:stop], ve[:, :, start:stop], mask[..., start:stop], scale,
+    before = keys.before
+    out_d, lse_d = flash_block(q_blk, ke[:, :, start:stop], ve[:, :, start:stop], mask[..., before:], scale,
                                causal=True)
-    if start == 0:
+    if before == 0:
         out[:, :, start:stop], lse[:, :, start:stop] = out_d, lse_d
         return
-    out_a, lse_a = flash_block(q_blk, ke[:, :, :start], ve[:, :, :start], mask[..., :start], scale)
+    earlier = keys.earlier()
+    out_a, lse_a = flash_block(q_blk, earlier.take(ke, 2), earlier.take(ve, 2), mask[..., :before], scale)
     # lse_d is finite (every query sees itself, with F = 0); lse_a is about -1e30 for a query whose earlier keys
     # are all negligible (their weight is then 0)
     diff = lse_a.to(lse.dtype) - lse_d.to(lse.dtype)
