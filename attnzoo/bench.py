@@ -247,7 +247,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="attnzoo bench", description=__doc__)
     parser.add_argument("specs", nargs="*", help="spec names (default: vanilla ssa selective selective-ssa)")
     parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths to time")
-    parser.add_argument("--memory-lengths", type=int, nargs="*", help="lengths for peak memory only")
+    parser.add_argument("--memory-lengths", type=int, nargs="*", help="lengths for peak memory only (default "
+                        "8192, or none when --lengths is given)")
     parser.add_argument("--repeats", type=int, help="interleaved repeats (median is kept)")
     parser.add_argument("--out", default="bench-results", help="directory for JSON, markdown and plot")
     parser.add_argument("--worker", nargs=4, metavar=("BACKEND", "SPEC", "N", "GRAD"), help=argparse.SUPPRESS)
@@ -267,6 +268,8 @@ def main(argv=None) -> int:
         cfg.lengths = tuple(args.lengths)
     if args.memory_lengths is not None:
         cfg.memory_lengths = tuple(args.memory_lengths)
+    elif args.lengths:  # lengths given: the memory-only phase (N = 8192 by default) only when asked for
+        cfg.memory_lengths = ()
     if args.repeats:
         cfg.repeats = args.repeats
     from .errors import SpecError

@@ -42,6 +42,21 @@ def _device(name: str) -> str:
     return str(device)
 
 
+def _writable(path: str) -> None:
+    """One line (exit 2) unless ``path`` can be written: its folder exists and takes files, it is not a folder."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise BadInput(f"--report {path}: is a directory")
+    if not folder.is_dir():
+        raise BadInput(f"--report {path}: no such directory '{folder}'")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise BadInput(f"--report {path}: not writable")
+
+
 def cmd_list(args) -> int:
     from .registry import get_registry
 
@@ -119,12 +134,15 @@ def cmd_conformance(args) -> int:
 
     reg = get_registry()
     dtypes = tuple(_dtype(d) for d in args.dtype) if args.dtype else runner.DEFAULT_DTYPES
+    args.specs = runner.with_files(reg, args.specs)
     specs, backends = runner.select(reg, args.specs, args.backend, args.plugin)
     try:
         expected = runner.read_expected_failures(args.expected_failures)
     except OSError as exc:
         raise BadInput(f"{args.expected_failures}: cannot read: {exc.strerror or exc}") from None
     device = _device(args.device)
+    for path in args.report or []:  # before the run: a report that cannot be written would waste it
+        _writable(path)
     cases = runner.build_cases(reg, args.specs, args.backend, dtypes, plugin=args.plugin, seed=args.seed,
                                device=device)
     console = Console(width=150, stderr=False)
@@ -254,7 +272,9 @@ def _print_compiled(rows) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnzoo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="attnzoo", description="Attention variants declared as data: list, validate, explain, check and build "
+        "them. Exit codes: 0 success, 1 a check failed, 2 bad input (one line, no traceback).")
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"attnzoo {__version__}")
@@ -265,20 +285,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("validate", help="check spec files (exit 2 if any is malformed)")
-    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("files", nargs="+", metavar="FILE", help="spec files (.yaml, .yml, .toml or .json)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("explain", help="which backends can run a spec, and why not")
     p.add_argument("spec", metavar="SPEC", help="a spec file or the name of a registered spec")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="device of the case, e.g. cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--dtype", default="float32", help="dtype of q, k, v: float32, float64, float16 or bfloat16 "
+                   "(default float32)")
     p.add_argument("--grad", action="store_true", help="the case needs gradients (training): --mode backward")
     p.add_argument("--mode", choices=["forward", "backward", "decode"], default=None,
                    help="forward, backward (training) or decode (decode and prefill with a cache)")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("conformance", help="run the conformance suite (exit 1 if a check fails)")
-    p.add_argument("specs", nargs="*", metavar="SPEC", help="registered spec names (default: all)")
+    p.add_argument("specs", nargs="*", metavar="SPEC", help="spec files or registered names (default: every "
+                   "registered spec)")
     p.add_argument("--backend", action="append", help="backend to test (repeatable; default: all registered)")
     p.add_argument("--plugin", help="only what this plugin (distribution or entry-point name) registered")
     p.add_argument("--dtype", action="append", help="dtype to test (repeatable; default float64 and float32)")

@@ -14,6 +14,7 @@ import importlib
 import os
 import re
 import threading
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -178,10 +179,19 @@ def new_registry(
 
     def add(name: str, obj: object, info: PluginInfo) -> None:
         reg.plugins[name] = info
+        unknown = _unknown_hooks(obj)
+        if unknown:  # report each misspelled hook, and register the plugin's other hooks
+            from .spec import did_you_mean
+
+            for hook in unknown:
+                info.errors.append(f"cannot register: unknown hook '{hook}'{did_you_mean(hook, _HOOK_NAMES)} "
+                                   f"(hooks: {', '.join(_HOOK_NAMES)}); ignored, its other hooks are registered")
+            obj = types.SimpleNamespace(**{attr: getattr(obj, attr) for attr in dir(obj)
+                                           if _is_hookimpl(obj, attr) and attr not in unknown})
         try:
             pm.register(obj, name=name)
             pm.check_pending()
-        except Exception as exc:  # a misspelled hook, a non-hook object, a name clash
+        except Exception as exc:  # a non-hook object, a name clash
             if pm.is_registered(obj):
                 pm.unregister(obj)
             info.errors.append(f"cannot register: {_one_line(exc)}")
@@ -263,6 +273,21 @@ def _collect(reg: Registry, category: str, plugin: str, function: Callable) -> N
         reg.origin[(category, name)] = plugin
     info.registered.setdefault(category, []).extend(staged)
     reg._spec_model = None
+
+
+_HOOK_NAMES = sorted(n for n in dir(hookspecs) if n.startswith("register_"))
+
+
+def _is_hookimpl(obj: object, attr: str) -> bool:
+    try:
+        return callable(getattr(obj, attr, None)) and hasattr(getattr(obj, attr), f"{ENTRY_POINT_GROUP}_impl")
+    except Exception:  # noqa: BLE001 - a property that raises is no hook
+        return False
+
+
+def _unknown_hooks(obj: object) -> list[str]:
+    """The names ``obj`` marks as hook implementations that no hook spec declares (misspellings)."""
+    return sorted(a for a in dir(obj) if _is_hookimpl(obj, a) and a not in _HOOK_NAMES)
 
 
 def _one_line(exc: BaseException) -> str:

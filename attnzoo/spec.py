@@ -7,16 +7,17 @@ raises :class:`SpecError` with one line: ``file: field.path: reason``.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
 import os
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Optional, Union
 
-import tomllib
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, create_model, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from .errors import SpecError
 from .transforms.base import COMPOSING_SLOTS, StrictModel
@@ -264,7 +265,7 @@ def validate_spec_data(data: dict[str, Any], source: str, registry=None) -> Spec
     try:
         spec = model.model_validate(data)
     except ValidationError as exc:
-        raise _spec_error(exc, data, source) from None
+        raise _spec_error(exc, data, source, model) from None
     spec._source = source
     return spec
 
@@ -316,21 +317,58 @@ def load_spec(source: Any, registry=None) -> SpecBase:
             raise SpecError(shown, "not a regular file")
         return validate_spec_data(read_spec_file(path, shown), shown, registry)
     known = ", ".join(sorted(reg.specs)) or "none"
-    raise SpecError(shown, f"no such file and no registered spec of that name (registered: {known})")
+    raise SpecError(shown, f"no such file and no registered spec of that name{did_you_mean(shown, reg.specs)} "
+                           f"(registered: {known})")
 
 
-def _spec_error(exc: ValidationError, data: Any, source: str) -> SpecError:
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` to ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _keys_at(loc: tuple, model: type | None) -> list[str] | None:
+    """The keys the spec model accepts where the unknown key ``loc[-1]`` stands, or None if it cannot tell."""
+    node = model
+    items = list(loc[:-1])
+    while items and node is not None:
+        item = items.pop(0)
+        field = node.model_fields.get(item) if isinstance(item, str) else None
+        if field is None:
+            return None
+        annotation = field.annotation
+        if item in ("transforms", "cache"):  # unions on kind / evictor: pydantic names the arm after the tag
+            if item == "transforms":
+                if not items or not isinstance(items[0], int):
+                    return None
+                items.pop(0)
+            tag = items.pop(0) if items else None
+            classes = model._transform_classes if item == "transforms" else model._evictor_classes
+            node = classes[tag].options_model() if tag in classes else None
+            continue
+        node = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    if node is None:
+        return None
+    return sorted(f.alias or name for name, f in node.model_fields.items())
+
+
+def _spec_error(exc: ValidationError, data: Any, source: str, model: type | None = None) -> SpecError:
     errors = exc.errors(include_url=False)
-    first = errors[0]
+    # a misspelt key shows up twice (the key unknown, the intended one missing): name the misspelling first
+    first = min(errors, key=lambda e: e["type"] not in ("extra_forbidden", "union_tag_invalid"))
     path = _format_loc(first["loc"], data)
     kind = first["type"]
     msg = " ".join(first["msg"].removeprefix("Value error, ").split())
     if kind == "extra_forbidden":
-        msg = "unknown key"
+        keys = _keys_at(tuple(first["loc"]), model)
+        key = first["loc"][-1]
+        msg = "unknown key" + (f"{did_you_mean(key, keys)}; valid keys: {', '.join(keys)}" if keys else "")
     elif kind == "union_tag_invalid":
         ctx = first.get("ctx", {})
         tag = ctx.get("discriminator", "kind").strip(chr(39))
-        msg = f"unknown {tag} {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
+        expected = [t.strip().strip(chr(39)) for t in str(ctx.get("expected_tags", "")).split(",")]
+        msg = (f"unknown {tag} {ctx.get('tag')!r}{did_you_mean(ctx.get('tag'), expected)} "
+               f"(known: {ctx.get('expected_tags')})")
     elif kind == "union_tag_not_found":
         msg = f"missing {first.get('ctx', {}).get('discriminator', 'kind')}"
     if len(errors) > 1:

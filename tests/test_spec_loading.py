@@ -392,7 +392,8 @@ def test_unknown_name_lists_the_registered_ones(capsys):
         attnzoo.load_spec("selective-sssa")
     message = str(info.value)
     assert len(message.splitlines()) == 1
-    assert message.startswith("selective-sssa: no such file and no registered spec of that name (registered: ")
+    assert message.startswith("selective-sssa: no such file and no registered spec of that name (did you mean "
+                              "'selective-ssa'?) (registered: ")
     for name in ("selective-ssa", "vanilla", "softcap", "alibi"):
         assert name in message
     line = reject(["selective-sssa"], capsys)

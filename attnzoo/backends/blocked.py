@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import accumulator_dtype
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode
+from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
@@ -223,7 +224,7 @@ class BlockedBackend(Backend):
         # eager: logits of all heads, grouped so that each key/value head is read once
         logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
         for t in plan.many(Slot.LOGITS):
-            logits = t.apply(logits, ctx, params[t.kind])
+            logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
         if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
             logits = (logits.to(f_blk.dtype) - f_blk[:, None]).to(logits.dtype)
         logits = logits.masked_fill(~allowed, float("-inf"))
@@ -273,7 +274,7 @@ class BlockedBackend(Backend):
                       query_features={n: t[..., None] for n, t in (query_features or {}).items()},
                       key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
         for t in logits_transforms:
-            logits = t.apply(logits, ctx, params[t.kind])
+            logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
         if acc is not None:
             sel_ctx = Context(qpos=ctx.qpos, kpos=ctx.kpos if ctx.kpos.shape[1] == 1 else ctx.kpos[:, pick],
                               heads=index_heads, dims=dims)

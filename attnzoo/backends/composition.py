@@ -74,6 +74,7 @@ class Composition:
                 x = out
             if isinstance(t, RowScaleTransform):
                 scale = t.scale(x, positions, group)
+                _check_scale(t, slot, scale, x)
                 x = x.to(torch.promote_types(x.dtype, scale.dtype)) * scale.unsqueeze(-1)
             else:
                 x = t.map(x, positions, group)
@@ -181,7 +182,7 @@ class Composition:
         kv_index = torch.div(index, ctx.dims.num_heads // ctx.dims.num_kv_heads, rounding_mode="floor")
         logits = (qs.index_select(1, index) @ ks.index_select(1, kv_index).transpose(-1, -2)) * scale
         for t in self.many(Slot.LOGITS):
-            logits = t.apply(logits, sel_ctx, params[t.kind])
+            logits = checked_logits(t, t.apply(logits, sel_ctx, params[t.kind]), logits)
         return acc.selection(logits, sel_allowed, sel_ctx, params[acc.kind])
 
     def sink(self, heads: torch.Tensor, params, like: torch.Tensor) -> torch.Tensor | None:
@@ -198,3 +199,28 @@ class Composition:
 
     def logit_scale(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def _check_scale(t, slot, scale, rows) -> None:
+    """A row scale is one number per row, (B, Hx, N) or broadcastable to it: anything else names the transform."""
+    want = tuple(rows.shape[:-1])
+    ok = isinstance(scale, torch.Tensor) and scale.dim() <= len(want)
+    if ok:
+        try:
+            ok = tuple(torch.broadcast_shapes(tuple(scale.shape), want)) == want
+        except RuntimeError:
+            ok = False
+    if not ok:
+        got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"transform '{t.kind}' ({slot.value}) returned a scale of shape {got} for rows of shape "
+                         f"{tuple(rows.shape)}: a row scale is one number per row, shape {want} (or broadcastable)")
+
+
+def checked_logits(t, out, logits):
+    """``out`` if transform ``t`` kept the logits' shape, else one line naming it."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(logits.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"transform '{t.kind}' ({t.slot.value}) returned logits of shape {got} for logits of shape "
+                         f"{tuple(logits.shape)}: a logits transform must keep the shape")
+    return out
+

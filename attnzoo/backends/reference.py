@@ -11,6 +11,7 @@ import torch
 from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
 from .base import Backend, Mode
+from .composition import checked_logits
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,7 +86,7 @@ class ReferenceBackend(Backend):
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):
-            logits = t.apply(logits, ctx, params[t.kind])
+            logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
         allowed = plan.allowed(ctx, key_mask)
 
         selection = accumulated = None

@@ -35,6 +35,9 @@ import torch.nn.functional as F
 
 from ..cache import accumulator_dtype
 
+#: names the phases for torch's profiler (benchmarks/selective_phases.py); next to nothing when it is off
+_phase = torch.profiler.record_function
+
 #: Probe verdicts per dtype: True (use the op) or False (eager). Tests reset it.
 _PROBED: dict[torch.dtype, bool] = {}
 
@@ -126,7 +129,8 @@ class SelectiveCausal(torch.autograd.Function):
         buffer = torch.empty(b * min(span, n) * n, dtype=q.dtype, device=q.device)  # one mask for every span
         for start in range(0, n, span):
             stop = min(start + span, n)
-            keys = Keys.live(carry, start, stop, limit)  # the earlier keys still worth visiting, then the span's
+            with _phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
+                keys = Keys.live(carry, start, stop, limit)
             # -F for the span's queries against those keys; each block of ``block`` queries computes its part
             # from its own carry, exactly as the backward pass recomputes it
             mask = buffer[:b * (stop - start) * keys.count].view(b, stop - start, keys.count)
@@ -134,10 +138,12 @@ class SelectiveCausal(torch.autograd.Function):
                 hi = min(lo + block, stop)
                 carries.append(carry[:, :hi].clone())
                 upto = keys.upto(hi)
-                s = _selection(q[:, sel, lo:hi], upto.take(ke[:, sel], 1), hi - lo, scale, pointwise,
-                               bos and upto.has_first)[0]
-                _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), limit)
-                upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
+                with _phase("forward: selection"):
+                    s = _selection(q[:, sel, lo:hi], upto.take(ke[:, sel], 1), hi - lo, scale, pointwise,
+                                   bos and upto.has_first)[0]
+                with _phase("forward: -F and carry"):
+                    _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), limit)
+                    upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
             _span_attention(q, ke, ve, keys, mask.unsqueeze(1), scale, start, stop, out, lse)
         ctx.save_for_backward(q, ke, ve, out, lse, *carries)
         ctx.meta = (scale, sel, pointwise, bos, block, group, limit)
@@ -160,26 +166,33 @@ class SelectiveCausal(torch.autograd.Function):
             start = starts[index]
             stop = min(start + block, n)
             carry = carries[index]
-            keys = Keys.live(carry, start, stop, limit)
-            s, l_sel = _selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, scale, pointwise,
-                                  bos and keys.has_first)
-            neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
-            _neg_f_into(neg_f, s, keys.take(carry, 1), limit)
-            k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
-            dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
-            # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
-            d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop], lse[:, :, start:stop],
-                                  neg_delta[:, :, start:stop], neg_f, scale, dq[:, :, start:stop], dk_c, dv_c)
-            keys.add_into(dk, dk_c, 2, buffer=True)
-            keys.add_into(dv, dv_c, 2, buffer=True)
-            # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
-            d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
-            total = d_f.sum(dim=2, keepdim=True)
-            d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None]
-            keys.add_into(dcarry, total[:, :, 0], 1)
-            d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), stop - start, pointwise, bos and keys.has_first))
-            keys.add_into(dk[:, sel], (d_sel @ q[:, sel, start:stop]) * scale, 1)
-            dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ keys.take(ke[:, sel], 1)) * scale
+            with _phase("backward: live keys"):
+                keys = Keys.live(carry, start, stop, limit)
+            with _phase("backward: selection"):
+                s, l_sel = _selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, scale,
+                                      pointwise, bos and keys.has_first)
+            with _phase("backward: -F"):
+                neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
+                _neg_f_into(neg_f, s, keys.take(carry, 1), limit)
+            with _phase("backward: softmax tiles"):
+                k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
+                dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
+                # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
+                d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop],
+                                      lse[:, :, start:stop], neg_delta[:, :, start:stop], neg_f, scale,
+                                      dq[:, :, start:stop], dk_c, dv_c)
+                keys.add_into(dk, dk_c, 2, buffer=True)
+                keys.add_into(dv, dv_c, 2, buffer=True)
+            with _phase("backward: reverse carry and selector"):
+                # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
+                d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
+                total = d_f.sum(dim=2, keepdim=True)
+                d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None]
+                keys.add_into(dcarry, total[:, :, 0], 1)
+                d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), stop - start, pointwise,
+                                          bos and keys.has_first))
+                keys.add_into(dk[:, sel], (d_sel @ q[:, sel, start:stop]) * scale, 1)
+                dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ keys.take(ke[:, sel], 1)) * scale
         if group > 1:
             dk = dk.view(b, h // group, group, n, d).sum(2)
             dv = dv.view(b, h // group, group, n, d).sum(2)
@@ -376,17 +389,25 @@ def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse):
     log-sum-exps."""
     q_blk = q[:, :, start:stop]
     before = keys.before
-    out_d, lse_d = flash_block(q_blk, ke[:, :, start:stop], ve[:, :, start:stop], mask[..., before:], scale,
-                               causal=True)
+    with _phase("forward: flash, the span's keys"):
+        out_d, lse_d = flash_block(q_blk, ke[:, :, start:stop], ve[:, :, start:stop], mask[..., before:], scale,
+                                   causal=True)
     if before == 0:
         out[:, :, start:stop], lse[:, :, start:stop] = out_d, lse_d
         return
     earlier = keys.earlier()
-    out_a, lse_a = flash_block(q_blk, earlier.take(ke, 2), earlier.take(ve, 2), mask[..., :before], scale)
+    with _phase("forward: flash, earlier keys"):
+        out_a, lse_a = flash_block(q_blk, earlier.take(ke, 2), earlier.take(ve, 2), mask[..., :before], scale)
+    with _phase("forward: merge"):
+        _merge(out_a, lse_a, out_d, lse_d, out[:, :, start:stop], lse[:, :, start:stop])
+
+
+def _merge(out_a, lse_a, out_d, lse_d, out, lse):
+    """Write into ``out`` and ``lse`` the attention over both key sets from each one's output and lse."""
     # lse_d is finite (every query sees itself, with F = 0); lse_a is about -1e30 for a query whose earlier keys
     # are all negligible (their weight is then 0)
     diff = lse_a.to(lse.dtype) - lse_d.to(lse.dtype)
     # out = (e^lse_a out_a + e^lse_d out_d) / (e^lse_a + e^lse_d) = out_d + sigmoid(lse_a - lse_d) (out_a - out_d)
     weight = torch.sigmoid(diff).unsqueeze(-1)
-    out[:, :, start:stop] = torch.lerp(out_d, out_a, weight.to(out_d.dtype))
-    lse[:, :, start:stop] = lse_d.to(lse.dtype) + F.softplus(diff)
+    out.copy_(torch.lerp(out_d, out_a, weight.to(out_d.dtype)))
+    lse.copy_(lse_d.to(lse.dtype) + F.softplus(diff))

@@ -36,10 +36,25 @@ def _selection(config):
     from . import runner
 
     reg = get_registry()
-    dtypes = tuple(getattr(torch, d) for d in config.getoption("--attnzoo-dtype") or ()) or runner.DEFAULT_DTYPES
-    specs, backends = runner.select(reg, config.getoption("--attnzoo-spec"), config.getoption("--attnzoo-backend"),
-                                    config.getoption("--attnzoo-plugin"))
-    return reg, specs, backends, dtypes
+    dtypes = []
+    for name in config.getoption("--attnzoo-dtype") or ():
+        value = getattr(torch, name, None)
+        if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            raise ValueError(f"--attnzoo-dtype: unknown floating dtype '{name}' (e.g. float32, float64)")
+        dtypes.append(value)
+    specs, backends = runner.select(reg, runner.with_files(reg, config.getoption("--attnzoo-spec")),
+                                    config.getoption("--attnzoo-backend"), config.getoption("--attnzoo-plugin"))
+    return reg, specs, backends, tuple(dtypes) or runner.DEFAULT_DTYPES
+
+
+def pytest_configure(config):
+    """Bad options stop the run here, with one line and exit code 2 (pytest would report an internal error)."""
+    if not _enabled(config):
+        return
+    try:
+        _selection(config)
+    except ValueError as exc:
+        pytest.exit(f"attnzoo conformance: {' '.join(str(exc).split())}", returncode=2)
 
 
 def pytest_report_header(config):
@@ -83,8 +98,9 @@ class ConformanceCollector(pytest.Collector):
         from . import runner
 
         config = self.config
-        reg, _, _, dtypes = _selection(config)
-        cases = runner.build_cases(reg, config.getoption("--attnzoo-spec"), config.getoption("--attnzoo-backend"),
+        reg, specs, _, dtypes = _selection(config)
+        names = specs if config.getoption("--attnzoo-spec") else None
+        cases = runner.build_cases(reg, names, config.getoption("--attnzoo-backend"),
                                    dtypes, plugin=config.getoption("--attnzoo-plugin"),
                                    seed=config.getoption("--attnzoo-seed"), device=config.getoption("--attnzoo-device"))
         expected = runner.read_expected_failures(config.getoption("--attnzoo-expected-failures"))

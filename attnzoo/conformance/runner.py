@@ -56,6 +56,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def with_files(registry, specs: Iterable[str] | None) -> list[str] | None:
+    """``specs`` with every spec file among them (``attnzoo.spec.names_a_file``) loaded and registered in
+    ``registry`` under its name (origin ``file <path>``), so that the suite runs it like a registered spec.
+    Raises ValueError when a file's spec has the name of a different registered spec."""
+    from ..errors import SpecError
+    from ..spec import load_spec, names_a_file
+
+    if not specs:
+        return None
+    names = []
+    for source in specs:
+        if not names_a_file(source):
+            names.append(source)
+            continue
+        try:
+            spec = load_spec(source, registry=registry)
+        except SpecError as exc:
+            raise ValueError(str(exc)) from None
+        known = registry.specs.get(spec.name)
+        if known is not None and known.hash != spec.hash:
+            raise ValueError(f"{source}: spec '{spec.name}' is already registered (by "
+                             f"'{registry.origin[('specs', spec.name)]}') with other contents: rename it")
+        if known is None:
+            registry.specs[spec.name] = spec
+            registry.origin[("specs", spec.name)] = f"file {source}"
+        names.append(spec.name)
+    return names
+
+
 def select(registry, specs: Iterable[str] | None = None, backends: Iterable[str] | None = None,
            plugin: str | None = None) -> tuple[list[str], list[str]]:
     """The specs and backends a run covers. ``plugin`` (a distribution or plugin name) narrows to what that
@@ -74,12 +103,16 @@ def select(registry, specs: Iterable[str] | None = None, backends: Iterable[str]
         owned = [b for b in backend_names if registry.origin[("backends", b)] in owners]
         if owned and not backends:
             backend_names = owned
+    from ..spec import did_you_mean
+
     for name in spec_names:
         if name not in registry.specs:
-            raise ValueError(f"unknown spec '{name}' (registered: {', '.join(sorted(registry.specs))})")
+            raise ValueError(f"unknown spec '{name}'{did_you_mean(name, registry.specs)} (registered: "
+                             f"{', '.join(sorted(registry.specs))}; or give a spec file)")
     for name in backend_names:
         if name not in registry.backends:
-            raise ValueError(f"unknown backend '{name}' (registered: {', '.join(sorted(registry.backends))})")
+            raise ValueError(f"unknown backend '{name}'{did_you_mean(name, registry.backends)} (registered: "
+                             f"{', '.join(sorted(registry.backends))})")
     return spec_names, backend_names
 
 

@@ -6,6 +6,7 @@ byte-identical source. Every fragment is marked with the transform it came from.
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -77,6 +78,41 @@ def problems(plan) -> list[str]:
                                    f"(H,) only, not '{name}'")
             if set(declared) - set(lowering.params):
                 reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
+        reasons += _fragment_problems(t, lowering)
+    return reasons
+
+
+def _fragment_problems(t, lowering) -> list[str]:
+    """Each fragment of a lowering filled in as the generator fills it, and parsed as a Python expression: a
+    misspelt placeholder or a syntax error is named here, with the transform and the fragment, rather than as a
+    KeyError or a SyntaxError in the generated kernels."""
+    if isinstance(lowering, TritonLogits):
+        names = {f"p_{name}": f"p{i}" for i, name in enumerate(lowering.params)}
+        fragments = [("forward", lowering.forward, {"x": "x", **names}),
+                     ("derivative", lowering.derivative, {"x": "x", "y": "y", **names}),
+                     *((f"param_derivatives[{i}]", expr, {"x": "x", "y": "y", **names})
+                       for i, expr in enumerate(lowering.param_derivatives))]
+    elif isinstance(lowering, TritonMask):
+        fragments = [("allowed", lowering.allowed, None)]  # inserted as written (no placeholders)
+    else:
+        fragments = [("keep", lowering.keep or "True", None), ("value", lowering.value, {"x": "x"}),
+                     ("derivative", lowering.derivative, {"x": "x"})]
+    reasons = []
+    for field, text, fill in fragments:
+        where = f"transform '{t.kind}': Triton fragment {field} {text!r}"
+        try:
+            expr = text if fill is None else text.format(**fill)
+        except KeyError as exc:
+            known = ", ".join("{" + k + "}" for k in fill) or "none (it takes no placeholders)"
+            reasons.append(f"{where} uses the placeholder {{{exc.args[0]}}}, which is not one of {known}")
+            continue
+        except (IndexError, ValueError) as exc:
+            reasons.append(f"{where} is not a valid template ({exc}; write {{{{ and }}}} for literal braces)")
+            continue
+        try:
+            ast.parse(expr, mode="eval")
+        except SyntaxError as exc:
+            reasons.append(f"{where} is not a Python expression ({exc.msg})")
     return reasons
 
 
