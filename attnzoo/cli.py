@@ -226,6 +226,17 @@ def cmd_build(args) -> int:
     return status
 
 
+def cmd_new_plugin(args) -> int:
+    from .scaffold import names, scaffold
+
+    root = scaffold(args.name, args.dir)
+    n = names(args.name)
+    print(f"wrote {root}/: transforms {n['gain']} (query), {n['temperature']} (logits, with a Triton fragment), "
+          f"evictor {n['evictor']}, spec {n['spec']}, tests")
+    print(f"next: pip install -e {root} && pytest {root}/tests   (docs/plugin-tutorial.md explains each piece)")
+    return EXIT_OK
+
+
 def _compile_for(args, reg, specs, rows, root) -> int:
     """Compile every built spec's kernels for the named CUDA architectures, dtypes and head dims (no GPU needed)
     into its artifact, where the runtime loads them; 1 if any kernel fails."""
@@ -324,6 +335,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, nargs="+", default=[128], help="head dims for --compile-for "
                    "(default 128)")
     p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("new-plugin", help="write a plugin package to start from (docs/plugin-tutorial.md)")
+    p.add_argument("name", metavar="NAME", help="the plugin's name: lowercase letters and digits, words joined by "
+                   "- or _ (the package is attnzoo-NAME)")
+    p.add_argument("--dir", default=".", help="where to write attnzoo-NAME/ (default: the current directory)")
+    p.set_defaults(func=cmd_new_plugin)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
     sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")
