@@ -7,13 +7,13 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench build conformance-triton gpu-check
+.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs
 
 $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(BIN)/python -m pip install -q -e '.[dev,triton,transformers]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,triton,transformers]'
 	# xformers without its dependencies: its wheel pins a CUDA build of torch; on CPU attnzoo uses only its
 	# attention-bias classes (packed input), and the xformers backend declines with a reason
 	$(BIN)/python -m pip install -q --no-deps xformers==0.0.35
@@ -53,5 +53,9 @@ conformance-triton: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python benchmarks/gpu_check.py
 
+# the documentation site (docs/, mkdocs.yml), built strictly into site/ (the test suite builds it too)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site

@@ -1,0 +1,141 @@
+"""mkdocs hooks: the reference pages, generated from the code at every build (none is edited by hand).
+
+- ``reference/spec-schema.md``: the JSON schema of a spec file, from the pydantic model the registry builds;
+- ``reference/catalogue.md``: every registered transform and evictor (plugins' too), with its options and
+  parameters;
+- ``reference/support.md``: which backend runs each registered spec in each mode, or why not (``explain``);
+- ``reference/api.md``: the API reference of every name in ``attnzoo.__all__`` (mkdocstrings).
+
+A new transform therefore appears in the catalogue, the schema and the support matrix without editing any page.
+"""
+
+from __future__ import annotations
+
+import json
+
+from mkdocs.structure.files import File
+
+GENERATED = ("reference/spec-schema.md", "reference/catalogue.md", "reference/support.md", "reference/api.md")
+
+
+def on_files(files, config):
+    for path, make in zip(GENERATED, (spec_schema, catalogue, support, api), strict=True):
+        files.append(File.generated(config, path, content=make()))
+    return files
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def spec_schema() -> str:
+    import attnzoo
+
+    model = attnzoo.get_registry().spec_model()
+    schema = model.model_json_schema()
+    rows = [f"| `{name}` | {_cell(field.description or '')} | {'yes' if field.is_required() else 'no'} |"
+            for name, field in model.model_fields.items()]
+    return "\n".join([
+        "# Spec schema", "",
+        "Generated from the pydantic model that validates spec files (`Registry.spec_model()`), with every "
+        "registered transform and evictor. `transforms` is a list discriminated by `kind`, `cache` by `evictor`.",
+        "", "| key | meaning | required |", "|---|---|---|", *rows, "",
+        "The JSON schema (editors can use it to check spec files as you type):", "",
+        "```json", json.dumps(schema, indent=1, sort_keys=True), "```", ""])
+
+
+def _options(options_model) -> str:
+    parts = []
+    for name, field in options_model.model_fields.items():
+        if name in ("kind", "evictor"):
+            continue
+        default = "required" if field.is_required() else f"default `{field.default!r}`"
+        annotation = getattr(field.annotation, "__name__", str(field.annotation)).replace("typing.", "")
+        text = f"`{name}` ({_cell(annotation)}, {default})"
+        if field.description:
+            text += f": {_cell(field.description)}"
+        parts.append(text)
+    return "; ".join(parts) or "none"
+
+
+def _parameters(cls) -> str:
+    try:
+        instance = cls(cls.options_model()(kind=cls.kind))
+        params = instance.parameters()
+    except Exception:  # noqa: BLE001 - options without defaults: the parameters depend on them
+        return "depend on the options"
+    return ", ".join(f"`{p.name}` {tuple(p.shape)}" for p in params) or "none"
+
+
+def catalogue() -> str:
+    import attnzoo
+
+    reg = attnzoo.get_registry()
+    lines = ["# Transforms and evictors", "",
+             "Every transform and evictor registered when the docs were built (the built-ins and installed "
+             "plugins), generated from the registry: `attnzoo list` shows the same.", ""]
+    by_slot: dict[str, list] = {}
+    for kind, cls in sorted(reg.transforms.items()):
+        by_slot.setdefault(cls.slot.value, []).append((kind, cls))
+    for slot, items in by_slot.items():
+        lines += [f"## Slot `{slot}`", "", "| kind | what it does | options | parameters | plugin |",
+                  "|---|---|---|---|---|"]
+        for kind, cls in items:
+            lines.append(f"| `{kind}` | {_cell(cls.summary)} | {_options(cls.options_model())} | "
+                         f"{_parameters(cls)} | {reg.origin[('transforms', kind)]} |")
+        lines.append("")
+    lines += ["## Evictors", "", "| evictor | rule | options | plugin |", "|---|---|---|---|"]
+    for kind, cls in sorted(reg.evictors.items()):
+        lines.append(f"| `{kind}` | {_cell(cls.summary)} | {_options(cls.options_model())} | "
+                     f"{reg.origin[('evictors', kind)]} |")
+    return "\n".join(lines) + "\n"
+
+
+def support() -> str:
+    import torch
+
+    import attnzoo
+    from attnzoo.backends.base import Mode
+    from attnzoo.dispatch import verdicts
+    from attnzoo.plan import Plan
+
+    reg = attnzoo.get_registry()
+    cases = [("cpu", torch.float32, Mode.FORWARD), ("cpu", torch.float32, Mode.BACKWARD),
+             ("cpu", torch.float32, Mode.DECODE), ("cuda", torch.bfloat16, Mode.FORWARD),
+             ("cuda", torch.bfloat16, Mode.BACKWARD)]
+    lines = ["# Backend support", "",
+             "Which backends can run each registered spec, case by case, generated from the backends' own verdicts: "
+             "`attnzoo explain SPEC --device D --dtype T --mode M` prints the same with every reason in full. "
+             "`auto` picks the first backend that can, by priority (the column order). The GPU cases say what a "
+             "CUDA machine would run; they are computed without one. On CPU the triton backend runs only in "
+             "Triton's interpreter (`TRITON_INTERPRET=1`, a checking mode).", ""]
+    notes: dict[str, int] = {}
+    for device, dtype, mode in cases:
+        backends = None
+        rows = []
+        for name in sorted(reg.specs):
+            plan = Plan.from_spec(reg.specs[name], reg)
+            reasons = verdicts(plan, reg, torch.device(device), dtype, mode)
+            backends = backends or list(reasons)
+            cells = []
+            for backend in backends:
+                why = reasons[backend]
+                if not why:
+                    cells.append("yes")
+                    continue
+                cells.append(f"no [{notes.setdefault(f'{backend}: {why[0]}', len(notes) + 1)}]")
+            rows.append(f"| `{name}` | " + " | ".join(cells) + " |")
+        lines += [f"## {device}, {str(dtype).removeprefix('torch.')}, {mode.value}", "",
+                  "| spec | " + " | ".join(f"`{b}`" for b in backends) + " |", "|---" * (len(backends) + 1) + "|",
+                  *rows, ""]
+    lines += ["## Reasons", ""] + [f"{n}. {_cell(why)}" for why, n in notes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def api() -> str:
+    import attnzoo
+
+    names = [n for n in attnzoo.__all__ if not n.startswith("_")]
+    lines = ["# Python API", "", "Every public name (`attnzoo.__all__`), from its docstring.", ""]
+    lines += [f"::: attnzoo.{name}\n" for name in names]
+    return "\n".join(lines)
