@@ -30,11 +30,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -n auto
 
 demo: $(STAMP)
-	$(BIN)/attnzoo list
-	$(BIN)/attnzoo validate specs/*
-	$(BIN)/python -m attnzoo.demo
-	$(BIN)/attnzoo build
-	$(BIN)/attnzoo conformance
+	$(BIN)/python -m attnzoo.demo $(if $(DETAILS),--details,)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

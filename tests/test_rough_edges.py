@@ -152,3 +152,13 @@ def test_misspelled_hook_is_named_and_the_plugins_other_hooks_still_work():
     with pytest.warns(PluginWarning, match=r"unknown hook 'register_transfroms' \(did you mean 'register_transforms'"):
         reg = new_registry(entry_points=False, extra_plugins=[("typo", module)])
     assert reg.plugins["typo"].hooks == ["register_backends"]
+
+
+def test_demo_tells_the_story_in_one_screen(capsys):
+    from attnzoo import demo
+
+    assert demo.main([]) == 0
+    out = capsys.readouterr().out
+    steps = [line.split("  ", 1)[0] for line in out.splitlines() if line[:2] in {f"{i}." for i in range(1, 6)}]
+    assert steps == ["1. Declare", "2. Compile", "3. Run", "4. Decode with eviction", "5. Verify"]
+    assert len(out.splitlines()) <= 24 and "unsupported" not in out and "0 fail" in out

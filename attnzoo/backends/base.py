@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
+    from ..plan import Plan
+
+#: parameters as a backend receives them: grouped per transform kind, ``{kind: {short_name: tensor}}``
+Grouped = dict[str, dict[str, torch.Tensor]]
 
 
 class Mode(str, Enum):
@@ -39,11 +46,11 @@ class Backend:
     summary: ClassVar[str] = ""
     modes: ClassVar[frozenset[Mode]] = frozenset({Mode.FORWARD, Mode.BACKWARD})
 
-    def supports(self, plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
+    def supports(self, plan: Plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
         """Reasons this backend cannot run ``plan`` on ``device`` in ``dtype`` and ``mode`` (empty: it can)."""
         raise NotImplementedError
 
-    def verdict(self, plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
+    def verdict(self, plan: Plan, device: torch.device, dtype: torch.dtype, mode: Mode) -> list[str]:
         """:meth:`supports`, preceded by the check that the backend implements ``mode`` at all."""
         mode = Mode(mode)
         if mode not in self.modes:
@@ -51,13 +58,16 @@ class Backend:
             return [f"backend '{self.name}' does not implement {what}"]
         return list(self.supports(plan, device, dtype, mode))
 
-    def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated: bool = False):
+    def forward(self, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Grouped,
+                positions: torch.Tensor, key_mask: torch.Tensor | None, return_accumulated: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """Batch form. q (B, H, N, D), k/v (B, H_kv, N, D), params grouped per transform kind, positions (B, N)
         int64 strictly increasing along N, key_mask (B, N) bool or None. Returns out (B, H, N, D), or
         (out, F (B, N, N)) when ``return_accumulated`` (F is None for a spec without an accumulator)."""
         raise NotImplementedError
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first: bool, key_mask=None):
+    def extend(self, plan: Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+               params: Grouped, *, evict_first: bool, key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Append T tokens to ``cache`` and attend their queries (B, H, T, D) over it; returns (B, H, T, D).
         ``key_mask`` (B, T) bool marks the new tokens' padding (False) or is None. q, k, v are raw: hand them to
         :meth:`attnzoo.plan.Plan.admit` (row maps once per token, features, the append: the cache stores

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, create_model
 
 from ..transforms.base import StrictModel
+
+if TYPE_CHECKING:
+    from ..cache import KVCache
 
 
 class EvictorOptions(StrictModel):
@@ -61,20 +64,20 @@ class Evictor:
         """A reason this evictor cannot work with ``budget`` tokens, or None."""
         return None
 
-    def update(self, cache, probs: torch.Tensor | None) -> None:
+    def update(self, cache: KVCache, probs: torch.Tensor | None) -> None:
         """Update scores after a step; ``probs`` (B, H, T, M) is the new queries' attention over the cache
         (T = 1 when decoding, the chunk length in a prefill) when the evictor declares ``needs_probabilities``,
         else None."""
 
-    def score(self, cache) -> torch.Tensor:
+    def score(self, cache: KVCache) -> torch.Tensor:
         """The score the rule ranks cached tokens by: (B, H_kv, M), float32 or wider."""
         raise NotImplementedError(f"evictor '{self.kind}' declares no score: implement score() (docs/plugins.md)")
 
-    def protected(self, cache) -> torch.Tensor:
+    def protected(self, cache: KVCache) -> torch.Tensor:
         """Tokens the rule never evicts: (B, H_kv, M) bool. Default: none."""
         return torch.zeros_like(cache.positions, dtype=torch.bool)
 
-    def victim(self, cache) -> torch.Tensor:
+    def victim(self, cache: KVCache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
         if getattr(cache, "ordered", False):  # the oldest of tied slots is the first: argmax/argmin decide
             fill = float("-inf") if self.largest else float("inf")

@@ -228,7 +228,7 @@ class RowScaleTransform(RowMapTransform):
         """rows (B, Hx, N, D), positions (B, 1 or Hx, N) → the scale t (B, Hx, N)."""
         raise NotImplementedError
 
-    def map(self, rows, positions, params):
+    def map(self, rows: torch.Tensor, positions: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         scale = self.scale(rows, positions, params)
         return rows.to(torch.promote_types(rows.dtype, scale.dtype)) * scale.unsqueeze(-1)
 
