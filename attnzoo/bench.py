@@ -173,7 +173,7 @@ def run_benchmark(cfg: Config, log=print) -> dict:
                 log(f"memory {spec} N={n} {entry['mode']}: " + ", ".join(
                     f"{k.removesuffix('_peak_mib')} {v:.0f} MiB" for k, v in entry.items()
                     if k.endswith("_peak_mib") and v is not None))
-    return {"config": asdict(cfg), "torch": torch.__version__, "rows": rows, "memory": memory}
+    return {"config": asdict(cfg), "torch": torch.__version__, "cpu": cpu_model(), "rows": rows, "memory": memory}
 
 
 def _line(row: dict, cfg: Config) -> str:
@@ -184,10 +184,25 @@ def _line(row: dict, cfg: Config) -> str:
     return "  ".join(parts)
 
 
+def cpu_model() -> str:
+    """The CPU's model name, as benchmark figures report it (``/proc/cpuinfo``; ``platform.processor()``
+    elsewhere)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
 def to_markdown(result: dict) -> str:
     cfg = result["config"]
     backends = cfg["backends"]
-    lines = [f"CPU, float32, B={cfg['batch']} H={cfg['heads']} D={cfg['head_dim']}, {cfg['threads']} threads, "
+    lines = [f"CPU ({result.get('cpu', 'model not recorded')}), float32, B={cfg['batch']} H={cfg['heads']} "
+             f"D={cfg['head_dim']}, {cfg['threads']} threads, "
              f"torch {result['torch']}; median of {cfg['repeats']} interleaved repeats; ratios to "
              "`scaled_dot_product_attention(is_causal=True)` in the same run.", "",
              "| spec | N | mode | SDPA ms | " + " | ".join(f"{b} / SDPA" for b in backends)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,16 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from attnzoo.bench import cpu_model
 
 
 def inputs(batch, heads, kv_heads, head_dim, length, seed=0):

@@ -19,7 +19,6 @@ Then one profiled call per case gives the phases (``torch.profiler`` ranges name
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
@@ -29,16 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from attnzoo.bench import cpu_model
 
 
 def _inputs(b, h, n, d, dense, grad):

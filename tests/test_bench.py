@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from attnzoo.bench import Config, main, run_benchmark, to_markdown
+from attnzoo.bench import Config, cpu_model, main, run_benchmark, to_markdown
 
 
 def test_tiny_benchmark_reports_ratios():
@@ -26,7 +26,7 @@ def test_tiny_benchmark_reports_ratios():
 def test_cli_writes_json_markdown(tmp_path):
     assert main(["selective", "--lengths", "32", "--memory-lengths", "--repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "bench.json").read_text())
-    assert data["rows"] and (tmp_path / "bench.md").read_text().startswith("CPU, float32")
+    assert data["rows"] and (tmp_path / "bench.md").read_text().startswith(f"CPU ({cpu_model()}), float32")
 
 
 def test_bad_input_is_one_line(tmp_path, capsys):
