@@ -9,6 +9,7 @@
 """
 
 import json
+import os
 import sys
 import tempfile
 import time
@@ -67,3 +68,22 @@ other = aot.capture(backend, plan, 90, torch.float16, 32, registry)
 print(json.dumps({"installed": installed, "launches": len(launches), "hits": hits, "seconds": seconds,
                   "warnings_compiled": [m for launch in launches for m in hook_says(launch, 64)],
                   "warnings_missing": hook_says(other[0], 32)}))
+
+
+# a check that breaks (here: specialisation data Triton no longer writes) warns and never stops the compilation
+broken = aot._Expected("composed", 90, set(), "not among the kernels")
+aot._EXPECTED["broken_module"] = broken
+info = type("Info", (), {"module": "broken_module", "name": "_fwd", "jit_function": launches[0].fn})()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    result = aot._on_compile(key="k", repr="r", fn=info, compile={"specialization_data": "{}"},
+                             is_manual_warmup=False, already_compiled=False)
+assert result is None and any("could not check" in str(w.message) for w in caught), [str(w.message) for w in caught]
+# a Triton cache that cannot be written (under a regular file, which fails for root too): nothing installed, and
+# the reason kept for the warning
+blocker = os.path.join(tempfile.mkdtemp(), "a-file")
+open(blocker, "w").close()
+count = aot.install(artifact.directory, 90, ["unwritable_module"], plan.spec.name,
+                    cache_dir=os.path.join(blocker, "cache"))
+assert count == 0 and "not installed" in aot._EXPECTED["unwritable_module"].why_missing
+print("robustness ok")
