@@ -196,8 +196,11 @@ SHARED_MEMORY_LIMIT = {80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 23244
 
 
 def gpu_blocks(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    """Query and key block sizes on a GPU: 64×64 while a row of the head fits 256 bytes (bf16/fp16 up to D = 128),
-    else 32×32 (float32 at D = 128 needs 197 KB of shared memory at 64×64: more than an A100 has)."""
+    """Query and key block sizes on a GPU, a fixed table reasoned from shared memory, on every architecture: 64×64
+    while a row of the head fits 256 bytes (bf16/fp16 up to D = 128: at most 100,096 B with the accumulator, under
+    every limit in :data:`SHARED_MEMORY_LIMIT`), else 32×32. Float32 at D = 128 and 64×64 needs up to 329,472 B
+    (measured with ``attnzoo build --compile-for 90``, the accumulator's backward): more than even sm_90's
+    232,448 B. A table chosen by measured speed waits for a GPU (benchmarks/gpu_check.py)."""
     return (64, 64) if torch.finfo(dtype).bits // 8 * max(16, _pow2(head_dim)) <= 256 else (32, 32)
 
 
