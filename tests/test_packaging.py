@@ -19,7 +19,7 @@ def _untracked():
     """Untracked and ignored paths of the source tree (git's view), without the venv and the caches."""
     out = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
-    skip = (".venv", "__pycache__", ".pytest_cache", ".ruff_cache", "bench-results", "benchmarks/results")
+    skip = (".venv", "__pycache__", ".pytest_cache", ".ruff_cache")
     return {line[3:] for line in out.splitlines() if not any(s in line for s in skip)}
 
 

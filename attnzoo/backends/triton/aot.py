@@ -155,9 +155,14 @@ class Compilation:
     constants: dict
 
     def label(self) -> str:
-        flags = {str(k[0] if isinstance(k, tuple) else k): v for k, v in self.constants.items()}
-        shown = [f"{k}={v}" for k, v in flags.items() if k.isupper() and not isinstance(v, type(None))]
-        return f"{self.name}[{', '.join(shown)}]"
+        return variant_label(self.name, self.constants)
+
+
+def variant_label(name: str, constants: dict) -> str:
+    """``_fwd[BLOCK_M=64, ..., HAS_KMASK=False]``: a kernel and its constexpr flags, as warnings and rows name it."""
+    flags = {str(k[0] if isinstance(k, tuple) else k): v for k, v in constants.items()}
+    shown = [f"{k}={v}" for k, v in flags.items() if k.isupper() and v is not None]
+    return f"{name}[{', '.join(shown)}]"
 
 
 def _names(fn) -> list[str]:
@@ -206,7 +211,6 @@ def compile_for(backend, plan, artifact_dir: Path, arch: int, dtype: torch.dtype
     import time
 
     import triton
-    from triton import knobs
 
     directory = arch_dir(artifact_dir, arch)
     files = directory / _TRITON_FILES
@@ -217,8 +221,7 @@ def compile_for(backend, plan, artifact_dir: Path, arch: int, dtype: torch.dtype
         comp = specialise(launch, arch)
         compilations.setdefault(comp.hash, (comp, []))[1].append(launch.case)
     rows = []
-    with knobs.cache.scope():
-        knobs.cache.dir = str(files)
+    with triton_cache(str(files)):
         for digest, (comp, cases) in compilations.items():
             start = time.perf_counter()
             row = {"kernel": comp.name, "variant": comp.label(), "cases": sorted(set(cases)), "hash": digest,
@@ -344,7 +347,7 @@ def check_compiled(expected: _Expected, name: str, jit_function, compile: dict) 
     names = _names(jit_function)
     consts = {(names[path[0]] if isinstance(path, tuple) and len(path) == 1 else str(path)): value
               for path, value in compile["constants"].items()}
-    label = Compilation(name, None, options, target, digest, consts).label()
+    label = variant_label(name, consts)
     dtype, head_dim = getattr(CALL, "case", (None, None))
     dtype = str(dtype).removeprefix("torch.") if dtype is not None else "<dtype>"
     with _LOCK:
