@@ -337,10 +337,12 @@ class ContextParallel:
         every_end = _all_gather(ends, group, world, "meta")
         by_chunk = {c: every_end[r, i] for r in range(world) for i, c in enumerate(layout.owned(r))}
         for c in range(1, layout.num_chunks):
-            if bool((by_chunk[c][:, 0] <= by_chunk[c - 1][:, 1]).any()):
-                raise ValueError(f"positions must increase strictly along the whole sequence: chunk {c} (rank "
-                                 f"{layout.owner(c)}) starts at {int(by_chunk[c][:, 0].min())}, chunk {c - 1} "
-                                 f"(rank {layout.owner(c - 1)}) ends at {int(by_chunk[c - 1][:, 1].max())}")
+            back = (by_chunk[c][:, 0] <= by_chunk[c - 1][:, 1]).nonzero()
+            if len(back):
+                row = int(back[0])
+                raise ValueError(f"positions must increase strictly along the whole sequence: in row {row}, chunk "
+                                 f"{c} (rank {layout.owner(c)}) starts at {int(by_chunk[c][row, 0])} but chunk "
+                                 f"{c - 1} (rank {layout.owner(c - 1)}) ends at {int(by_chunk[c - 1][row, 1])}")
         return dims, layout, pos
 
 
