@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(BIN)/python -m pip install -q -e '.[dev,docs,triton,transformers]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,triton,transformers,experiments]'
 	# xformers without its dependencies: its wheel pins a CUDA build of torch; on CPU attnzoo uses only its
 	# attention-bias classes (packed input), and the xformers backend declines with a reason
 	$(BIN)/python -m pip install -q --no-deps xformers==0.0.35

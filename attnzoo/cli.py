@@ -282,6 +282,33 @@ def _print_compiled(rows) -> None:
                   + ("" if not failed else "  FAILED: " + "; ".join(failed)))
 
 
+def _setting(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` from --set: VALUE read as JSON when it parses (numbers, lists), else kept as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise BadInput(f"--set {text}: expected KEY=VALUE, e.g. --set batch=32")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
+def cmd_experiment(args) -> int:
+    from . import experiments
+    from .dispatch import compile as compile_spec
+
+    overrides = dict(_setting(s) for s in args.set or [])
+    overrides.update(specs=args.spec, seeds=args.seed, steps=args.steps)
+    cfg = experiments.config(args.name, **overrides)
+    for spec in cfg["specs"]:  # a misspelt spec fails now, not after the first model has trained
+        compile_spec(spec.removesuffix("+memory") if isinstance(spec, str) else spec)
+    results = experiments.run_experiment(args.name, args.out, show_progress=not args.no_progress, **overrides)
+    print(experiments.format_summary(results))
+    print(f"results: {results['json']}" + "".join(f", {args.out}/{p}" for p in results["plots"])
+          + f" ({results['seconds']:.0f} s on {results['environment']['cpu']})")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnzoo", description="Attention variants declared as data: list, validate, explain, check and build "
@@ -341,6 +368,21 @@ def build_parser() -> argparse.ArgumentParser:
                    "- or _ (the package is attnzoo-NAME)")
     p.add_argument("--dir", default=".", help="where to write attnzoo-NAME/ (default: the current directory)")
     p.set_defaults(func=cmd_new_plugin)
+
+    p = sub.add_parser("experiment", help="reproduce a paper's effect at small scale (docs/experiments.md)")
+    from .experiments import EXPERIMENTS
+
+    p.add_argument("name", metavar="NAME", choices=list(EXPERIMENTS), help="; ".join(
+        f"{name}: {about}" for name, (_, about) in EXPERIMENTS.items()))
+    p.add_argument("--spec", nargs="+", help="specs to train (files or registered names; default: the paper's "
+                   "comparison; language-model also takes NAME+memory: the spec trained with the memory loss)")
+    p.add_argument("--seed", type=int, nargs="+", help="seeds, one run each (default 0 1 2; language-model 0)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: the experiment's)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other setting of the experiment, "
+                   "e.g. --set batch=32 (VALUE as JSON); an unknown KEY lists the valid ones")
+    p.add_argument("--out", default="experiment-results", help="results folder (default: ./experiment-results)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_experiment)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
     sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")
