@@ -1,0 +1,260 @@
+"""Context-parallel attention on CPU processes (gloo): bytes sent and time per rank against the sequence length,
+and memory per rank at one long length, against the single-process baseline measured in the same run
+(docs/distributed.md).
+
+Every rank runs ``torch.set_num_threads(1)``. For each world size a fresh process group is spawned; world size 1
+is the baseline: the same sharded code on one rank (no communication), and the ``blocked`` backend (attnzoo's
+fastest single-process CPU path) on the same inputs. Times are the median of ``--repeats`` rounds, each after a
+barrier: ``wall`` is the slowest rank's, ``cpu`` the mean of the ranks' own CPU time (``time.process_time``),
+which does not count waiting for another rank or for a core (with more ranks than cores, wall time includes
+queueing for a core). Bytes are what each rank hands to gloo (``attnzoo.distributed.counting``).
+
+Memory per rank: the peak resident set above what the process held before the call (Linux: the peak is reset
+through ``/proc/self/clear_refs`` once the inputs exist and a small warm-up call has set up gloo's buffers), with
+glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so that every tensor of 128 KiB or more is its
+own mapping, counted while alive and returned to the system when freed: the peak is the peak of live tensor bytes
+plus small allocations.
+
+    python benchmarks/distributed.py [--ranks 2 4] [--lengths 2048 4096 8192] [--memory-length 16384]
+                                     [--specs vanilla selective] [--out benchmarks/results]
+
+Run it under torchrun instead for real devices: see docs/distributed.md (examples/context_parallel.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+MMAP_THRESHOLD = 128 * 1024
+
+
+def rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _inputs(n, heads, head_dim, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, heads, n, head_dim, generator=gen) for _ in range(4)]  # q, k, v, output cotangent
+
+
+def _call(cp, layout, rank, tensors, grad):
+    q, k, v, cot = (layout.shard(t, rank).contiguous() for t in tensors)
+    if grad:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = cp(q, k, v)
+        out.backward(cot)
+    else:
+        with torch.no_grad():
+            cp(q, k, v)
+
+
+def _blocked(variant, tensors, grad):
+    q, k, v, cot = tensors
+    if grad:
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        variant(q, k, v).backward(cot)
+    else:
+        with torch.no_grad():
+            variant(q, k, v)
+
+
+def _timed(fn, repeats, world):
+    walls, cpus = [], []
+    for _ in range(repeats):
+        if world > 1:
+            dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        fn()
+        cpu = time.process_time() - cpu
+        wall = torch.tensor([time.perf_counter() - start, cpu], dtype=torch.float64)
+        if world > 1:
+            every = [torch.empty_like(wall) for _ in range(world)]
+            dist.all_gather(every, wall)
+            wall = torch.stack(every)
+        else:
+            wall = wall[None]
+        walls.append(float(wall[:, 0].max()))
+        cpus.append(float(wall[:, 1].mean()))
+    return statistics.median(walls), statistics.median(cpus)
+
+
+def _peak_mib(fn) -> float:
+    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_kib("VmRSS")
+    fn()
+    return (rss_kib("VmHWM") - base) / 1024
+
+
+def _worker(rank, world, store, args, out_dir):
+    import attnzoo
+    from attnzoo.distributed import ContextParallel, Layout, counting
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rows = []
+    for spec in args.specs:
+        cp = ContextParallel(spec, method=args.method, block_size=args.block_size)
+        blocked = attnzoo.compile(spec, backend="blocked")
+        warm = _inputs(8 * world, args.heads, args.head_dim)
+        _call(cp, Layout(8 * world, world), rank, warm, grad=True)
+        for n in sorted({*args.lengths, args.memory_length}):
+            layout = Layout(n, world)
+            row = {"spec": spec, "world": world, "n": n}
+            if n in args.lengths:
+                tensors = _inputs(n, args.heads, args.head_dim)
+                for grad in (False, True):
+                    label = "fwd_bwd" if grad else "fwd"
+                    with counting() as counter:
+                        _call(cp, layout, rank, tensors, grad)
+                    row[f"{label}_bytes_per_rank"] = counter.bytes_sent
+                    row[f"{label}_bytes_by_kind"] = counter.by_kind
+                    row[f"{label}_wall_s"], row[f"{label}_cpu_s"] = _timed(
+                        partial(_call, cp, layout, rank, tensors, grad), args.repeats, world)
+                    if world == 1:
+                        row[f"blocked_{label}_wall_s"], row[f"blocked_{label}_cpu_s"] = _timed(
+                            partial(_blocked, blocked, tensors, grad), args.repeats, 1)
+                del tensors
+            if n == args.memory_length:
+                small = _inputs(8 * world, args.heads, args.head_dim)
+                # one rank running the whole sequence forward+backward through the sharded code takes minutes
+                # here: its forward is the baseline unless asked
+                grads = (False, True) if world > 1 or args.full_baseline else (False,)
+                for grad in grads:
+                    label = "fwd_bwd" if grad else "fwd"
+                    tensors = _inputs(n, args.heads, args.head_dim)
+                    _call(cp, Layout(8 * world, world), rank, small, grad)  # warm: gloo buffers, threads
+                    peak = _peak_mib(partial(_call, cp, layout, rank, tensors, grad))
+                    every = [peak]
+                    if world > 1:
+                        every = [None] * world
+                        dist.all_gather_object(every, peak)
+                    row[f"{label}_peak_mib_per_rank"] = every
+                    del tensors
+                if world == 1:
+                    for grad in (False, True):
+                        label = "fwd_bwd" if grad else "fwd"
+                        tensors = _inputs(n, args.heads, args.head_dim)
+                        _blocked(blocked, small, grad)
+                        row[f"blocked_{label}_peak_mib"] = _peak_mib(partial(_blocked, blocked, tensors, grad))
+                        del tensors
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in row.items() if "by_kind" not in k}), flush=True)
+    if rank == 0:
+        (out_dir / f"world{world}.json").write_text(json.dumps(rows))
+    dist.destroy_process_group()
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a and b else None
+
+
+def to_markdown(result) -> str:
+    cfg = result["config"]
+    rows = result["rows"]
+    base = {(r["spec"], r["n"]): r for r in rows if r["world"] == 1}
+    lines = [
+        "# Context-parallel attention on CPU processes (gloo)", "",
+        f"`python benchmarks/distributed.py` on {result['cpu']} ({os.cpu_count()} cores visible), torch "
+        f"{result['torch']}, one thread per rank; B 1, H {cfg['heads']}, D {cfg['head_dim']}, float32, balanced "
+        f"layout, method {cfg['method']}, block {cfg['block_size']}. World size 1 is the same sharded code on one "
+        "rank; `blocked` is attnzoo's single-process CPU backend on the same inputs, same run. wall: the slowest "
+        "rank (median of interleaved rounds); cpu: the ranks' mean own CPU time. Ratios are to world size 1.", "",
+        "## Bytes and time per rank against the sequence length", "",
+        "| spec | N | ranks | fwd MiB sent/rank | fwd+bwd MiB sent/rank | fwd wall s | fwd cpu s | fwd+bwd wall s "
+        "| fwd+bwd cpu s | cpu/rank vs 1 rank (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "fwd_wall_s" not in r:
+            continue
+        b = base.get((r["spec"], r["n"]), {})
+        lines.append(
+            f"| {r['spec']} | {r['n']} | {r['world']} | {r['fwd_bytes_per_rank'] / 2**20:.2f} | "
+            f"{r['fwd_bwd_bytes_per_rank'] / 2**20:.2f} | {r['fwd_wall_s']:.2f} | {r['fwd_cpu_s']:.2f} | "
+            f"{r['fwd_bwd_wall_s']:.2f} | {r['fwd_bwd_cpu_s']:.2f} | "
+            f"{_ratio(r['fwd_bwd_cpu_s'], b.get('fwd_bwd_cpu_s'))} |")
+    lines += ["", "Single-process `blocked` backend, same inputs (one thread):", "",
+              "| spec | N | fwd s | fwd+bwd s | sharded code on 1 rank / blocked (fwd+bwd) |", "|---|---|---|---|---|"]
+    for (spec, n), b in sorted(base.items()):
+        if "blocked_fwd_wall_s" in b:
+            lines.append(f"| {spec} | {n} | {b['blocked_fwd_wall_s']:.2f} | {b['blocked_fwd_bwd_wall_s']:.2f} | "
+                         f"{_ratio(b['fwd_bwd_wall_s'], b['blocked_fwd_bwd_wall_s'])} |")
+    n = cfg["memory_length"]
+    lines += ["", f"## Memory per rank at N = {n}", "",
+              "Peak resident memory above the inputs during one call, per rank (MiB; the method is in the "
+              "benchmark's docstring). The ideal O(N / R) scaling halves it with each doubling of R.", "",
+              "| spec | ranks | fwd MiB/rank (max) | fwd vs 1 rank | fwd vs blocked | fwd+bwd MiB/rank (max) "
+              "| fwd+bwd vs blocked |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["n"] != n or "fwd_peak_mib_per_rank" not in r:
+            continue
+        b = base.get((r["spec"], n), {})
+        fwd = max(r["fwd_peak_mib_per_rank"])
+        both = max(r["fwd_bwd_peak_mib_per_rank"]) if "fwd_bwd_peak_mib_per_rank" in r else None
+        lines.append(f"| {r['spec']} | {r['world']} | {fwd:.0f} | {_ratio(fwd, max(b['fwd_peak_mib_per_rank']))} | "
+                     f"{_ratio(fwd, b.get('blocked_fwd_peak_mib'))} | {'-' if both is None else f'{both:.0f}'} | "
+                     f"{_ratio(both, b.get('blocked_fwd_bwd_peak_mib'))} |")
+    blocked = [(spec, b) for (spec, m), b in sorted(base.items()) if m == n and "blocked_fwd_peak_mib" in b]
+    lines += ["", "Single-process `blocked` at the same N: " + ", ".join(
+        f"{spec} {b['blocked_fwd_peak_mib']:.0f} MiB forward, {b['blocked_fwd_bwd_peak_mib']:.0f} MiB forward+backward"
+        for spec, b in blocked) + ".", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes (1 always runs)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="timed lengths")
+    parser.add_argument("--memory-length", type=int, default=16384, help="the length memory is measured at")
+    parser.add_argument("--specs", nargs="+", default=["vanilla", "selective"], help="spec names")
+    parser.add_argument("--heads", type=int, default=2, help="query (and key/value) heads")
+    parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    parser.add_argument("--method", default="ring", choices=["ring", "allgather", "auto"], help="K/V exchange")
+    parser.add_argument("--block-size", type=int, default=256, help="queries per block inside a pair")
+    parser.add_argument("--full-baseline", action="store_true",
+                        help="also measure one rank's forward+backward memory at --memory-length (slow)")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per timing (the median is kept)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for distributed.json and .md")
+    args = parser.parse_args(argv)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # inherited by the spawned ranks
+    from attnzoo.bench import cpu_model
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in [1, *sorted(set(args.ranks) - {1})]:
+            store = Path(tmp) / f"store{world}"
+            mp.start_processes(_worker, args=(world, store, args, Path(tmp)), nprocs=world, join=True,
+                               start_method="spawn")
+            rows += json.loads((Path(tmp) / f"world{world}.json").read_text())
+    result = {"cpu": cpu_model(), "torch": torch.__version__, "config": {
+        "heads": args.heads, "head_dim": args.head_dim, "method": args.method, "block_size": args.block_size,
+        "repeats": args.repeats, "lengths": args.lengths, "memory_length": args.memory_length,
+        "specs": args.specs, "ranks": args.ranks, "threads_per_rank": 1,
+        "memory_method": f"peak RSS above the inputs, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"}, "rows": rows}
+    text = to_markdown(result)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "distributed.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "distributed.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
