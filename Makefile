@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs
+.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs experiments
 
 $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	$(BIN)/attnzoo bench --out benchmarks/results
+
+# the five paper reproductions with their default settings (several minutes each on 2 cores), into the docs page's
+# folder: docs/experiments.md shows these figures
+EXPERIMENTS := variable-assignment pruning denoising graph language-model
+experiments: $(STAMP)
+	for e in $(EXPERIMENTS); do $(BIN)/attnzoo experiment $$e --out docs/experiments || exit 1; done
 
 # generate (or find cached) the Triton kernels of every registered spec
 build: $(STAMP)

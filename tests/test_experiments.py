@@ -16,12 +16,16 @@ from attnzoo.experiments import common, denoising, graph, language_model, prunin
 
 def test_variable_assignment_answers_the_latest_value():
     gen = torch.Generator().manual_seed(0)
-    tokens, answer = variable_assignment.batch(gen, 200, 6, variables=3, values=5)
-    for row, ans in zip(tokens.tolist(), answer.tolist(), strict=True):
-        assert row[0] == variable_assignment.BOS and row[-2] == variable_assignment.ASK
-        pairs = list(zip(row[1:-2:2], row[2:-2:2], strict=True))
-        latest = {var: val for var, val in pairs}  # later assignments overwrite earlier ones
-        assert row[-1] in latest and latest[row[-1]] == ans
+    tokens, targets, mask = variable_assignment.batch(gen, 200, 6, variables=3, values=5)
+    assert tokens.shape == (200, 31) and (tokens[:, 0] == variable_assignment.BOS).all()
+    for row, tgt, m in zip(tokens.tolist(), targets.tolist(), mask.tolist(), strict=True):
+        latest = {}
+        for t in range(6):
+            var, val, ask, asked, answer = row[1 + 5 * t: 6 + 5 * t]
+            latest[var] = val  # later assignments overwrite earlier ones
+            assert ask == variable_assignment.ASK and asked in latest and answer == latest[asked]
+            assert m[4 + 5 * t] and tgt[4 + 5 * t] == answer
+        assert sum(m) == 6
 
 
 def test_parity_and_copy_targets():
@@ -110,7 +114,8 @@ def test_corpus_is_the_documented_text():
 
 TINY = {
     "variable-assignment": ["--steps", "3", "--set", "dim=16", "--set", "heads=2", "--set", "layers=1",
-                            "--set", "test_size=20", "--set", "test_assignments=[2, 3]"],
+                            "--set", "test_size=20", "--set", "min_assignments=1", "--set", "train_assignments=2",
+                            "--set", "test_assignments=[2, 3]"],
     "pruning": ["--steps", "3", "--set", "dim=16", "--set", "heads=2", "--set", "layers=1", "--set", "test_size=4",
                 "--set", "parity_bits=5", "--set", "copy_length=4",
                 "--set", 'budgets={"parity": [2, 11], "copy": [3, 10]}'],

@@ -68,7 +68,7 @@ def naive_average(tokens, d: int, gain: float) -> torch.Tensor:
     return gain * tokens[:, :-1, :d].mean(1)
 
 
-DEFAULTS = dict(specs=["vanilla", "ssa-value"], seeds=[0, 1, 2], steps=3000, batch=256, lr=3e-3, transform_lr=3e-2,
+DEFAULTS = dict(specs=["vanilla", "ssa-value"], seeds=[0, 1, 2], steps=1500, batch=256, lr=3e-3, transform_lr=3e-2,
                 n=32, k=8, d=8, head_dim=32, sigma_s=0.5, sigma_n=3.0, test_size=4096)
 
 

@@ -79,7 +79,7 @@ class OneHead(torch.nn.Module):
         return t
 
 
-DEFAULTS = dict(specs=["vanilla", "ssa-query"], seeds=[0, 1, 2], steps=2000, batch=256, lr=3e-3, transform_lr=3e-2,
+DEFAULTS = dict(specs=["vanilla", "ssa-query"], seeds=[0, 1, 2], steps=1000, batch=256, lr=3e-3, transform_lr=3e-2,
                 nodes=32, degrees=[1, 2, 4, 8, 16], width=32, head_dim=32, test_size=8192)
 
 

@@ -46,9 +46,9 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return math.exp(float(F_.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))))
 
 
-DEFAULTS = dict(specs=["vanilla", "ssa", "selective", "selective+memory"], seeds=[0], steps=700, batch=16,
-                context=256, lr=2e-3, transform_lr=2e-2, layers=4, heads=4, dim=128, memory_eps=0.1,
-                pruned_spec="selective-pruned", budgets=[8, 16, 32, 64, 128, 256], valid_windows=48)
+DEFAULTS = dict(specs=["vanilla", "ssa", "selective", "selective+memory"], seeds=[0], steps=600, batch=16,
+                context=128, lr=2e-3, transform_lr=2e-2, layers=4, heads=4, dim=128, memory_eps=0.1,
+                pruned_spec="selective-pruned", budgets=[4, 8, 16, 32, 64, 128], valid_windows=64)
 
 MEMORY_SUFFIX = "+memory"  # "<spec>+memory": the same spec trained with the memory loss (memory_eps)
 

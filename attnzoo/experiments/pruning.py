@@ -50,8 +50,8 @@ TASKS = {
 }
 
 DEFAULTS = dict(specs=["selective"], pruned_spec="selective-pruned", tasks=["parity", "copy"], seeds=[0, 1, 2],
-                steps=600, batch=64, lr=1e-3, layers=3, heads=3, dim=192, memory_eps=0.1, parity_bits=32,
-                copy_length=16, budgets={"parity": [2, 3, 4, 6, 8, 16, 32, 65],
+                steps=600, batch=32, lr=2e-3, layers=3, heads=3, dim=96, memory_eps=0.1, parity_bits=24,
+                copy_length=16, budgets={"parity": [2, 3, 4, 6, 8, 16, 49],
                                          "copy": [4, 8, 12, 16, 17, 18, 20, 24, 34]},
                 test_size=256)
 
