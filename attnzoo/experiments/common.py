@@ -213,3 +213,11 @@ def figure():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(plt, fig, folder: Path, filename: str) -> list[str]:
+    """Lay out, write ``folder/filename`` (120 dpi), close the figure; returns ``[filename]`` for the results."""
+    fig.tight_layout()
+    fig.savefig(Path(folder) / filename, dpi=120)
+    plt.close(fig)
+    return [filename]

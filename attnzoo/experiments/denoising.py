@@ -121,8 +121,4 @@ def plot(results: dict, folder) -> list[str]:
     ax.set_ylabel("MSE of the estimate of mu")
     ax.set_yscale("log")
     ax.set_title("Denoising: value temperature vs vanilla")
-    fig.tight_layout()
-    path = folder / "denoising.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return common.save_figure(plt, fig, folder, "denoising.png")

@@ -156,8 +156,4 @@ def plot(results: dict, folder) -> list[str]:
     axes[1].set_ylabel("learned query temperature t_i")
     axes[1].legend(fontsize=8)
     axes[1].set_title("SSA temperature by degree")
-    fig.tight_layout()
-    path = folder / "graph.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return common.save_figure(plt, fig, folder, "graph.png")

@@ -46,9 +46,15 @@ def perplexity(logits: torch.Tensor, targets: torch.Tensor) -> float:
     return math.exp(float(F_.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))))
 
 
+#: the control for the pruning curve: a spec without an accumulator decoded through a cache that keeps BOS and the
+#: most recent tokens (StreamingLLM's rule with one sink), at the same budgets
+WINDOW_SPEC = {"name": "window", "summary": "BOS + the most recent tokens", "transforms": [],
+               "cache": {"evictor": "sink_window", "sink": 1}}
+
 DEFAULTS = dict(specs=["vanilla", "ssa", "selective", "selective+memory"], seeds=[0], steps=600, batch=16,
                 context=128, lr=2e-3, transform_lr=2e-2, layers=4, heads=4, dim=128, memory_eps=0.1,
-                pruned_spec="selective-pruned", budgets=[4, 8, 16, 32, 64, 128], valid_windows=64)
+                pruned_spec="selective-pruned", window_spec=WINDOW_SPEC, window_for=["vanilla"],
+                budgets=[4, 8, 16, 32, 64, 128], valid_windows=64)
 
 MEMORY_SUFFIX = "+memory"  # "<spec>+memory": the same spec trained with the memory loss (memory_eps)
 
@@ -81,10 +87,15 @@ def run(cfg: dict, show_progress: bool = True) -> dict:
                 ppl = perplexity(model(valid[0]), valid[1])
             record = {"spec": name, "seed": seed, "valid_perplexity": ppl, "train": log.as_dict(),
                       "parameters": common.count_parameters(model)}
+            pruned = None
             if model.blocks[0].attn.has_accumulator:
                 pruned = model.with_spec(cfg["pruned_spec"])
+            elif name in cfg["window_for"]:
+                pruned = model.with_spec(cfg["window_spec"])
+            if pruned is not None:
                 curve = {}
                 bar = common.progress(len(cfg["budgets"]), f"{name} budgets", show_progress)
+                record["pruned_with"] = pruned.blocks[0].attn.spec.name
                 for budget in cfg["budgets"]:
                     curve[str(budget)] = perplexity(pruned.decode_logits(valid[0], budget), valid[1])
                     bar.update(1)
@@ -96,14 +107,20 @@ def run(cfg: dict, show_progress: bool = True) -> dict:
         mine = [r for r in runs if r["spec"] == name]
         summary[name] = {"valid_perplexity": common.mean_std([r["valid_perplexity"] for r in mine])}
         if "perplexity_by_budget" in mine[0]:
+            summary[name]["pruned_with"] = mine[0]["pruned_with"]
             summary[name]["by_budget"] = {b: common.mean_std([r["perplexity_by_budget"][b] for r in mine])
                                           for b in mine[0]["perplexity_by_budget"]}
     baseline = summary.get("vanilla", {}).get("valid_perplexity", {}).get("mean")
     if baseline is not None:
         for per in summary.values():
             if "by_budget" in per:
-                fits = [int(b) for b, v in per["by_budget"].items() if v["mean"] <= baseline]
-                per["smallest_budget_at_vanilla_perplexity"] = min(fits) if fits else None
+                # the smallest budget from which every larger one stays at or below vanilla's perplexity
+                smallest = None
+                for budget in sorted(per["by_budget"], key=int, reverse=True):
+                    if per["by_budget"][budget]["mean"] > baseline:
+                        break
+                    smallest = int(budget)
+                per["smallest_budget_at_vanilla_perplexity"] = smallest
     return {"runs": runs, "summary": summary}
 
 
@@ -121,18 +138,14 @@ def plot(results: dict, folder) -> list[str]:
     for name, per in summary.items():
         if "by_budget" in per:
             xs = [int(b) for b in per["by_budget"]]
-            axes[1].plot(xs, [v["mean"] for v in per["by_budget"].values()], marker="o", label=f"{name} (pruned)")
-        else:
-            axes[1].axhline(per["valid_perplexity"]["mean"], ls="--", lw=1,
-                            color="black" if name == "vanilla" else None, label=f"{name} (full context)")
+            axes[1].plot(xs, [v["mean"] for v in per["by_budget"].values()], marker="o",
+                         label=f"{name}, pruned ({per['pruned_with']})")
+        axes[1].axhline(per["valid_perplexity"]["mean"], ls="--", lw=1,
+                        color="black" if name == "vanilla" else None, label=f"{name} (full context)")
     axes[1].axvline(context / 4, color="grey", ls=":", lw=1)
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel(f"KV budget per layer (tokens; context {context}, dotted: 1/4)")
     axes[1].set_ylabel("validation perplexity (per byte)")
     axes[1].legend(fontsize=7)
     axes[1].set_title("selective pruning")
-    fig.tight_layout()
-    path = folder / "language-model.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return common.save_figure(plt, fig, folder, "language-model.png")

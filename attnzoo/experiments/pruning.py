@@ -116,8 +116,4 @@ def plot(results: dict, folder) -> list[str]:
     ax.set_ylabel("per-token accuracy (%)")
     ax.set_title("Parity and Copy with selective pruning")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = folder / "pruning.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return common.save_figure(plt, fig, folder, "pruning.png")

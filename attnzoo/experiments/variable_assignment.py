@@ -93,17 +93,16 @@ def run(cfg: dict, show_progress: bool = True) -> dict:
 def plot(results: dict, folder) -> list[str]:
     plt = common.figure()
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for spec, per in results["summary"].items():
+    for i, (spec, per) in enumerate(results["summary"].items()):
         xs = [int(a) for a in per]
         ax.errorbar(xs, [100 * per[a]["mean"] for a in per], yerr=[100 * per[a]["std"] for a in per],
-                    marker="o", capsize=3, label=spec)
+                    marker="o", capsize=3, label=f"{spec} (mean ± std)", color=f"C{i}")
+        for a in per:  # every seed
+            ax.scatter([int(a)] * len(per[a]["runs"]), [100 * v for v in per[a]["runs"]], s=10, alpha=0.4,
+                       color=f"C{i}")
     ax.axvline(results["config"]["train_assignments"], color="grey", ls=":", lw=1)
     ax.set_xlabel("assignments per sequence (dotted: most seen in training)")
     ax.set_ylabel("accuracy (%)")
     ax.set_title("Variable Assignment")
     ax.legend()
-    fig.tight_layout()
-    path = folder / "variable-assignment.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return common.save_figure(plt, fig, folder, "variable-assignment.png")
