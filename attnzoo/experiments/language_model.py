@@ -135,13 +135,14 @@ def plot(results: dict, folder) -> list[str]:
     axes[0].set_title("training")
     summary = results["summary"]
     context = results["config"]["context"]
-    for name, per in summary.items():
+    for i, (name, per) in enumerate(summary.items()):
+        color = f"C{i}"
         if "by_budget" in per:
             xs = [int(b) for b in per["by_budget"]]
-            axes[1].plot(xs, [v["mean"] for v in per["by_budget"].values()], marker="o",
+            axes[1].plot(xs, [v["mean"] for v in per["by_budget"].values()], marker="o", color=color,
                          label=f"{name}, pruned ({per['pruned_with']})")
-        axes[1].axhline(per["valid_perplexity"]["mean"], ls="--", lw=1,
-                        color="black" if name == "vanilla" else None, label=f"{name} (full context)")
+        axes[1].axhline(per["valid_perplexity"]["mean"], ls="--", lw=1, color=color,
+                        label=f"{name} (full context)")
     axes[1].axvline(context / 4, color="grey", ls=":", lw=1)
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel(f"KV budget per layer (tokens; context {context}, dotted: 1/4)")
