@@ -498,17 +498,24 @@ class _Blocks:
             for src in self.sources():
                 yield src, gathered[src]
             return
-        nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
         current = {name: t.contiguous() for name, t in mine.items()}
         for step, src in enumerate(self.sources()):
-            requests, incoming = [], None
-            if step < cfg.world - 1:
-                incoming = _like(mine, cfg.layout.local_size((src - 1) % cfg.world))
-                requests = _exchange([(t, nxt) for t in current.values()],
-                                     [(t, prev) for t in incoming.values()], cfg.group, self.kind)
+            requests, incoming = self._pass_on(mine, current, step, src)
             yield src, current
             _wait(requests)
             current = incoming
+
+    def _pass_on(self, mine, current, step: int, src: int):
+        """Start sending ``current`` (the block of rank ``src``) to the next rank and receiving the previous rank's
+        block, unless this is the last step: (the requests to wait for, the incoming block or None)."""
+        cfg = self.cfg
+        if step >= cfg.world - 1:
+            return [], None
+        nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
+        incoming = _like(mine, cfg.layout.local_size((src - 1) % cfg.world))
+        requests = _exchange([(t, nxt) for t in current.values()], [(t, prev) for t in incoming.values()],
+                             cfg.group, self.kind)
+        return requests, incoming
 
     def with_grads(self, mine: dict[str, torch.Tensor], grad_names: list[str]):
         """Like iterating, with a zeroed gradient dict per block (``grad_names`` of the block's tensors) to add
@@ -532,11 +539,7 @@ class _Blocks:
         current = {name: t.contiguous() for name, t in mine.items()}
         grads = {name: torch.zeros_like(mine[name]) for name in grad_names}
         for step, src in enumerate(self.sources()):
-            requests, incoming = [], None
-            if step < cfg.world - 1:
-                incoming = _like(mine, cfg.layout.local_size((src - 1) % cfg.world))
-                requests = _exchange([(t, nxt) for t in current.values()],
-                                     [(t, prev) for t in incoming.values()], cfg.group, self.kind)
+            requests, incoming = self._pass_on(mine, current, step, src)
             yield src, current, grads
             # the gradients follow their block: after the last step they reach its owner, the next rank
             size = cfg.layout.local_size((src - 1) % cfg.world) if step < cfg.world - 1 else \
