@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -155,17 +156,10 @@ def test_seeded_runs_repeat():
     (["experiment", "graph", "--spec", "vanila"], "vanilla"),
 ])
 def test_bad_experiment_input_is_one_line(argv, message, capsys, tmp_path):
-    with pytest.raises(SystemExit) if "invalid choice" in message else _nothing():
+    with pytest.raises(SystemExit) if "invalid choice" in message else nullcontext():
         code = main([*argv, "--out", str(tmp_path)])
         assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

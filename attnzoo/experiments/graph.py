@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from .. import nn as zoo_nn
+from ..transforms.base import RowScaleTransform, Slot
 from . import common
 
 
@@ -63,20 +64,16 @@ class OneHead(torch.nn.Module):
         return self.attn(q, k, v)[:, 0, -1, : self.nodes]
 
     def query_temperature(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """SSA's t_i at the query token (B,), by its formula (docs/papers.md §1), or None without it."""
-        params = self.attn.params()
-        if "query_temperature.token_weight" not in params and "query_temperature.position_logit" not in params:
+        """The spec's query temperature t_i at the query token (B,), computed by the spec's own query-slot
+        transform (docs/papers.md §1), or None for a spec without one."""
+        transform = self.attn.variant.plan.one(Slot.QUERY)
+        if not isinstance(transform, RowScaleTransform):
             return None
-        x = self.norm(self.embed(tokens))
-        q = self.q(x)[:, -1]
-        t = torch.ones(q.shape[0])
-        if "query_temperature.position_logit" in params:
-            t = t + torch.exp(-torch.exp(params["query_temperature.position_logit"])) * torch.log(
-                torch.tensor(float(tokens.shape[1])))
-        if "query_temperature.token_weight" in params:
-            u = params["query_temperature.token_weight"].reshape(-1)
-            t = t + torch.tanh(torch.nn.functional.gelu(q) @ u)
-        return t
+        prefix = transform.kind + "."
+        group = {k[len(prefix):]: v for k, v in self.attn.params().items() if k.startswith(prefix)}
+        q = self.q(self.norm(self.embed(tokens)))[:, None, -1:]  # (B, 1, 1, D): the query token's row
+        position = torch.full((q.shape[0], 1, 1), tokens.shape[1], dtype=torch.long)
+        return transform.scale(q, position, group)[:, 0, 0]
 
 
 DEFAULTS = dict(specs=["vanilla", "ssa-query"], seeds=[0, 1, 2], steps=1000, batch=256, lr=3e-3, transform_lr=3e-2,
