@@ -68,6 +68,11 @@ class KVCache:
         self.state: dict[str, torch.Tensor] = {}
         self.valid: torch.Tensor | None = None
         self.evicted = 0
+        #: tokens dropped because no later query can see them (a window mask, :meth:`drop_expired`)
+        self.expired = 0
+        #: the spec's bound on the keys a query sees, ``earliest_key(query_position) -> int`` (a sliding window),
+        #: or None; set by ``Variant.new_cache``
+        self.horizon = None
         self.params_key: tuple | None = None
         self._k: torch.Tensor | None = None  # buffers (B, H_kv, capacity, D); the first _m slots hold tokens
         self._v: torch.Tensor | None = None
@@ -181,8 +186,8 @@ class KVCache:
 
     def memory(self) -> dict:
         """A report: tokens held per row and head, budget, tokens evicted, bytes held and allocated."""
-        return {"tokens": self._m, "budget": self.budget, "evicted": self.evicted, "bytes": self.nbytes,
-                "allocated_bytes": self.capacity_bytes}
+        return {"tokens": self._m, "budget": self.budget, "evicted": self.evicted, "expired": self.expired,
+                "bytes": self.nbytes, "allocated_bytes": self.capacity_bytes}
 
     def over_budget(self) -> bool:
         return self.budget is not None and self._m > self.budget
@@ -404,6 +409,33 @@ class KVCache:
         room = max(self.budget + 1, self._m)
         if self._k.shape[2] > 2 * room:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
+
+    def drop_expired(self) -> None:
+        """Drop the tokens that no later query can see: under a window mask (:attr:`horizon`), a token before the
+        earliest key visible from a row's next position, and padding. Every row and head drops the same number
+        (the fewest any of them can spare, oldest first), so the cache stays dense; what one row keeps beyond
+        its window is masked as before. Between steps a window layer then holds at most ``window - 1`` tokens
+        per row (once every row has seen that many, exactly that), as transformers' sliding-window cache does."""
+        if self.horizon is None or self._m == 0:
+            return
+        starts = self.next_position.tolist()
+        firsts = [self.horizon(int(p)) for p in starts]
+        earliest = torch.tensor(firsts, dtype=torch.int64, device=self._pos.device).view(-1, 1, 1)
+        expired = self.positions < earliest
+        if self.valid is not None:
+            expired |= ~self.valid
+        spare = int(expired.sum(-1).min())
+        if spare == 0:
+            return
+        if bool(expired[..., :spare].all()):  # the oldest slots of every row and head: a shift, no gather
+            keep = torch.arange(spare, self._m, device=self._pos.device).expand(*expired.shape[:2], -1)
+        else:  # drop each row's first `spare` expired slots, keep the rest in order
+            doomed = expired & (expired.cumsum(-1) <= spare)
+            keep = torch.argsort(doomed.to(torch.int8), dim=-1, stable=True)[..., :self._m - spare]
+        before = self.evicted
+        self._keep(keep.contiguous())
+        self.evicted = before
+        self.expired += spare
 
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (LongTensor (B',)) in that order: beam search's reorder, batch selection

@@ -145,7 +145,10 @@ class Variant:
         names = list(evictor.state_names) if evictor is not None else []
         if self.plan.one(Slot.ACCUMULATOR) is not None:
             names.insert(0, ACCUMULATED_STATE)
-        return KVCache(batch, budget, evictor, tuple(names))
+        cache = KVCache(batch, budget, evictor, tuple(names))
+        if self.plan.earliest_key(1) is not None:  # a mask bounds how far back any query sees (a sliding window)
+            cache.horizon = self.plan.earliest_key
+        return cache
 
     def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None, inputs=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D). Appends to ``cache``, evicts when over
@@ -224,7 +227,9 @@ class Variant:
         grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, q.shape[0], q.shape[1],
                                        q.shape[2], q)
         backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
-        return backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
+        out = backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
+        cache.drop_expired()
+        return out
 
 
 def _fingerprint(params) -> tuple:

@@ -39,6 +39,7 @@ class Attention(torch.nn.Module):
         self.transform_params = torch.nn.ParameterDict(
             {key.replace(".", "__"): torch.nn.Parameter(value) for key, value in initial.items()})
         self._recording: list[torch.Tensor] | None = None
+        self._bound: dict[str, tuple[torch.nn.Module, str]] = {}  # params key -> (owner module, attribute)
         wanted = self.variant.plan.token_inputs()
         if wanted and input_dim is None:
             raise ValueError(f"spec '{self.variant.spec.name}' takes per-token inputs from the layer input "
@@ -56,8 +57,33 @@ class Attention(torch.nn.Module):
         return self.variant.spec
 
     def params(self) -> dict[str, torch.Tensor]:
-        """The parameters keyed as the variant expects them (``"<kind>.<name>"``)."""
-        return {key.replace("__", "."): value for key, value in self.transform_params.items()}
+        """The parameters keyed as the variant expects them (``"<kind>.<name>"``), bound ones included."""
+        out = {key.replace("__", "."): value for key, value in self.transform_params.items()}
+        for key, (owner, attribute) in self._bound.items():
+            out[key] = getattr(owner, attribute)
+        return out
+
+    def bind_parameter(self, key: str, owner: torch.nn.Module, attribute: str) -> None:
+        """Use ``owner.<attribute>`` (a parameter the host model already owns, such as gpt-oss's ``sinks``) as the
+        transform parameter ``key`` (``"<kind>.<name>"``) instead of a parameter of this module: it keeps the
+        host's name in ``state_dict()`` and checkpoints, and trains as one of the host's parameters. Its shape must
+        be the transform's."""
+        name = key.replace(".", "__")
+        if name not in self.transform_params:
+            raise ValueError(f"spec '{self.spec.name}' has no transform parameter '{key}' to bind")
+        value = getattr(owner, attribute)
+        want = tuple(self.transform_params[name].shape)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != want:
+            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"{type(owner).__name__}.{attribute} has shape {got}, the transform parameter '{key}' "
+                             f"needs {want}")
+        del self.transform_params[name]
+        self._bound[key] = (owner, attribute)
+
+    @property
+    def bound_parameters(self) -> dict[str, tuple[torch.nn.Module, str]]:
+        """Transform parameters owned by the host model: ``{"<kind>.<name>": (owner module, attribute)}``."""
+        return dict(self._bound)
 
     def token_inputs(self, x: torch.Tensor | None, tokens: int) -> dict[str, torch.Tensor] | None:
         """The per-token inputs ``{"<kind>.<name>": (B, H, N)}`` projected from the layer input x (B, N, E), or

@@ -189,7 +189,8 @@ def test_small_budgets_hold_per_layer_and_transformers_holds_no_tensors():
     assert cache.get_seq_length() == 13 and cache.nbytes == sum(r["bytes"] for r in reports)
     for layer in cache.layers:
         assert layer.keys is None and layer.values is None
-        assert not any(isinstance(v, torch.Tensor) for v in vars(layer).values())
+        held = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+        assert all(t.shape == (2,) for t in held)  # per-row bookkeeping of positions only, no keys or values
         assert isinstance(layer.kv, attnzoo.KVCache) and layer.kv.num_tokens <= layer.budget
     assert not any(isinstance(v, torch.Tensor) for v in vars(cache).values())
 
@@ -223,12 +224,38 @@ def test_refusals_are_one_line():
         assert message and "\n" not in message
         return message
 
-    opt = transformers.OPTForCausalLM(transformers.OPTConfig(
-        vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=4,
-        word_embed_proj_dim=32, max_position_embeddings=64))
+    class BypassingAttention(transformers.models.llama.modeling_llama.LlamaAttention):
+        """Computes its attention with SDPA directly, never through transformers' attention interface."""
+
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+            b, n, _ = hidden_states.shape
+            q = self.q_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            k = self.k_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            v = self.v_proj(hidden_states).view(b, n, -1, self.head_dim).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), None
+
+    bypassing = make("llama")
+    layer = bypassing.model.layers[1]
+    replaced = BypassingAttention(bypassing.config, layer_idx=1)
+    replaced.load_state_dict(layer.self_attn.state_dict())
+    layer.self_attn = replaced
     with pytest.raises(zt.IntegrationError) as caught:
-        zt.apply(opt, "vanilla")
-    assert "OPTForCausalLM" in one_line(caught) and "'opt'" in str(caught.value)
+        zt.apply(bypassing, "vanilla")
+    assert "BypassingAttention (model.layers.1.self_attn)" in one_line(caught) and "interface" in str(caught.value)
+    assert bypassing.config._attn_implementation != "attnzoo"  # a refusal leaves the model as it was
+
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    with pytest.raises(zt.IntegrationError) as caught:
+        zt.apply(t5, "vanilla")
+    assert "T5ForConditionalGeneration" in one_line(caught) and "cross-attention" in str(caught.value)
+
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64))
+    with pytest.raises(zt.IntegrationError) as caught:
+        zt.apply(bert, "vanilla")
+    assert "BertSelfAttention (layer 0) is not causal" in one_line(caught)
 
     scaled = {"name": "scaled", "attention": {"scale": 0.5}}
     with pytest.raises(zt.IntegrationError) as caught:

@@ -1,0 +1,38 @@
+"""Names and errors shared by the parts of the transformers integration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import AttnzooError
+
+#: The name under which the attention and mask functions are registered with transformers.
+ATTN_IMPLEMENTATION = "attnzoo"
+#: Name of the attnzoo core submodule on each attention module, and of the record in the model config.
+CORE_NAME = "attnzoo"
+CONFIG_KEY = "attnzoo"
+#: Substring that marks the transforms' parameters in a state dict / checkpoint.
+PARAM_MARK = f".{CORE_NAME}.transform_params."
+#: What ``save_pretrained`` of an applied model writes as ``attn_implementation`` in ``config.json``: transformers
+#: refuses to load the checkpoint with it (it is registered nowhere) and its error names attnzoo's loader, so a
+#: plain ``AutoModelForCausalLM.from_pretrained`` cannot silently build the model without its spec.
+CHECKPOINT_GUARD = "attnzoo-checkpoint (load it with attnzoo.integrations.transformers.from_pretrained)"
+
+UNSET: Any = object()
+
+
+class IntegrationError(AttnzooError, ValueError):
+    """The transformers integration cannot do what was asked; the message is one line."""
+
+
+class CheckpointSpecMismatchError(IntegrationError):
+    """A checkpoint was saved with another spec than the model's (the message names the file and both hashes)."""
+
+
+def where(module) -> str:
+    return f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

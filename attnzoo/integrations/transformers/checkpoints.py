@@ -1,0 +1,245 @@
+"""Checkpoints of applied models: the spec recorded in ``config.json`` and in every safetensors file, the
+transforms' parameters restored from safetensors (never pickles), and a ``config.json`` that plain transformers
+refuses to load rather than build the model without its spec (docs/transformers.md)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import struct
+
+import torch
+
+from .base import CHECKPOINT_GUARD, CONFIG_KEY, PARAM_MARK, UNSET, CheckpointSpecMismatchError, IntegrationError
+from .core import apply, is_applied
+
+#: Keys of the spec record in each safetensors file's metadata (beside the record in config.json).
+METADATA_HASH, METADATA_NAME, METADATA_SPEC = "attnzoo_spec_hash", "attnzoo_spec_name", "attnzoo_spec"
+
+
+class SaveWithSpec:
+    """``save_pretrained`` of an applied model, set on the instance: transformers' own, then the spec (name, hash,
+    the spec itself) written into the metadata of every safetensors file saved, so the weights carry it too. An
+    object rather than a bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        record = getattr(self.model.config, CONFIG_KEY, None)
+        if isinstance(record, dict) and "hash" in record:
+            for file in sorted(glob.glob(os.path.join(os.fspath(save_directory), "*.safetensors"))):
+                stamp_safetensors(file, record)
+            guard_config(os.path.join(os.fspath(save_directory), "config.json"))
+        return result
+
+
+def guard_config(config_file: str) -> None:
+    """Write :data:`CHECKPOINT_GUARD` as ``attn_implementation`` into a saved ``config.json`` (atomically): a plain
+    ``AutoModelForCausalLM.from_pretrained`` then refuses the checkpoint with transformers' one-line error, which
+    names attnzoo's loader, instead of building the model without its spec. :func:`from_pretrained` loads it."""
+    if not os.path.isfile(config_file):
+        return
+    with open(config_file, encoding="utf-8") as fh:
+        data = json.load(fh)
+    data["attn_implementation"] = CHECKPOINT_GUARD
+    tmp = f"{config_file}.attnzoo-tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+    os.replace(tmp, config_file)
+
+
+def stamp_safetensors(file: str, record: dict) -> None:
+    """Write the spec ``record`` (as in ``config.attnzoo``) into the ``__metadata__`` of a safetensors file. The
+    header is rewritten and the tensor bytes streamed after it unchanged, into a temporary file that replaces the
+    original only once complete (an interrupted stamp loses nothing)."""
+    with open(file, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+        meta = dict(header.get("__metadata__") or {})
+        meta.update({METADATA_HASH: str(record["hash"]), METADATA_NAME: str(record.get("name", "")),
+                     METADATA_SPEC: json.dumps(record.get("spec"), sort_keys=True)})
+        header["__metadata__"] = meta
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format allows trailing spaces; keeps the data 8-byte aligned
+        tmp = f"{file}.attnzoo-tmp"
+        with open(tmp, "wb") as out:
+            out.write(struct.pack("<Q", len(raw)))
+            out.write(raw)
+            shutil.copyfileobj(fh, out, 1 << 20)
+    os.replace(tmp, file)
+
+
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
+
+
+def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, **kwargs):
+    """Load a checkpoint saved after :func:`apply`: ``AutoModelForCausalLM.from_pretrained(path_or_name, **kwargs)``,
+    then the recorded spec applied again and the transforms' parameters restored from the checkpoint's safetensors
+    files (:func:`load_transform_params`). ``budget``/``backend`` override the recorded ones."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs.setdefault("attn_implementation", "eager")  # the guard's name in config.json; apply() switches to attnzoo
+    model = _quietly(lambda: AutoModelForCausalLM.from_pretrained(path_or_name, **kwargs))
+    record = getattr(model.config, CONFIG_KEY, None)
+    if not isinstance(record, dict) or "spec" not in record or "hash" not in record:
+        raise IntegrationError(f"{path_or_name}: its config records no attnzoo spec (it was not saved after apply()); "
+                               f"load it with transformers and call apply(model, spec)")
+    apply(model, record["spec"], budget=record.get("budget") if budget is UNSET else budget,
+          backend=backend or record.get("backend", "auto"), prefer=record.get("prefer", "error"))
+    if model.config.attnzoo["hash"] != record["hash"]:
+        raise CheckpointSpecMismatchError(
+            f"{path_or_name}: the recorded spec '{record.get('name')}' hashes to {model.config.attnzoo['hash'][:12]} "
+            f"here but was saved as {str(record['hash'])[:12]} (a transform or plugin changed its defaults)")
+    load_transform_params(model, path_or_name, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    return model
+
+
+def _quietly(load):
+    """Run a transformers load without its report when the report lists only the attnzoo parameters as unexpected
+    keys (they are restored right after by :func:`load_transform_params`, which refuses missing or extra ones). A
+    report that lists anything else is shown whole."""
+    import logging
+
+    class _OnlyAttnzooKeys(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if "LOAD REPORT" not in message:
+                return True
+            rows = [line for line in message.splitlines()[2:] if "|" in line and line.strip("-+| ")]
+            return not rows or not all(PARAM_MARK in row for row in rows)
+
+    drop = _OnlyAttnzooKeys()
+    handlers = list(logging.getLogger("transformers").handlers)
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        return load()
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
+
+
+def _resolve(path_or_name, filename: str, hub_kwargs: dict) -> str | None:
+    base = os.fspath(path_or_name)
+    local = os.path.join(base, hub_kwargs.get("subfolder") or "", filename)
+    if os.path.isdir(base):
+        return local if os.path.isfile(local) else None
+    from transformers.utils import cached_file
+
+    return cached_file(base, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+
+
+def _checkpoint_files(path_or_name, hub_kwargs: dict) -> tuple[str, list[str]]:
+    """(config.json, safetensors files) of a checkpoint directory, hub name, or one ``.safetensors`` file."""
+    path = os.fspath(path_or_name)
+    if os.path.isfile(path):
+        if not path.endswith(".safetensors"):
+            raise IntegrationError(f"{path}: not a .safetensors file or a checkpoint directory (attnzoo reads "
+                                   f"parameters only from safetensors, never from pickles)")
+        config = os.path.join(os.path.dirname(path) or ".", "config.json")
+        if not os.path.isfile(config):
+            raise IntegrationError(f"{path}: no config.json beside it to say which spec it was saved with")
+        return config, [path]
+    config = _resolve(path, "config.json", hub_kwargs)
+    if config is None:
+        raise IntegrationError(f"{path}: no config.json (not a transformers checkpoint)")
+    index = _resolve(path, "model.safetensors.index.json", hub_kwargs)
+    if index is not None:
+        with open(index, encoding="utf-8") as fh:
+            names = sorted(set(json.load(fh).get("weight_map", {}).values()))
+        files = [_resolve(path, name, hub_kwargs) for name in names]
+        missing = [n for n, f in zip(names, files, strict=True) if f is None]
+        if missing:
+            raise IntegrationError(f"{index}: lists {missing[0]}, which is missing")
+        return config, files
+    single = _resolve(path, "model.safetensors", hub_kwargs)
+    if single is None:
+        raise IntegrationError(f"{path}: no model.safetensors (attnzoo reads parameters only from safetensors, never "
+                               f"from pickles such as pytorch_model.bin)")
+    return config, [single]
+
+
+def _record_of(config_file: str) -> dict:
+    with open(config_file, encoding="utf-8") as fh:
+        record = json.load(fh).get(CONFIG_KEY)
+    if not isinstance(record, dict) or "hash" not in record:
+        raise IntegrationError(f"{config_file}: records no attnzoo spec (the checkpoint was not saved after apply())")
+    return record
+
+
+def load_transform_params(model, path_or_name, **hub_kwargs) -> list[str]:
+    """Copy the transforms' parameters of a checkpoint (directory, hub name or ``.safetensors`` file, read with
+    ``safetensors``) into ``model``, which :func:`apply` has prepared. Refuses with one line, naming the file: a
+    checkpoint saved with another spec (both hashes), a parameter missing from it, one the model does not have, or a
+    shape that differs. Returns the state-dict keys loaded."""
+    from safetensors import safe_open
+
+    mine = getattr(model.config, CONFIG_KEY, None) if is_applied(model) else None
+    if mine is None:
+        raise IntegrationError(f"{type(model).__name__}: call apply(model, spec) before loading transform parameters")
+    config_file, files = _checkpoint_files(path_or_name, hub_kwargs)
+    theirs = _record_of(config_file)
+    if theirs["hash"] != mine["hash"]:
+        raise CheckpointSpecMismatchError(
+            f"{config_file}: checkpoint saved with spec '{theirs.get('name')}' (hash {str(theirs['hash'])[:12]}), "
+            f"the model uses spec '{mine['name']}' (hash {mine['hash'][:12]})")
+    wanted = {k: v for k, v in model.state_dict(keep_vars=True).items() if PARAM_MARK in k}
+    found: dict[str, tuple[str, str]] = {}  # checkpoint key -> (file, key)
+    for file in files:
+        with safe_open(file, framework="pt") as fh:
+            for key in fh.keys():
+                if PARAM_MARK in key:
+                    found[key] = (file, key)
+    mapping = _match_keys(list(wanted), list(found), getattr(model, "base_model_prefix", ""))
+    shown = files[0] if len(files) == 1 else os.path.dirname(files[0])
+    missing = [k for k in wanted if k not in mapping]
+    if missing:
+        raise IntegrationError(f"{shown}: holds no value for {len(missing)} attnzoo parameter(s) of the model "
+                               f"(first: {missing[0]})")
+    extra = sorted(set(found) - set(mapping.values()))
+    if extra:
+        raise IntegrationError(f"{shown}: holds {len(extra)} attnzoo parameter(s) the model does not have (first: "
+                               f"{extra[0]})")
+    for file in files:
+        with safe_open(file, framework="pt") as fh:
+            meta = fh.metadata() or {}
+        stamped = meta.get(METADATA_HASH)
+        if stamped is not None and stamped != mine["hash"]:
+            raise CheckpointSpecMismatchError(
+                f"{file}: weights saved with spec '{meta.get(METADATA_NAME)}' (hash {stamped[:12]}), the model uses "
+                f"spec '{mine['name']}' (hash {mine['hash'][:12]})")
+    tensors = {}
+    for key, source in mapping.items():
+        file, name = found[source]
+        with safe_open(file, framework="pt") as fh:
+            value = fh.get_tensor(name)
+        if tuple(value.shape) != tuple(wanted[key].shape):
+            raise IntegrationError(f"{file}: {name} has shape {tuple(value.shape)}, the model's "
+                                   f"{key} has {tuple(wanted[key].shape)}")
+        tensors[key] = value
+    with torch.no_grad():
+        for key, value in tensors.items():
+            wanted[key].copy_(value)
+    return sorted(tensors)
+
+
+def _match_keys(wanted: list[str], found: list[str], prefix: str) -> dict[str, str]:
+    """Model key -> checkpoint key: the same key, or the same without/with the base model's prefix (a checkpoint
+    of the bare model loaded into one with a head, or the reverse)."""
+    available = set(found)
+    out = {}
+    for key in wanted:
+        candidates = [key]
+        if prefix:
+            candidates += [key.removeprefix(prefix + "."), f"{prefix}.{key}"]
+        for c in candidates:
+            if c in available:
+                out[key] = c
+                break
+    return out

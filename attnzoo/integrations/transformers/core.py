@@ -1,0 +1,158 @@
+"""``apply``: each attention layer of a transformers model runs its native spec composed with the user's."""
+
+from __future__ import annotations
+
+import torch
+
+from ...nn import Attention
+from ...spec import load_spec
+from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, where
+from .cache import AttnzooCache, budgets_for, validate_budget
+from .interface import probe, register
+from .native import PREFER, NativeLayer, compose
+
+
+def native_layers(model) -> list[NativeLayer]:
+    """Each attention layer's own attention, read from what it passes to transformers' attention interface (a
+    forward pass of two tokens; see :func:`~attnzoo.integrations.transformers.interface.probe`)."""
+    model_type = str(getattr(model.config, "model_type", None) or type(model).__name__)
+    return [NativeLayer(call, model_type) for _, call in probe(model)]
+
+
+def native_spec(model) -> list:
+    """Each layer's native spec (an :class:`attnzoo.Spec`: the model's scaling, sliding window, soft-capping and
+    learned sinks as transforms), in layer order. ``vanilla`` composed with it is the model as it ships."""
+    return [layer.spec() for layer in native_layers(model)]
+
+
+def applied_modules(model) -> list[torch.nn.Module]:
+    if not is_applied(model):
+        raise IntegrationError(f"{type(model).__name__}: call attnzoo.integrations.transformers.apply(model, spec) "
+                               f"first")
+    found = [m for m in model.modules() if isinstance(getattr(m, CORE_NAME, None), Attention)
+             and getattr(getattr(m, CORE_NAME), "hf_call", None) is not None]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def is_applied(model) -> bool:
+    """Whether :func:`apply` has been run on ``model`` (its config carries the record, its layers the cores)."""
+    record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not isinstance(record, dict) or getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    return any(isinstance(getattr(m, CORE_NAME, None), Attention) for m in model.modules())
+
+
+def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "error"):
+    """Make ``model`` (a transformers decoder whose attention goes through its attention interface) run ``spec``
+    composed with each layer's own attention, in place.
+
+    ``spec``: a registered name (``"ssa"``), a path, a mapping or a Spec. Each layer runs the user's transforms
+    added to its native spec (:func:`native_spec`: the model's scaling, sliding window, soft-capping, learned sinks).
+    A conflict (two windows, two sinks, two softcaps, another scale) is refused with one line naming the layer and
+    both transforms unless ``prefer`` is ``"model"`` or ``"spec"``. Each attention module gets a submodule
+    ``attnzoo`` (an :class:`attnzoo.nn.Attention`) that owns the user's transforms' parameters, so they are part of
+    ``model.parameters()`` and ``state_dict()``; native parameters (gpt-oss's sinks) stay the module's own.
+    ``budget``: tokens an :class:`AttnzooCache` keeps per layer (an int, None for no eviction, or a list with one
+    value per layer); default the spec's ``cache.budget``. ``backend``: attnzoo backend (``"auto"`` picks per
+    call). The spec, its hash, the budget and ``prefer`` are recorded in ``model.config.attnzoo`` (written by
+    ``save_pretrained``). Returns the model. Applying again replaces the spec (and resets its parameters)."""
+    if prefer not in PREFER:
+        raise IntegrationError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+    loaded = load_spec(spec)
+    if not loaded.attention.causal:
+        raise IntegrationError(f"spec '{loaded.name}' is not causal: a causal language model needs attention.causal "
+                               f"true")
+    pairs = probe(model)
+    model_type = str(getattr(model.config, "model_type", None) or type(model).__name__)
+    budgets = budgets_for(budget, loaded, len(pairs))
+    config = model.config
+    built = []
+    for (module, call), layer_budget in zip(pairs, budgets, strict=True):
+        layer_spec, bound = compose(NativeLayer(call, model_type), loaded, prefer)
+        reference = next(module.parameters(), None)
+        dtype = reference.dtype if reference is not None and reference.is_floating_point() else torch.float32
+        device = reference.device if reference is not None else None
+        try:
+            core = Attention(layer_spec, call.num_heads, call.head_dim, call.num_kv_heads, backend=backend,
+                             dtype=dtype, device=device, input_dim=config.hidden_size)
+            core.variant.plan.check_dims(_dims(call.num_heads, call.head_dim, call.num_kv_heads))
+            for key, attribute in bound.items():
+                core.bind_parameter(key, module, attribute)
+        except ValueError as exc:
+            raise IntegrationError(f"{where(module)}: {exc}") from None
+        core.hf_call = call
+        validate_budget(core, layer_budget, module)
+        built.append((module, core))
+    for module, core in built:  # only once every layer is built: a refusal leaves the model as it was
+        setattr(module, CORE_NAME, core)
+        if not getattr(module, "_attnzoo_hooked", False):
+            module.register_forward_pre_hook(_cache_hook, with_kwargs=True)
+            module.register_forward_hook(_cache_unhook, with_kwargs=True, always_call=True)
+            module._attnzoo_hooked = True
+        module._attnzoo_cache = None
+    register()
+    if config._attn_implementation != ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise IntegrationError(f"{type(model).__name__} does not let transformers switch its attention "
+                               f"implementation to '{ATTN_IMPLEMENTATION}'")
+    setattr(config, CONFIG_KEY, {"spec": loaded.model_dump(mode="json"), "name": loaded.name, "hash": loaded.hash,
+                                 "budget": budgets[0] if len(set(budgets)) == 1 else list(budgets),
+                                 "backend": backend, "prefer": prefer})
+    _install_generate_default(model)
+    from .checkpoints import SaveWithSpec
+
+    model.save_pretrained = SaveWithSpec(model)
+    return model
+
+
+def layer_specs(model) -> list:
+    """The spec each layer of an applied model runs (its native spec composed with the user's), in layer order."""
+    return [getattr(m, CORE_NAME).spec for m in applied_modules(model)]
+
+
+def _dims(heads: int, head_dim: int, kv_heads: int):
+    from ...transforms.base import Dims
+
+    return Dims(num_heads=heads, head_dim=head_dim, num_kv_heads=kv_heads)
+
+
+def _cache_hook(module, args, kwargs):
+    """Forward pre-hook: remember the cache the attention module was called with, and its input (the hidden states,
+    for transforms that take per-token inputs from the layer input), for the attention function."""
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    module._attnzoo_input = hidden if isinstance(hidden, torch.Tensor) else None
+    cache = None
+    for name in ("cache", "past_key_values", "layer_past"):
+        if kwargs.get(name) is not None:
+            cache = kwargs[name]
+            break
+    module._attnzoo_cache = getattr(cache, "self_attention_cache", cache)
+
+
+def _cache_unhook(module, args, kwargs, output):
+    module._attnzoo_cache = None
+    module._attnzoo_input = None
+
+
+class _PrepareCacheWithAttnzoo:
+    """``generate()``'s cache preparation for an applied model, set on the model instance: an
+    :class:`AttnzooCache` by default; a cache passed by the caller, ``use_cache=False`` or a
+    ``cache_implementation`` keep transformers' way (transformers 5 has no other hook for a default cache class).
+    An object rather than a bound method, so that the model still pickles and deep-copies."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, generation_config, model_kwargs, *args, **kwargs):
+        model = self.model
+        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+                and generation_config.cache_implementation in (None, "dynamic") and is_applied(model)):
+            model_kwargs["cache"] = AttnzooCache(model)
+            return None
+        return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _install_generate_default(model) -> None:
+    if hasattr(type(model), "_prepare_cache_for_generation"):
+        model._prepare_cache_for_generation = _PrepareCacheWithAttnzoo(model)

@@ -1,0 +1,329 @@
+"""transformers' attention interface: what each layer of a model passes to it, and attnzoo's function behind it.
+
+Support follows the interface, not a table of families: a model's attention modules call the function registered
+for ``config._attn_implementation`` with the projected (and RoPE'd, q/k-normed) query, key and value and keyword
+arguments that say what the attention computes (``scaling``, ``sliding_window``, ``softcap``, ``s_aux`` for
+learned sinks). :func:`probe` runs a forward pass of two tokens with a recording function registered in its place
+and reads, per module, the geometry from the tensors and the features from those arguments
+(:class:`LayerCall`). A module that computes attention without calling the interface is found and refused by
+name, as is a keyword argument attnzoo does not know how to compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ...nn import Attention
+from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, one_line, where
+
+#: The name a probing forward registers its recording function under.
+PROBE_IMPLEMENTATION = "attnzoo-probe"
+
+#: Keyword arguments of the attention function that change what it computes, and that attnzoo reads.
+SEMANTIC_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "s_aux", "is_causal")
+#: Keyword arguments models pass through that do not change the attention (bookkeeping, or read elsewhere:
+#: positions from ``position_ids``, the cache from the module call).
+PASSIVE_KWARGS = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
+    "output_router_logits", "return_dict", "past_key_values", "cache", "position_embeddings", "layer_idx",
+    "head_mask", "token_type_ids", "logits_to_keep", "labels", "attention_mask",
+})
+
+
+@dataclass(frozen=True)
+class LayerCall:
+    """What one attention module asks of transformers' attention interface (read by :func:`probe`)."""
+
+    layer: int                 #: ``layer_idx``
+    module: str                #: the module's class name
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None  #: keys ``i - window < j <= i``, or None
+    softcap: float | None      #: ``cap * tanh(logit / cap)``, or None
+    sinks: str | None          #: the module's parameter passed as ``s_aux`` (learned sink logits), or None
+
+
+# -- registration --------------------------------------------------------------------------------------------------
+def register() -> None:
+    """Register the attention and mask functions under ``"attnzoo"`` (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, attention_mask)
+
+
+def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                   mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask function for ``"attnzoo"``: hands the 2-D padding mask (B, tokens seen) through, like the
+    flash-attention one, or None when nothing is padding. attnzoo builds causality and windows from positions, and
+    a KV cache remembers which of its tokens are padding, so the attention function needs only the new tokens'
+    columns."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return attention_mask
+    attention_mask = attention_mask.to(torch.bool)
+    return None if bool(attention_mask.all()) else attention_mask
+
+
+# -- the probe -----------------------------------------------------------------------------------------------------
+_recording: list | None = None
+
+
+def _probe_forward(module, query, key, value, attention_mask, **kwargs):
+    if _recording is not None:
+        _recording.append((module, tuple(query.shape), tuple(key.shape), tuple(value.shape), dict(kwargs)))
+    b, h, n, _ = query.shape
+    return query.new_zeros(b, n, h, value.shape[-1]), None
+
+
+def _probe_mask(*args, **kwargs):
+    return None
+
+
+def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
+    """Run a forward pass of two tokens with a recording attention function, and read what each attention module
+    passes to the interface: ``[(module, LayerCall)]`` ordered by ``layer_idx``. Refuses with one line a model
+    whose attention bypasses the interface, a non-causal one, and arguments attnzoo cannot compute."""
+    global _recording
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise IntegrationError(f"{name} is not a transformers model (no config / set_attn_implementation)")
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise IntegrationError(f"{name} has cross-attention (add_cross_attention / encoder-decoder): attnzoo's "
+                               f"transformers integration supports decoder-only self-attention only")
+    AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_forward)
+    AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)
+    previous, training = config._attn_implementation, model.training
+    reference = next(model.parameters(), None)
+    device = reference.device if reference is not None else torch.device("cpu")
+    calls: list = []
+    try:
+        model.set_attn_implementation(PROBE_IMPLEMENTATION)
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal, named
+        raise IntegrationError(f"{name} does not let transformers switch its attention implementation "
+                               f"({one_line(exc)}): it does not dispatch through the attention interface") from None
+    try:
+        model.eval()
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        _recording = calls
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward, named in one line
+        raise IntegrationError(f"{name}: a forward pass of 2 tokens, run to read what its attention computes, "
+                               f"failed ({one_line(exc)})") from None
+    finally:
+        _recording = None
+        model.train(training)
+        if previous is not None:
+            model.set_attn_implementation(previous)
+    return _read_calls(model, calls)
+
+
+def _read_calls(model, calls) -> list[tuple[torch.nn.Module, LayerCall]]:
+    name = type(model).__name__
+    called = [module for module, *_ in calls]
+    _refuse_bypassing(model, called)
+    seen: set[int] = set()
+    out = []
+    for module, q_shape, k_shape, v_shape, kwargs in calls:
+        here = where(module)
+        if id(module) in seen:
+            raise IntegrationError(f"{here} called the attention function twice in one forward pass: attnzoo "
+                                   f"supports one attention call per layer")
+        seen.add(id(module))
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int):
+            raise IntegrationError(f"{here}: an attention module without an integer layer_idx is not supported")
+        out.append((module, read_call(module, q_shape, k_shape, v_shape, kwargs)))
+    indices = sorted(call.layer for _, call in out)
+    if indices != list(range(len(out))):
+        raise IntegrationError(f"{name}: attention modules must carry layer_idx 0..{len(out) - 1}, got {indices} "
+                               f"(layers that share another layer's keys and values are not supported)")
+    return sorted(out, key=lambda pair: pair[1].layer)
+
+
+def _refuse_bypassing(model, called: list) -> None:
+    """A module named like an attention module that did not call the interface (and does not wrap one that did)
+    computes its attention some other way: refuse it by name rather than leave it as it is."""
+    name = type(model).__name__
+    called_ids = {id(m) for m in called}
+    wrappers = set()
+    for prefix, module in model.named_modules():
+        if id(module) in called_ids:
+            parts = prefix.split(".")
+            wrappers.update(".".join(parts[:i]) for i in range(len(parts)))
+    for prefix, module in model.named_modules():
+        cls = type(module).__name__
+        if (id(module) in called_ids or prefix in wrappers or isinstance(module, Attention)
+                or not cls.endswith("Attention") or any(p == CORE_NAME for p in prefix.split("."))):
+            continue
+        raise IntegrationError(f"{cls} ({prefix}) computes its attention without transformers' attention interface "
+                               f"(it never calls the function registered for attn_implementation): attnzoo cannot "
+                               f"replace it")
+    if not called:
+        raise IntegrationError(f"{name}: no module called transformers' attention interface during a forward pass: "
+                               f"attnzoo has nothing to replace")
+
+
+def read_call(module, q_shape, k_shape, v_shape, kwargs) -> LayerCall:
+    """The :class:`LayerCall` of one call of the attention function (refusing what attnzoo cannot compute)."""
+    here = where(module)
+    unknown = sorted(k for k, v in kwargs.items()
+                     if v is not None and k not in SEMANTIC_KWARGS and k not in PASSIVE_KWARGS)
+    if unknown:
+        raise IntegrationError(f"{here} passes {unknown[0]!r} to the attention function, which attnzoo does not "
+                               f"know how to compute: not supported")
+    causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
+    if not causal:
+        raise IntegrationError(f"{here} is not causal (bidirectional or encoder attention): attnzoo's transformers "
+                               f"integration supports causal decoders only")
+    _, heads, _, head_dim = q_shape
+    kv_heads = k_shape[1]
+    if v_shape[-1] != head_dim or k_shape[-1] != head_dim:
+        raise IntegrationError(f"{here}: queries, keys and values of different head sizes ({head_dim}, "
+                               f"{k_shape[-1]}, {v_shape[-1]}) are not supported")
+    if heads % kv_heads:
+        raise IntegrationError(f"{here}: {heads} query heads do not divide into {kv_heads} key/value heads")
+    scaling = kwargs.get("scaling")
+    scaling = float(scaling) if scaling is not None else head_dim ** -0.5
+    window = kwargs.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise IntegrationError(f"{here}: sliding_window {window!r} is not a positive int")
+    softcap = kwargs.get("softcap")
+    sinks = None
+    s_aux = kwargs.get("s_aux")
+    if s_aux is not None:
+        sinks = next((n for n, p in module.named_parameters(recurse=False) if p is s_aux), None)
+        if sinks is None or tuple(s_aux.shape) != (heads,):
+            raise IntegrationError(f"{here} passes s_aux (learned sinks) that is not a parameter of its own of shape "
+                                   f"({heads},): not supported")
+    return LayerCall(layer=module.layer_idx, module=type(module).__name__, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, scaling=scaling, sliding_window=window,
+                     softcap=float(softcap) if softcap is not None else None, sinks=sinks)
+
+
+def _check_call(module, core, scaling, kwargs) -> None:
+    """Each call must still ask for what :func:`probe` read when the spec was composed."""
+    call: LayerCall | None = getattr(core, "hf_call", None)
+    if call is None:
+        return
+    here = where(module)
+    for key, value in kwargs.items():
+        if value is not None and key not in SEMANTIC_KWARGS and key not in PASSIVE_KWARGS:
+            raise IntegrationError(f"{here} passes {key!r} to the attention function, which attnzoo does not know "
+                                   f"how to compute: not supported")
+    if scaling is not None and not math.isclose(float(scaling), call.scaling, rel_tol=1e-6):
+        raise IntegrationError(f"{here}: transformers passes scaling {scaling} but apply() built the layer for "
+                               f"{call.scaling}: run apply() again")
+    if kwargs.get("sliding_window") != call.sliding_window:
+        raise IntegrationError(f"{here}: transformers passes sliding_window {kwargs.get('sliding_window')} but "
+                               f"apply() built the layer for {call.sliding_window}: run apply() again")
+    softcap = kwargs.get("softcap")
+    if (softcap is None) != (call.softcap is None) or (softcap is not None and float(softcap) != call.softcap):
+        raise IntegrationError(f"{here}: transformers passes softcap {softcap} but apply() built the layer for "
+                               f"{call.softcap}: run apply() again")
+    s_aux = kwargs.get("s_aux")
+    if (s_aux is None) != (call.sinks is None) or (s_aux is not None and s_aux is not getattr(module, call.sinks)):
+        raise IntegrationError(f"{here}: the learned sinks passed (s_aux) are not those apply() bound: run apply() "
+                               f"again")
+
+
+# -- attnzoo's attention function ----------------------------------------------------------------------------------
+def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                      **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention function for ``"attnzoo"``.
+
+    query (B, H, N, D), key/value (B, H_kv, M, D) as the model's attention module computed them (projected, RoPE'd,
+    q/k-normed); ``attention_mask`` the 2-D padding mask from :func:`attention_mask`; ``position_ids`` (0-based) in
+    ``kwargs``. Without a cache, M == N and attnzoo's batch form runs with positions from ``position_ids`` and the
+    padding mask as ``key_mask``. With an :class:`~attnzoo.integrations.transformers.AttnzooCache`, key/value are
+    the N new tokens only (the cache's ``update`` hands them back untouched) and the layer's attnzoo ``KVCache``
+    prefills (N > 1) or decodes (N == 1). Returns (output (B, N, H, D), None): attention weights are not
+    materialised."""
+    from .cache import AttnzooCache
+
+    core = getattr(module, CORE_NAME, None)
+    here = where(module)
+    if not isinstance(core, Attention):
+        raise IntegrationError(f"{here} has no attnzoo core: the model's attn_implementation is "
+                               f"'{ATTN_IMPLEMENTATION}' but attnzoo.integrations.transformers.apply() did not run "
+                               f"on it")
+    if torch.compiler.is_compiling():
+        raise IntegrationError(f"{here}: attnzoo's attention cannot be traced by torch.compile (its caches and "
+                               f"dispatch are data-dependent): compile the rest of the model, or the spec itself "
+                               f"with backend='flex'")
+    if dropout:
+        raise IntegrationError(f"{here}: attention dropout {dropout} was asked for (training mode); attnzoo has no "
+                               f"attention dropout: set the config's attention dropout to 0.0")
+    _check_call(module, core, scaling, kwargs)
+    b, _, n, _ = query.shape
+    cache = getattr(module, "_attnzoo_cache", None)
+    x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
+    given = _given_positions(kwargs.get("position_ids"), b, n, here)
+    if isinstance(cache, AttnzooCache):
+        layer = cache._layer_for(module)
+        mask = _new_token_mask(attention_mask, b, n, here, exact=False)
+        out = layer.attend(core, query, key, value, mask, given, here, x=x)
+    else:
+        if key.shape[2] != n:
+            held = type(cache).__name__ if cache is not None else "a cache"
+            raise IntegrationError(f"{here}: {held} handed {key.shape[2]} keys for {n} queries; attnzoo decodes only "
+                                   f"with attnzoo.integrations.transformers.AttnzooCache(model) (generate() picks it "
+                                   f"after apply(); pass cache=AttnzooCache(model) to a manual forward)")
+        mask = _new_token_mask(attention_mask, b, n, here, exact=True)
+        positions = None if given is None else own_positions(given, mask)
+        out = core(query, key, value, positions=positions, key_mask=mask, x=x)
+    return out.transpose(1, 2), None
+
+
+def _new_token_mask(attention_mask, b: int, n: int, here: str, exact: bool) -> torch.Tensor | None:
+    """(B, N) bool of the N new tokens (False = padding), or None when all are real."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise IntegrationError(f"{here}: attnzoo takes a 2-D padding mask (batch, tokens), got {shape}: custom "
+                               f"4-D masks are not supported")
+    cols = attention_mask.shape[1]
+    if attention_mask.shape[0] != b or cols < n or (exact and cols != n):
+        raise IntegrationError(f"{here}: the padding mask has shape {tuple(attention_mask.shape)} for {n} new tokens "
+                               f"of batch {b}" + (" without a cache" if exact else ""))
+    mask = attention_mask[:, cols - n:].to(torch.bool)
+    return None if bool(mask.all()) else mask
+
+
+def _given_positions(position_ids, b: int, n: int, here: str) -> torch.Tensor | None:
+    """transformers' 0-based ``position_ids`` (1, N) or (B, N) as 1-based (B, N), or None."""
+    if position_ids is None:
+        return None
+    if position_ids.dim() != 2 or position_ids.shape[-1] != n or position_ids.shape[0] not in (1, b):
+        raise IntegrationError(f"{here}: position_ids of shape {tuple(position_ids.shape)} do not fit {n} tokens of "
+                               f"batch {b} (multi-dimensional positions are not supported)")
+    return position_ids.expand(b, n).to(torch.int64) + 1
+
+
+def counts_padding(given: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B,) bool: rows whose positions number the padding too (``0, 1, 2, ...`` over every token, as transformers
+    numbers a batch it is given no ``position_ids`` for) and that have padding. ``generate()`` numbers real tokens
+    only (from the attention mask)."""
+    if mask is None:
+        return torch.zeros(given.shape[0], dtype=torch.bool, device=given.device)
+    steps = torch.arange(given.shape[1], device=given.device)
+    return (given == given[:, :1] + steps).all(-1) & ~mask.all(-1)
+
+
+def own_positions(given: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """attnzoo's positions of a whole sequence: real tokens numbered consecutively from the row's first one, as
+    ``generate()`` numbers them. Rows whose ``position_ids`` number the padding too (a manual forward given only an
+    attention mask) are renumbered without it: RoPE depends on position differences only, so the model computes the
+    same, and the first real token keeps position 1 (selective attention's protected BOS)."""
+    if mask is None:
+        return given
+    shift = (~mask).to(torch.int64).cumsum(-1)
+    return torch.where(counts_padding(given, mask)[:, None], given - shift, given)
