@@ -309,6 +309,73 @@ def cmd_experiment(args) -> int:
     return EXIT_OK
 
 
+def _read_config(path: str):
+    """A transformers ``config.json`` (or a checkpoint folder holding one) as its ``PretrainedConfig``, read as JSON
+    only (size-limited, no code, nothing downloaded)."""
+    import os
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise BadInput(f"{file}: no such file")
+    if os.path.getsize(file) > (1 << 22):
+        raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
+    try:
+        with open(file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{file}: not readable JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise BadInput(f"{file}: a transformers config.json names its model_type")
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:
+        raise BadInput("native-spec needs transformers: pip install 'attnzoo[transformers]'") from None
+    if data["model_type"] not in CONFIG_MAPPING:
+        raise BadInput(f"{file}: model_type '{data['model_type']}' is not one transformers knows")
+    data.pop("attn_implementation", None)  # an attnzoo checkpoint's guard
+    try:
+        return file, CONFIG_MAPPING[data["model_type"]].from_dict(data)
+    except Exception as exc:  # noqa: BLE001 - transformers' own refusal, in one line
+        raise BadInput(f"{file}: transformers rejects it ({' '.join(str(exc).split())})") from None
+
+
+def cmd_native_spec(args) -> int:
+    from .integrations.transformers import IntegrationError, compose
+    from .integrations.transformers.core import config_native_layers
+    from .spec import load_spec
+
+    file, config = _read_config(args.config)
+    try:
+        layers = config_native_layers(config)
+    except IntegrationError as exc:
+        raise BadInput(f"{file}: {exc}") from None
+    user = load_spec(args.spec) if args.spec else None
+    rows = []
+    for layer in layers:
+        spec, bound = (compose(layer, user, args.prefer) if user is not None else (layer.spec(), layer.bound))
+        c = layer.call
+        rows.append({"layer": c.layer, "module": c.module, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
+                     "head_dim": c.head_dim, "spec": spec.model_dump(mode="json", exclude={"summary"}),
+                     "parameters": {k: f"{c.module}.{v}" for k, v in bound.items()}})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    what = f"with spec '{user.name}'" if user is not None else "native specs"
+    print(f"{file}: {config.model_type}, {len(rows)} attention layers, {what}")
+    for row in rows:
+        spec = row["spec"]
+        scale = spec["attention"]["scale"]
+        parts = [f"scale {scale:g}" if scale is not None else "scale 1/sqrt(head_dim)"]
+        parts += [t["kind"] + "(" + ", ".join(f"{k}={v}" for k, v in t.items() if k != "kind") + ")"
+                  for t in spec["transforms"]]
+        if spec.get("cache"):
+            parts.append(f"cache: {spec['cache']['evictor']}")
+        parts += [f"{k} = {v}" for k, v in row["parameters"].items()]
+        print(f"  layer {row['layer']:>3}  {row['module']}  H{row['num_heads']}/{row['num_kv_heads']} "
+              f"D{row['head_dim']}  {spec['name']}: {'; '.join(parts)}")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="attnzoo", description="Attention variants declared as data: list, validate, explain, check and build "
@@ -383,6 +450,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="experiment-results", help="results folder (default: ./experiment-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_experiment)
+
+    p = sub.add_parser("native-spec", help="the spec each layer of a transformers model runs, from its config.json "
+                       "(docs/transformers.md)")
+    p.add_argument("config", metavar="CONFIG", help="a config.json, or a checkpoint folder holding one")
+    p.add_argument("--spec", help="compose this spec (file or registered name) with each layer's native spec")
+    p.add_argument("--prefer", choices=["error", "model", "spec"], default="error",
+                   help="which side wins a conflict between --spec and the model (default: refuse)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_native_spec)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
     sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")

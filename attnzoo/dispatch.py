@@ -108,6 +108,20 @@ class Variant:
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
 
+    def probabilities(self, q, k, v, params=None, positions=None, key_mask=None, inputs=None) -> torch.Tensor:
+        """The attention probabilities (B, H, N, N) of the batch form, materialised by the reference backend (for
+        inspection, such as transformers' ``output_attentions``; it costs the N x N the fast backends avoid).
+        Arguments as in ``__call__``."""
+        dims = check_qkv(q, k, v)
+        b, _, n, _ = q.shape
+        mask = check_key_mask(key_mask, b, n, q.device)
+        pos = check_positions(positions, b, n, q.device, mask)
+        self.plan.check_dims(dims)
+        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, q.shape[1], n, q)
+        _, probs, _, _ = self.registry.backends["reference"].attend(self.plan, q, k, v, pos, pos.unsqueeze(1),
+                                                                    grouped, mask)
+        return probs
+
     def _packed(self, q, k, v, params, positions, key_mask, return_accumulated, inputs, documents):
         dims = check_qkv(q, k, v)
         b, h, n, _ = q.shape

@@ -59,7 +59,7 @@ class Attention(torch.nn.Module):
     def params(self) -> dict[str, torch.Tensor]:
         """The parameters keyed as the variant expects them (``"<kind>.<name>"``), bound ones included."""
         out = {key.replace("__", "."): value for key, value in self.transform_params.items()}
-        for key, (owner, attribute) in self._bound.items():
+        for key, (owner, attribute) in self.__dict__.get("_bound", {}).items():
             out[key] = getattr(owner, attribute)
         return out
 
@@ -83,7 +83,7 @@ class Attention(torch.nn.Module):
     @property
     def bound_parameters(self) -> dict[str, tuple[torch.nn.Module, str]]:
         """Transform parameters owned by the host model: ``{"<kind>.<name>": (owner module, attribute)}``."""
-        return dict(self._bound)
+        return dict(self.__dict__.get("_bound", {}))
 
     def token_inputs(self, x: torch.Tensor | None, tokens: int) -> dict[str, torch.Tensor] | None:
         """The per-token inputs ``{"<kind>.<name>": (B, H, N)}`` projected from the layer input x (B, N, E), or
@@ -156,14 +156,17 @@ def attention_layers(model: torch.nn.Module) -> Iterator[Attention]:
 
 
 def parameter_groups(model: torch.nn.Module, lr: float, transform_lr: float | None = None,
-                     weight_decay: float = 0.0, transform_weight_decay: float = 0.0) -> list[dict]:
+                     weight_decay: float | None = None, transform_weight_decay: float = 0.0) -> list[dict]:
     """Optimizer groups for a whole model: the attnzoo transforms' parameters (``transform_lr``, default ``lr``;
-    no weight decay by default) and every other trainable parameter (``lr``, ``weight_decay``). Each group
+    no weight decay by default) and every other trainable parameter (``lr``; ``weight_decay`` only when given:
+    otherwise the optimizer's own default applies to the model's parameters, as without attnzoo). Each group
     carries its own ``lr``, so ``torch.optim.AdamW(parameter_groups(model, lr=3e-4, transform_lr=3e-3))``
     really trains the temperatures ten times faster."""
     transform = {id(p): p for layer in attention_layers(model) for p in layer.transform_params.values()}
     rest = [p for p in model.parameters() if id(p) not in transform and p.requires_grad]
-    groups = [{"params": rest, "lr": lr, "weight_decay": weight_decay}]
+    groups = [{"params": rest, "lr": lr}]
+    if weight_decay is not None:
+        groups[0]["weight_decay"] = weight_decay
     if transform:
         groups.append({"params": list(transform.values()), "lr": lr if transform_lr is None else transform_lr,
                        "weight_decay": transform_weight_decay})

@@ -4,7 +4,9 @@
 - ``reference/catalogue.md``: every registered transform and evictor (plugins' too), with its options and
   parameters;
 - ``reference/support.md``: which backend runs each registered spec in each mode, or why not (``explain``);
-- ``reference/api.md``: the API reference of every name in ``attnzoo.__all__`` (mkdocstrings).
+- ``reference/api.md``: the API reference of every name in ``attnzoo.__all__`` (mkdocstrings);
+- ``reference/families.md``: the transformers family matrix and each family's native specs, read from tiny models
+  of ``attnzoo.integrations.transformers.matrix`` (the configurations the test suite checks).
 
 A new transform therefore appears in the catalogue, the schema and the support matrix without editing any page.
 """
@@ -15,11 +17,12 @@ import json
 
 from mkdocs.structure.files import File
 
-GENERATED = ("reference/spec-schema.md", "reference/catalogue.md", "reference/support.md", "reference/api.md")
+GENERATED = ("reference/spec-schema.md", "reference/catalogue.md", "reference/support.md", "reference/api.md",
+             "reference/families.md")
 
 
 def on_files(files, config):
-    for path, make in zip(GENERATED, (spec_schema, catalogue, support, api), strict=True):
+    for path, make in zip(GENERATED, (spec_schema, catalogue, support, api, families), strict=True):
         files.append(File.generated(config, path, content=make()))
     return files
 
@@ -139,3 +142,41 @@ def api() -> str:
     lines = ["# Python API", "", "Every public name (`attnzoo.__all__`), from its docstring.", ""]
     lines += [f"::: attnzoo.{name}\n" for name in names]
     return "\n".join(lines)
+
+
+def families() -> str:
+    """The family matrix: each family's tiny configuration, read by the integration's probe into native specs."""
+    import logging
+
+    import torch
+
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.transformers import matrix
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    lines = ["# transformers families", "",
+             "Generated from the family matrix (`attnzoo.integrations.transformers.matrix`): a tiny random-init "
+             "configuration of each family the installed transformers ships, read by the integration's probe "
+             "(what each layer passes to transformers' attention interface). `tests/test_hf_families.py` checks "
+             "every row: `vanilla` equals the model's own eager attention (logits within 1e-5 in float32, greedy "
+             "tokens equal) through a left-padded batch, generation to 4x the window, beams and a save/load round "
+             f"trip. The matrix's windows are {matrix.WINDOW} tokens; a real checkpoint's are its config's "
+             "(`attnzoo native-spec config.json` shows them).", "",
+             "| family | what it exercises | attention module | H / H_kv / D | native spec of each layer |",
+             "|---|---|---|---|---|"]
+    for family in matrix.available():
+        torch.manual_seed(0)
+        layers = zt.native_layers(matrix.tiny_model(family))
+        call = layers[0].call
+        shown = []
+        for layer in layers:
+            data = layer.spec_data()
+            scale = data["attention"]["scale"]
+            parts = [f"scale {scale:.4g}"] if scale is not None else []
+            parts += [t["kind"] + "".join(f" {v}" for k, v in t.items() if k not in ("kind", "learnable", "value"))
+                      for t in data["transforms"]]
+            parts += [f"sink = `{layer.call.sinks}`"] if layer.call.sinks else []
+            shown.append(f"{layer.layer}: " + (", ".join(parts) or "plain causal"))
+        lines.append(f"| `{family}` | {_cell(matrix.FAMILIES[family][0])} | `{call.module}` | "
+                     f"{call.num_heads} / {call.num_kv_heads} / {call.head_dim} | {'; '.join(shown)} |")
+    return "\n".join(lines + [""])

@@ -12,7 +12,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...nn import Attention
 from .base import CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, where
-from .interface import counts_padding
 
 
 def check_budget_value(value, here: str):
@@ -58,10 +57,6 @@ class AttnzooLayer(CacheLayerMixin):
         self.kv = None
         self.seen = 0
         self._pending: torch.Tensor | None = None
-        # rows whose position_ids number their padding too (a manual loop given only an attention mask), and how
-        # much padding they have numbered so far: attnzoo's positions are theirs minus that
-        self._counting: torch.Tensor | None = None
-        self._shift: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"AttnzooLayer(index={self.index}, seen={self.seen}, kv={self.kv!r})"
@@ -92,7 +87,6 @@ class AttnzooLayer(CacheLayerMixin):
         self.kv = None
         self.seen = 0
         self._pending = None
-        self._counting = self._shift = None
         self.is_initialized = False
 
     def offload(self) -> None:  # the attnzoo cache stays where it is
@@ -111,9 +105,6 @@ class AttnzooLayer(CacheLayerMixin):
         if self.kv is None:
             return
         self.kv.reorder(index)
-        if self._shift is not None:
-            index = index.to(self._shift.device)
-            self._shift, self._counting = self._shift.index_select(0, index), self._counting.index_select(0, index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._reorder(beam_idx)
@@ -141,15 +132,7 @@ class AttnzooLayer(CacheLayerMixin):
         if self.kv is not None and self.kv.batch != b:
             raise IntegrationError(f"{here}: AttnzooCache holds batch {self.kv.batch}, the model was called with "
                                    f"batch {b}")
-        positions = None
-        if given is not None:
-            if self._counting is None:
-                self._counting = counts_padding(given, key_mask)
-                self._shift = torch.zeros(b, dtype=torch.int64, device=given.device)
-            pad = (~key_mask).to(torch.int64) if key_mask is not None else torch.zeros_like(given)
-            numbered = torch.where(self._counting[:, None], self._shift[:, None] + pad.cumsum(-1), 0)
-            positions = given - numbered
-            self._shift = self._shift + torch.where(self._counting, pad.sum(-1), 0)
+        positions = given
         if self.kv is None:
             self.kv = core.new_cache(b, budget=self.budget)
             start = first_positions(positions, key_mask)

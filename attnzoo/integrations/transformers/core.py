@@ -6,9 +6,9 @@ import torch
 
 from ...nn import Attention
 from ...spec import load_spec
-from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, where
+from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, one_line, where
 from .cache import AttnzooCache, budgets_for, validate_budget
-from .interface import probe, register
+from .interface import derive_position_ids, probe, register
 from .native import PREFER, NativeLayer, compose
 
 
@@ -23,6 +23,40 @@ def native_spec(model) -> list:
     """Each layer's native spec (an :class:`attnzoo.Spec`: the model's scaling, sliding window, soft-capping and
     learned sinks as transforms), in layer order. ``vanilla`` composed with it is the model as it ships."""
     return [layer.spec() for layer in native_layers(model)]
+
+
+#: Sizes a probe of a configuration may shrink: they do not change what attention computes.
+_SHRINKABLE = {"vocab_size": 128, "intermediate_size": 16, "moe_intermediate_size": 16, "num_local_experts": 2,
+               "num_experts": 2, "num_experts_per_tok": 1, "n_routed_experts": 2}
+
+
+def config_native_layers(config) -> list[NativeLayer]:
+    """The native layers of a model configuration (a transformers ``PretrainedConfig``) without its weights: the
+    model is built on the meta device and probed there; a model whose forward cannot run on meta (a mixture of
+    experts) is built on the CPU in bfloat16 with its vocabulary and MLPs shrunk (they do not change what its
+    attention computes; its attention layers keep their sizes)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - transformers' refusal, in one line
+        raise IntegrationError(f"{type(config).__name__}: transformers builds no causal LM from it ({one_line(exc)})"
+                               ) from None
+    try:
+        return native_layers(model)
+    except IntegrationError as exc:
+        if "a forward pass of 2 tokens" not in str(exc):
+            raise
+    small = config.__class__.from_dict(config.to_dict())
+    for key, value in _SHRINKABLE.items():
+        if isinstance(getattr(small, key, None), int) and getattr(small, key) > value:
+            setattr(small, key, value)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(small, key, None), int) and getattr(small, key) >= small.vocab_size:
+            setattr(small, key, None)
+    model = AutoModelForCausalLM.from_config(small, dtype=torch.bfloat16)
+    return native_layers(model)
 
 
 def applied_modules(model) -> list[torch.nn.Module]:
@@ -90,6 +124,10 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
             module.register_forward_hook(_cache_unhook, with_kwargs=True, always_call=True)
             module._attnzoo_hooked = True
         module._attnzoo_cache = None
+    for host in {id(m): m for m in (model, getattr(model, "base_model", model))}.values():
+        if not getattr(host, "_attnzoo_positions_hooked", False):
+            host.register_forward_pre_hook(derive_position_ids, with_kwargs=True)
+            host._attnzoo_positions_hooked = True
     register()
     if config._attn_implementation != ATTN_IMPLEMENTATION:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -234,6 +234,8 @@ def _check_call(module, core, scaling, kwargs) -> None:
 
 
 # -- attnzoo's attention function ----------------------------------------------------------------------------------
+@torch.compiler.disable(reason="attnzoo's attention (its dispatch and KV cache are data-dependent) runs eagerly; "
+                        "torch.compile compiles the rest of the model around it")
 def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                       **kwargs) -> tuple[torch.Tensor, None]:
@@ -245,7 +247,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     padding mask as ``key_mask``. With an :class:`~attnzoo.integrations.transformers.AttnzooCache`, key/value are
     the N new tokens only (the cache's ``update`` hands them back untouched) and the layer's attnzoo ``KVCache``
     prefills (N > 1) or decodes (N == 1). Returns (output (B, N, H, D), None): attention weights are not
-    materialised."""
+    materialised, except with ``output_attentions`` in the batch form (the reference's probabilities)."""
     from .cache import AttnzooCache
 
     core = getattr(module, CORE_NAME, None)
@@ -254,10 +256,6 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
         raise IntegrationError(f"{here} has no attnzoo core: the model's attn_implementation is "
                                f"'{ATTN_IMPLEMENTATION}' but attnzoo.integrations.transformers.apply() did not run "
                                f"on it")
-    if torch.compiler.is_compiling():
-        raise IntegrationError(f"{here}: attnzoo's attention cannot be traced by torch.compile (its caches and "
-                               f"dispatch are data-dependent): compile the rest of the model, or the spec itself "
-                               f"with backend='flex'")
     if dropout:
         raise IntegrationError(f"{here}: attention dropout {dropout} was asked for (training mode); attnzoo has no "
                                f"attention dropout: set the config's attention dropout to 0.0")
@@ -267,6 +265,9 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
     given = _given_positions(kwargs.get("position_ids"), b, n, here)
     if isinstance(cache, AttnzooCache):
+        if kwargs.get("output_attentions"):
+            raise IntegrationError(f"{here}: output_attentions with a cache: attnzoo materialises attention weights "
+                                   f"in the batch form only (a forward without a cache, use_cache=False)")
         layer = cache._layer_for(module)
         mask = _new_token_mask(attention_mask, b, n, here, exact=False)
         out = layer.attend(core, query, key, value, mask, given, here, x=x)
@@ -277,8 +278,13 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                    f"with attnzoo.integrations.transformers.AttnzooCache(model) (generate() picks it "
                                    f"after apply(); pass cache=AttnzooCache(model) to a manual forward)")
         mask = _new_token_mask(attention_mask, b, n, here, exact=True)
-        positions = None if given is None else own_positions(given, mask)
+        positions = own_positions(given, mask, here)
         out = core(query, key, value, positions=positions, key_mask=mask, x=x)
+        if kwargs.get("output_attentions"):  # materialised by the reference, only when asked for
+            with torch.no_grad():
+                probs = core.variant.probabilities(query, key, value, params=core.params(), positions=positions,
+                                                   key_mask=mask, inputs=core.token_inputs(x, n))
+            return out.transpose(1, 2), probs.to(query.dtype)
     return out.transpose(1, 2), None
 
 
@@ -308,22 +314,48 @@ def _given_positions(position_ids, b: int, n: int, here: str) -> torch.Tensor | 
     return position_ids.expand(b, n).to(torch.int64) + 1
 
 
-def counts_padding(given: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """(B,) bool: rows whose positions number the padding too (``0, 1, 2, ...`` over every token, as transformers
-    numbers a batch it is given no ``position_ids`` for) and that have padding. ``generate()`` numbers real tokens
-    only (from the attention mask)."""
+def counts_padding(given: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a padded row's positions number its padding too (``0, 1, 2, ...`` over every token, as transformers
+    numbers a batch it is given no ``position_ids`` for); ``generate()`` and :func:`derive_position_ids` number
+    real tokens only."""
     if mask is None:
-        return torch.zeros(given.shape[0], dtype=torch.bool, device=given.device)
+        return False
     steps = torch.arange(given.shape[1], device=given.device)
-    return (given == given[:, :1] + steps).all(-1) & ~mask.all(-1)
+    return bool(((given == given[:, :1] + steps).all(-1) & ~mask.all(-1) & ~(~mask).all(-1)).any())
 
 
-def own_positions(given: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """attnzoo's positions of a whole sequence: real tokens numbered consecutively from the row's first one, as
-    ``generate()`` numbers them. Rows whose ``position_ids`` number the padding too (a manual forward given only an
-    attention mask) are renumbered without it: RoPE depends on position differences only, so the model computes the
-    same, and the first real token keeps position 1 (selective attention's protected BOS)."""
-    if mask is None:
-        return given
-    shift = (~mask).to(torch.int64).cumsum(-1)
-    return torch.where(counts_padding(given, mask)[:, None], given - shift, given)
+def derive_position_ids(module, args, kwargs):
+    """Forward pre-hook of an applied model: a call with a padded 2-D ``attention_mask`` and no ``position_ids``
+    gets them from the mask, as ``generate()`` makes them (each row's real tokens numbered from 0), so that a
+    manual forward or decoding loop on a left-padded batch computes what ``generate()`` does: RoPE or position
+    embeddings, position-aware transforms and selective attention's protected first token alike."""
+    config = getattr(module, "config", None)
+    if (kwargs.get("position_ids") is not None or len(args) > 1
+            or getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION):
+        return None
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or bool(mask.all()):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if not isinstance(ids, torch.Tensor):
+        return None
+    real = mask.to(torch.int64)
+    position_ids = (real.cumsum(-1) - 1).masked_fill(real == 0, 1)[:, -ids.shape[1]:]
+    return args, {**kwargs, "position_ids": position_ids}
+
+
+def own_positions(given: torch.Tensor | None, mask: torch.Tensor | None, here: str) -> torch.Tensor | None:
+    """attnzoo's positions of a whole sequence: ``given`` (from ``position_ids``), or, when transformers passed
+    none, each row's real tokens numbered from 1 (the numbering :func:`derive_position_ids` gave the model).
+    Positions that number the padding are refused: the first real token would not be position 1."""
+    if given is None:
+        if mask is None:
+            return None
+        real = mask.to(torch.int64)
+        return (real.cumsum(-1)).clamp(min=1)
+    if counts_padding(given, mask):
+        raise IntegrationError(f"{here}: position_ids number the padding of a left-padded row: pass position_ids "
+                               f"from the attention mask (attention_mask.cumsum(-1) - 1), as generate() does")
+    return given

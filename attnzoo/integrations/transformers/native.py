@@ -74,9 +74,12 @@ class NativeLayer:
     def spec_data(self) -> dict:
         c = self.call
         said = [f"scale {c.scaling:g}" if self.scale() is not None else "scale 1/sqrt(head_dim)"]
-        said += [f"sliding window {c.sliding_window}"] * (c.sliding_window is not None)
-        said += [f"logit softcap {c.softcap:g}"] * (c.softcap is not None)
-        said += [f"learned sinks ({c.module}.{c.sinks})"] * (c.sinks is not None)
+        if c.sliding_window is not None:
+            said.append(f"sliding window {c.sliding_window}")
+        if c.softcap is not None:
+            said.append(f"logit softcap {c.softcap:g}")
+        if c.sinks is not None:
+            said.append(f"learned sinks ({c.module}.{c.sinks})")
         return {"name": self.name,
                 "summary": f"{c.module} layer {c.layer} as transformers computes it: {', '.join(said)}",
                 "attention": {"causal": True, "scale": self.scale()},
@@ -134,7 +137,7 @@ def compose(native: NativeLayer, user, prefer: str = "error"):
         if clash and prefer == "error":
             theirs = ", ".join(f"transforms[{i}] ({users[i]['kind']})" for i in clash)
             raise IntegrationError(f"{here}: spec '{user.name}' {theirs} conflicts with the model's {entry['kind']} "
-                                   f"({_said(entry)}): pass prefer='model' or prefer='spec' to apply()")
+                                   f"({_said(entry, c)}): pass prefer='model' or prefer='spec' to apply()")
         if clash and prefer == "model":
             dropped_user.update(clash)
         if not clash or prefer == "model":
@@ -166,5 +169,7 @@ def compose(native: NativeLayer, user, prefer: str = "error"):
     return spec, bound
 
 
-def _said(entry: dict) -> str:
+def _said(entry: dict, call: LayerCall) -> str:
+    if entry["kind"] == "attention_sink":
+        return f"its learned sinks, {call.module}.{call.sinks}"
     return ", ".join(f"{k} {v}" for k, v in entry.items() if k != "kind") or "as the model ships it"
