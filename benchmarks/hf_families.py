@@ -52,7 +52,7 @@ def one(family: str, candidate: str, context: int, steps: int) -> dict:
     model = build(family, context, steps)
     if candidate != "sdpa":
         zt.apply(model, candidate)
-    prompt = torch.randint(0, 512, (1, context), generator=torch.Generator().manual_seed(1))
+    prompt = torch.randint(1, 512, (1, context), generator=torch.Generator().manual_seed(1))  # no pad id (0)
     kwargs = dict(do_sample=False, return_dict_in_generate=True, pad_token_id=0)
     with torch.no_grad():
         model.generate(prompt[:, :64], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
