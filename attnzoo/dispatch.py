@@ -99,25 +99,25 @@ class Variant:
                                                                                    return_selection),
                                 inputs, documents)
         return_accumulated = renamed_flag(return_accumulated, return_selection)
+        pos, mask, grouped = self._batch_inputs(q, k, v, params, positions, key_mask, inputs)
+        backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
+        return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
+
+    def _batch_inputs(self, q, k, v, params, positions, key_mask, inputs):
+        """The batch form's checked positions (B, N), key mask and per-transform parameters and inputs."""
         dims = check_qkv(q, k, v)
         b, _, n, _ = q.shape
         mask = check_key_mask(key_mask, b, n, q.device)
         pos = check_positions(positions, b, n, q.device, mask)
         self.plan.check_dims(dims)
         grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, q.shape[1], n, q)
-        backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
-        return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
+        return pos, mask, grouped
 
     def probabilities(self, q, k, v, params=None, positions=None, key_mask=None, inputs=None) -> torch.Tensor:
         """The attention probabilities (B, H, N, N) of the batch form, materialised by the reference backend (for
         inspection, such as transformers' ``output_attentions``; it costs the N x N the fast backends avoid).
         Arguments as in ``__call__``."""
-        dims = check_qkv(q, k, v)
-        b, _, n, _ = q.shape
-        mask = check_key_mask(key_mask, b, n, q.device)
-        pos = check_positions(positions, b, n, q.device, mask)
-        self.plan.check_dims(dims)
-        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, q.shape[1], n, q)
+        pos, mask, grouped = self._batch_inputs(q, k, v, params, positions, key_mask, inputs)
         _, probs, _, _ = self.registry.backends["reference"].attend(self.plan, q, k, v, pos, pos.unsqueeze(1),
                                                                     grouped, mask)
         return probs

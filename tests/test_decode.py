@@ -268,3 +268,35 @@ def test_forgetting_decode_keeps_d_running_across_evictions(backend, evictor):
         want = (torch.softmax(logits, -1)[..., None] * vals).sum(2, keepdim=True)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=f"step {i + 1}")
     assert cache.num_tokens == 8 and cache.evicted == n - 8
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+def test_a_window_cache_drops_what_no_later_query_sees_and_decodes_exactly(backend):
+    """A sliding-window spec (with softcap and a learned sink): prefill then decode a left-padded batch; the
+    outputs equal the float64 batch form, and between steps the cache holds window - 1 tokens per row."""
+    torch.manual_seed(0)
+    window = 4
+    spec = {"name": "w", "transforms": [{"kind": "sliding_window", "window": window}, {"kind": "softcap", "cap": 5.0},
+                                        {"kind": "attention_sink"}]}
+    variant = attnzoo.compile(spec, backend=backend)
+    b, h, hkv, d, n = 2, 4, 2, 8, 13
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, :3] = False
+    params = variant.init_params(h, d, hkv, dtype=torch.float64)
+    params["attention_sink.sink"] = torch.randn(h, dtype=torch.float64)
+    positions = mask.long().cumsum(-1).clamp(min=1)
+    want = attnzoo.compile(spec, backend="reference")(q, k, v, params=params, positions=positions, key_mask=mask)
+    cache = variant.new_cache(b)
+    outs = [variant.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5], cache, params=params, key_mask=mask[:, :5])]
+    held = [cache.num_tokens]
+    for t in range(5, n):
+        outs.append(variant.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache, params=params,
+                                   key_mask=mask[:, t:t + 1]))
+        held.append(cache.num_tokens)
+    got = torch.cat(outs, dim=2)
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-10)
+    assert held == [window - 1] * len(held)
+    assert cache.memory()["expired"] == n - (window - 1) and cache.evicted == 0
