@@ -213,7 +213,10 @@ class KVCache:
         if key_mask is not None and bool(key_mask.all()):
             key_mask = None
         if key_mask is None and isinstance(self._next, int):
-            new_pos = torch.arange(self._next, self._next + count, device=key.device).expand(b, count)
+            if count == 1:
+                new_pos = torch.full((b, 1), self._next, dtype=torch.int64, device=key.device)
+            else:
+                new_pos = torch.arange(self._next, self._next + count, device=key.device).expand(b, count)
             self._next += count
         else:
             start = self.next_position.to(key.device)
@@ -233,10 +236,10 @@ class KVCache:
             raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
         self._grow(old + count)
         with torch.no_grad():
-            if count == 1:
-                self._k[:, :, old] = key[:, :, 0]
-                self._v[:, :, old] = value[:, :, 0]
-                self._pos[:, :, old] = new_pos
+            if count == 1:  # one row per head: select and copy (cheaper than slicing, which decoding feels)
+                self._k.select(2, old).copy_(key.select(2, 0))
+                self._v.select(2, old).copy_(value.select(2, 0))
+                self._pos.select(2, old).copy_(new_pos)
             else:
                 self._k[:, :, old:old + count] = key
                 self._v[:, :, old:old + count] = value

@@ -139,7 +139,7 @@ class AttnzooLayer(CacheLayerMixin):
             if start is not None:
                 self.kv.next_position = start
         if positions is not None:
-            check_cache_positions(self.kv.next_position, positions, key_mask, here)
+            check_cache_positions(self.kv, positions, key_mask, here)
         if q.shape[2] == 1:
             return core.decode(q, k, v, self.kv, key_mask=key_mask, x=x)
         return core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
@@ -167,10 +167,11 @@ def first_positions(pos, key_mask) -> torch.Tensor | None:
     return first
 
 
-def check_cache_positions(next_position, pos, key_mask, here: str) -> None:
+def check_cache_positions(kv, pos, key_mask, here: str) -> None:
     """The cache numbers each row's real tokens itself; refuse when transformers' position_ids (which drove RoPE)
     disagree, rather than give position-aware transforms other positions than the model's."""
     n = pos.shape[1]
+    next_position = kv.next_position
     start = next_position.to(pos.device)
     if key_mask is None:
         expected = start[:, None] + torch.arange(n, device=pos.device)

@@ -234,12 +234,23 @@ def _check_call(module, core, scaling, kwargs) -> None:
 
 
 # -- attnzoo's attention function ----------------------------------------------------------------------------------
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention function for ``"attnzoo"`` (:func:`attend`). Under ``torch.compile`` it runs outside
+    the graph (:func:`_outside_the_graph`): the rest of the model compiles around it."""
+    if torch.compiler.is_compiling():
+        return _outside_the_graph(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+
+
 @torch.compiler.disable(reason="attnzoo's attention (its dispatch and KV cache are data-dependent) runs eagerly; "
                         "torch.compile compiles the rest of the model around it")
-def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                      **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention function for ``"attnzoo"``.
+def _outside_the_graph(*args, **kwargs):
+    return attend(*args, **kwargs)
+
+
+def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+           scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """What ``"attnzoo"`` computes in transformers.
 
     query (B, H, N, D), key/value (B, H_kv, M, D) as the model's attention module computed them (projected, RoPE'd,
     q/k-normed); ``attention_mask`` the 2-D padding mask from :func:`attention_mask`; ``position_ids`` (0-based) in
@@ -263,13 +274,20 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
     b, _, n, _ = query.shape
     cache = getattr(module, "_attnzoo_cache", None)
     x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
-    given = _given_positions(kwargs.get("position_ids"), b, n, here)
+    position_ids = kwargs.get("position_ids")
     if isinstance(cache, AttnzooCache):
         if kwargs.get("output_attentions"):
             raise IntegrationError(f"{here}: output_attentions with a cache: attnzoo materialises attention weights "
                                    f"in the batch form only (a forward without a cache, use_cache=False)")
         layer = cache._layer_for(module)
         mask = _new_token_mask(attention_mask, b, n, here, exact=False)
+        kv = layer.kv
+        if (n == 1 and b == 1 and mask is None and kv is not None and isinstance(kv._next, int)
+                and isinstance(position_ids, torch.Tensor) and position_ids.numel() == 1
+                and int(position_ids) + 1 == kv._next):
+            given = None  # one token of one row where the cache expects it: nothing more to check
+        else:
+            given = _given_positions(position_ids, b, n, here)
         out = layer.attend(core, query, key, value, mask, given, here, x=x)
     else:
         if key.shape[2] != n:
@@ -278,7 +296,7 @@ def attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: tor
                                    f"with attnzoo.integrations.transformers.AttnzooCache(model) (generate() picks it "
                                    f"after apply(); pass cache=AttnzooCache(model) to a manual forward)")
         mask = _new_token_mask(attention_mask, b, n, here, exact=True)
-        positions = own_positions(given, mask, here)
+        positions = own_positions(_given_positions(position_ids, b, n, here), mask, here)
         out = core(query, key, value, positions=positions, key_mask=mask, x=x)
         if kwargs.get("output_attentions"):  # materialised by the reference, only when asked for
             with torch.no_grad():
