@@ -177,7 +177,7 @@ def test_selective_pruned_keeps_windows_and_sinks_and_padded_rows_equal_alone(fa
     assert beams.shape == (1, 14)
 
 
-def test_training_ssa_inside_qwen3_with_parameter_groups():
+def test_training_ssa_inside_qwen3_with_parameter_groups(tmp_path):
     torch.manual_seed(3)
     model = zt.apply(matrix.tiny_model("qwen3"), "ssa").train()
     groups = attnzoo.nn.parameter_groups(model, lr=1e-3, transform_lr=1e-2)
@@ -192,9 +192,19 @@ def test_training_ssa_inside_qwen3_with_parameter_groups():
         loss = model(ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     assert all(not torch.equal(a, b) for a, b in zip(before, groups[1]["params"], strict=True))
     assert losses[-1] < losses[0]
+    model.eval()
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+    model.save_pretrained(tmp_path)  # the trained temperatures travel with the checkpoint
+    loaded = zt.from_pretrained(tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, want, rtol=0, atol=1e-6)
+    beams = loaded.generate(ids[:1, :6], num_beams=2, **{**GREEDY, "max_new_tokens": 5})
+    assert torch.equal(beams, loaded.generate(ids[:1, :6], num_beams=2, use_cache=False,
+                                              **{**GREEDY, "max_new_tokens": 5}))
 
 
 def test_manual_loop_on_a_padded_batch_numbers_real_tokens_from_one():

@@ -248,6 +248,18 @@ def test_refusals_are_one_line():
     assert "BypassingAttention (model.layers.1.self_attn)" in one_line(caught) and "interface" in str(caught.value)
     assert bypassing.config._attn_implementation != "attnzoo"  # a refusal leaves the model as it was
 
+    class NamedOtherwise(BypassingAttention):
+        pass
+
+    NamedOtherwise.__name__ = "SelfAttn"  # a bypassing module whose name does not say attention: counted out
+    hidden = make("llama")
+    quiet = NamedOtherwise(hidden.config, layer_idx=0)
+    quiet.load_state_dict(hidden.model.layers[0].self_attn.state_dict())
+    hidden.model.layers[0].self_attn = quiet
+    with pytest.raises(zt.IntegrationError) as caught:
+        zt.apply(hidden, "vanilla")
+    assert "1 of its 2 layers call transformers' attention interface" in one_line(caught)
+
     t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
         vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
     with pytest.raises(zt.IntegrationError) as caught:

@@ -140,6 +140,11 @@ def _read_calls(model, calls) -> list[tuple[torch.nn.Module, LayerCall]]:
         if not isinstance(index, int):
             raise IntegrationError(f"{here}: an attention module without an integer layer_idx is not supported")
         out.append((module, read_call(module, q_shape, k_shape, v_shape, kwargs)))
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if isinstance(layers, int) and len(out) != layers:
+        raise IntegrationError(f"{name}: {len(out)} of its {layers} layers call transformers' attention interface "
+                               f"(the others compute attention another way, or are not attention layers): attnzoo "
+                               f"supports models whose every layer does")
     indices = sorted(call.layer for _, call in out)
     if indices != list(range(len(out))):
         raise IntegrationError(f"{name}: attention modules must carry layer_idx 0..{len(out) - 1}, got {indices} "
