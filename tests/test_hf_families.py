@@ -249,3 +249,30 @@ def test_cli_native_spec_of_a_config(tmp_path, capsys):
     assert main(["native-spec", str(tmp_path / "bad.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "bad.json" in err
+
+
+def test_output_attentions_are_the_models_probabilities_and_compile_runs_around_attnzoo():
+    torch.manual_seed(5)
+    eager = matrix.tiny_model("gemma2")  # softcap and a window: the probabilities of the native spec
+    ids = prompt(9)[None]
+    with torch.no_grad():
+        want = eager(ids, output_attentions=True, use_cache=False).attentions
+    model = zt.apply(eager, "vanilla")
+    with torch.no_grad():
+        got = model(ids, output_attentions=True, use_cache=False)
+    assert len(got.attentions) == len(want) == 2
+    for a, b in zip(got.attentions, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    with pytest.raises(zt.IntegrationError, match="output_attentions with a cache"):
+        model(ids, output_attentions=True, cache=zt.AttnzooCache(model), use_cache=True)
+
+    compiled = torch.compile(model, backend="eager")  # dynamo traces the model, attnzoo's attention runs outside
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids, use_cache=False).logits, got.logits, rtol=0, atol=1e-6)
+    torch._dynamo.reset()  # trace again: the frames compiled above would be reused
+    try:
+        with pytest.raises(Exception, match="runs eagerly"):  # fullgraph: torch refuses, with attnzoo's reason
+            with torch.no_grad():
+                torch.compile(model, backend="eager", fullgraph=True)(ids, use_cache=False)
+    finally:
+        torch._dynamo.reset()
