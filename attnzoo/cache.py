@@ -93,6 +93,9 @@ class KVCache:
         #: positions increase strictly along the slots of every row and head (kept by append and removal;
         #: padding ties with the next real token, and padding is never picked by an evictor's rule)
         self.ordered = True
+        #: (variant, signature, step): a decoding step the full path has validated for this signature, taken
+        #: while :meth:`lean_ready` holds (``Variant.decode``); None when there is none
+        self._lean = None
 
     # -- storage --------------------------------------------------------------------------------------------------
     @property
@@ -103,6 +106,7 @@ class KVCache:
 
     @keys.setter
     def keys(self, value: torch.Tensor) -> None:
+        self._lean = None
         self._k = value.detach()
         self._m = value.shape[2]
         self._live = None
@@ -124,6 +128,7 @@ class KVCache:
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
+        self._lean = None
         self._pos = value
         self.ordered = value.shape[-1] < 2 or bool((value[..., 1:] > value[..., :-1]).all())
 
@@ -138,6 +143,7 @@ class KVCache:
     @next_position.setter
     def next_position(self, value) -> None:
         """An int (every row) or a (B,) tensor; set before the first token to start at an offset."""
+        self._lean = None
         if isinstance(value, torch.Tensor):
             if value.shape != (self.batch,):
                 raise ValueError(f"next_position must have shape ({self.batch},), got {tuple(value.shape)}")
@@ -413,6 +419,27 @@ class KVCache:
         if self._k.shape[2] > 2 * room:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
 
+    def lean_ready(self) -> bool:
+        """Whether the next token may take the lean step: nothing but keys and values to append (no padding, no
+        per-token scores or features, no evictor, the same next position in every row: so every row holds the
+        same positions and, under a window, only tokens the next query sees)."""
+        return (self._k is not None and self.valid is None and isinstance(self._next, int) and not self.state
+                and not self._feat and self._live is None and self.evictor is None)
+
+    def append_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The lean step's append: one token per row (B, H_kv, 1, D), at the next position of every row, into the
+        buffers; only valid while :meth:`lean_ready` holds and for the shapes and dtypes the full path checked."""
+        old = self._m
+        if old + 1 > self._k.shape[2]:
+            self._grow(old + 1)
+        with torch.no_grad():
+            self._k.select(2, old).copy_(key.select(2, 0))
+            self._v.select(2, old).copy_(value.select(2, 0))
+            self._pos.select(2, old).fill_(self._next)
+        self._m = old + 1
+        self._next += 1
+        self._last = None
+
     def drop_expired(self) -> None:
         """Drop the tokens that no later query can see: under a window mask (:attr:`horizon`), a token before the
         earliest key visible from a row's next position, and padding. Every row and head drops the same number
@@ -443,6 +470,7 @@ class KVCache:
     def reorder(self, index: torch.Tensor) -> None:
         """Keep the batch rows ``index`` (LongTensor (B',)) in that order: beam search's reorder, batch selection
         and repetition all reduce to it. The batch size becomes B'."""
+        self._lean = None
         index = torch.as_tensor(index, dtype=torch.int64)
         if index.dim() != 1 or index.numel() < 1:
             raise ValueError(f"reorder takes a non-empty 1-D index of rows, got shape {tuple(index.shape)}")

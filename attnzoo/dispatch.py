@@ -219,6 +219,24 @@ class Variant:
         return out
 
     def _extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
+        lean = cache._lean
+        if (lean is not None and lean[0] is self and key_mask is None and inputs is None
+                and lean[1] == (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+                and cache.lean_ready() and _fingerprint(params) == cache.params_key
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            return lean[2](q, k, v, cache)  # what the full path checked for this signature still holds
+        out = self._full_extend(q, k, v, cache, params, key_mask, evict_first, inputs)
+        cache._lean = None
+        if (q.shape[2] == 1 and key_mask is None and inputs is None and cache.lean_ready()
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+            step = getattr(self.backend_for(q.device, q.dtype, Mode.DECODE), "lean_step", None)
+            step = step(self.plan, cache) if step is not None else None
+            if step is not None:
+                cache._lean = (self, (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                                      v.device), step)
+        return out
+
+    def _full_extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
         dims = check_qkv(q, k, v)

@@ -300,3 +300,52 @@ def test_a_window_cache_drops_what_no_later_query_sees_and_decodes_exactly(backe
     torch.testing.assert_close(got[real], want[real], rtol=1e-10, atol=1e-10)
     assert held == [window - 1] * len(held)
     assert cache.memory()["expired"] == n - (window - 1) and cache.evicted == 0
+
+
+def test_the_lean_step_decodes_what_the_full_path_does_and_keeps_every_refusal():
+    """After one fully checked step, a spec with no transforms takes the lean step (validated once for its
+    signature); it decodes what the reference does, and anything that differs goes through the full checks."""
+    torch.manual_seed(1)
+    b, h, hkv, d, n = 2, 4, 2, 8, 14
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    lean, ref = attnzoo.compile("vanilla", backend="blocked"), attnzoo.compile("vanilla", backend="reference")
+    caches = [lean.new_cache(b), ref.new_cache(b)]
+    for variant, cache in zip((lean, ref), caches, strict=True):
+        variant.prefill(q[:, :, :4], k[:, :, :4], v[:, :, :4], cache)
+    for t in range(4, 10):
+        got = lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[0])
+        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert caches[0]._lean is not None and caches[1]._lean is None  # the reference never takes it
+    assert caches[0].num_tokens == 10 and int(caches[0].positions[0, 0, -1]) == 10
+    with pytest.raises(ValueError, match="dtype"):
+        lean.decode(q[:, :, 10:11].float(), k[:, :, 10:11].float(), v[:, :, 10:11].float(), caches[0])
+    with pytest.raises(ValueError, match="batch"):
+        lean.decode(q[:1, :, 10:11], k[:1, :, 10:11], v[:1, :, 10:11], caches[0])
+    with pytest.raises(ValueError):
+        lean.decode(q[:, :, 10:11, :4], k[:, :, 10:11, :4], v[:, :, 10:11, :4], caches[0])
+    for cache in caches:  # rows reordered: the next step is checked in full again
+        cache.reorder(torch.tensor([1, 0]))
+    for t in range(10, n):
+        got = lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[0])
+        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(caches[0].keys, caches[1].keys, rtol=0, atol=0)
+
+
+def test_the_lean_step_under_a_sliding_window():
+    torch.manual_seed(2)
+    b, h, hkv, d, n, window = 2, 4, 2, 8, 16, 5
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    spec = {"name": "w", "attention": {"scale": 0.3}, "transforms": [{"kind": "sliding_window", "window": window}]}
+    lean, ref = attnzoo.compile(spec, backend="blocked"), attnzoo.compile(spec, backend="reference")
+    want = ref(q, k, v)
+    cache = lean.new_cache(b)
+    outs = [lean.prefill(q[:, :, :7], k[:, :, :7], v[:, :, :7], cache)]
+    for t in range(7, n):
+        outs.append(lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache))
+        assert cache.num_tokens == window - 1
+    assert cache._lean is not None
+    torch.testing.assert_close(torch.cat(outs, dim=2), want, rtol=1e-12, atol=1e-12)

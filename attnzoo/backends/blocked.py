@@ -19,6 +19,8 @@ This module never imports the reference backend (it computes the same function i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -293,6 +295,35 @@ class BlockedBackend(Backend):
             probs = torch.softmax(logits, dim=-1)
         out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
         return out, carry
+
+    def lean_step(self, plan, cache):
+        """The decoding step of a spec with no transforms (plain causal attention) into a cache with nothing but
+        keys and values, once the full path has validated its signature (``Variant.decode``): append the row,
+        then :meth:`decode_one`'s plain maths. None for any other spec."""
+        windows = all(t.kind == "sliding_window" for t in plan.transforms)
+        if not plan.causal or not windows or (bool(plan.transforms) and cache.horizon is None):
+            return None
+        return functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]), bool(plan.transforms))
+
+    @staticmethod
+    def _lean_plain(scale: float, window: bool, q, k, v, cache):
+        """Plain causal attention over every held token; under a sliding window the cache holds only the tokens
+        the new query sees (the last step dropped the rest, and every row holds the same positions), and the
+        token that falls out of the window is dropped after."""
+        if window:
+            out = BlockedBackend._lean_plain(scale, False, q, k, v, cache)
+            cache.drop_expired()
+            return out
+        cache.append_one(k, v)
+        m = cache._m
+        ks, vs = cache._k[:, :, :m], cache._v[:, :, :m]
+        b, h, _, d = q.shape
+        hkv = ks.shape[1]
+        if q.dtype not in (torch.float32, torch.float64):
+            return F.scaled_dot_product_attention(q, ks, vs, scale=scale, enable_gqa=h != hkv)
+        group = h // hkv
+        logits = (q.reshape(b, hkv, group, d) @ ks.transpose(-1, -2)) * scale
+        return (torch.softmax(logits, dim=-1) @ vs).reshape(b, h, 1, d)
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
