@@ -222,18 +222,18 @@ class Variant:
         lean = cache._lean
         if (lean is not None and lean[0] is self and key_mask is None and inputs is None
                 and lean[1] == (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
-                and cache.lean_ready() and _fingerprint(params) == cache.params_key
+                and lean[2](cache) and _fingerprint(params) == cache.params_key
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            return lean[2](q, k, v, cache)  # what the full path checked for this signature still holds
-        out = self._full_extend(q, k, v, cache, params, key_mask, evict_first, inputs)
+            return lean[3](q, k, v, cache)  # what the full path checked for this signature still holds
+        out, grouped = self._full_extend(q, k, v, cache, params, key_mask, evict_first, inputs)
         cache._lean = None
-        if (q.shape[2] == 1 and key_mask is None and inputs is None and cache.lean_ready()
+        if (q.shape[2] == 1 and key_mask is None and inputs is None
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
-            step = getattr(self.backend_for(q.device, q.dtype, Mode.DECODE), "lean_step", None)
-            step = step(self.plan, cache) if step is not None else None
-            if step is not None:
+            offer = getattr(self.backend_for(q.device, q.dtype, Mode.DECODE), "lean_step", None)
+            found = offer(self.plan, cache, grouped) if offer is not None else None
+            if found is not None:  # (ready(cache) -> bool, step(q, k, v, cache) -> out)
                 cache._lean = (self, (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                                      v.device), step)
+                                      v.device), *found)
         return out
 
     def _full_extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
@@ -261,7 +261,7 @@ class Variant:
         backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
         out = backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
         cache.drop_expired()
-        return out
+        return out, grouped
 
 
 def _fingerprint(params) -> tuple:

@@ -27,6 +27,10 @@ import torch.nn.functional as F
 import attnzoo
 from attnzoo.bench import cpu_model
 
+#: the prefill (not timed) goes in chunks of this many tokens, so that evictors whose prefill materialises the
+#: attention probabilities (H2O, TOVA) fit in memory at long contexts
+PREFILL_CHUNK = 2048
+
 
 def inputs(batch, heads, kv_heads, head_dim, length, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -49,10 +53,55 @@ def baseline(q, k, v, context):
     return time.perf_counter() - start, 2 * kbuf.numel() * kbuf.element_size()
 
 
+def baseline_window(q, k, v, context, keys: int):
+    """Hand-written over the last ``keys`` tokens: a preallocated buffer of ``keys`` slots written round-robin and
+    one SDPA call per token (the work of a cache pruned to ``keys``, with no policy). Returns (seconds, bytes)."""
+    b, hkv, n, d = k.shape
+    kbuf, vbuf = k[:, :, context - keys:context].clone(), v[:, :, context - keys:context].clone()
+    gqa = q.shape[1] != hkv
+    start = time.perf_counter()
+    for i in range(context, n):
+        s = i % keys
+        kbuf[:, :, s:s + 1], vbuf[:, :, s:s + 1] = k[:, :, i:i + 1], v[:, :, i:i + 1]
+        F.scaled_dot_product_attention(q[:, :, i:i + 1], kbuf, vbuf, enable_gqa=gqa)
+    return time.perf_counter() - start, 2 * kbuf.numel() * kbuf.element_size()
+
+
+def run_sweep(args) -> dict:
+    """The context sweep: at each context, the hand loop over the full cache and over ``--budget`` keys, attnzoo
+    vanilla and every built-in evictor at ``--budget`` (blocked backend), ratios to both hand loops and to
+    vanilla in the same run."""
+    return {"rows": [row for context in args.sweep for row in _sweep_at(args, context)]}
+
+
+def _sweep_at(args, context: int) -> list[dict]:
+    evicting = [("selective-pruned", "selective"), ("h2o", "h2o"), ("tova", "tova"), ("streaming", "sink_window")]
+    q, k, v = inputs(args.batch, args.heads, args.kv_heads, args.head_dim, context + args.steps)
+    candidates = {"hand loop, full cache": lambda: baseline(q, k, v, context),
+                  f"hand loop, {args.budget} keys": lambda: baseline_window(q, k, v, context, args.budget),
+                  "attnzoo vanilla": lambda: attnzoo_decode("vanilla", "blocked", None, q, k, v, context)}
+    for spec, evictor in evicting:
+        candidates[f"attnzoo {spec} ({evictor}), budget {args.budget}"] = (
+            lambda s=spec: attnzoo_decode(s, "blocked", args.budget, q, k, v, context))
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            for name, fn in candidates.items():
+                times[name].append(fn()[0])
+    med = {name: statistics.median(t) for name, t in times.items()}
+    full, window = med["hand loop, full cache"], med[f"hand loop, {args.budget} keys"]
+    return [{"context": context, "batch": args.batch, "candidate": name,
+             "tokens_per_s": args.steps * args.batch / t, "vs_hand_full": full / t,
+             f"vs_hand_{args.budget}": window / t, "vs_attnzoo_vanilla": med["attnzoo vanilla"] / t}
+            for name, t in med.items()]
+
+
 def attnzoo_decode(spec, backend, budget, q, k, v, context):
     variant = attnzoo.compile(spec, backend=backend)
     cache = variant.new_cache(batch=q.shape[0], budget=budget)
-    variant.prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context], cache)
+    for start in range(0, context, PREFILL_CHUNK):  # chunks: H2O/TOVA's prefill materialises its probabilities
+        stop = min(context, start + PREFILL_CHUNK)
+        variant.prefill(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], cache)
     n = q.shape[2]
     start = time.perf_counter()
     for i in range(context, n):
@@ -218,6 +267,9 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-steps", type=int, default=64)
     parser.add_argument("--hf-budgets", type=int, nargs="+", default=[4096, 512, 128])
     parser.add_argument("--hf-one", help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", type=int, nargs="+", metavar="CONTEXT",
+                        help="also the context sweep at these contexts (e.g. 1024 8192 32768): both hand loops, "
+                        "vanilla and every evictor at --budget")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -232,6 +284,13 @@ def main(argv=None) -> None:
              f"D{args.head_dim} float32; median of {args.repeats} interleaved rounds "
              "(`python benchmarks/decode.py`).", "", table(result["kernels"]["rows"])]
     print("\n".join(lines))
+    if args.sweep:
+        result["sweep"] = run_sweep(args)
+        sweep = ["", f"Context sweep: B{args.batch} H{args.heads}/{args.kv_heads} D{args.head_dim} float32, "
+                 f"{args.steps} decoded after each context, blocked backend, median of {args.repeats} interleaved "
+                 f"rounds (`--sweep`).", "", table(result["sweep"]["rows"])]
+        print("\n".join(sweep))
+        lines += sweep
     if args.hf:
         result["hf"] = run_hf(args)
         hf = ["", f"HF generate(): Llama 4 layers, width 256, H8/2, context {args.hf_context} + {args.hf_steps} "

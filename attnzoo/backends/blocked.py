@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..cache import accumulator_dtype
+from ..cache import ACCUMULATED_STATE, accumulator_dtype
+from ..evictors.builtin import Selective
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode
 from .composition import checked_logits
@@ -296,14 +297,30 @@ class BlockedBackend(Backend):
         out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
         return out, carry
 
-    def lean_step(self, plan, cache):
-        """The decoding step of a spec with no transforms (plain causal attention) into a cache with nothing but
-        keys and values, once the full path has validated its signature (``Variant.decode``): append the row,
-        then :meth:`decode_one`'s plain maths. None for any other spec."""
-        windows = all(t.kind == "sliding_window" for t in plan.transforms)
-        if not plan.causal or not windows or (bool(plan.transforms) and cache.horizon is None):
+    def lean_step(self, plan, cache, params):
+        """A decoding step for ``plan`` and ``cache`` once the full path has validated its signature
+        (``Variant.decode``): ``(ready(cache) -> bool, step(q, k, v, cache) -> out)``, or None.
+
+        - No transforms, or only a sliding window, into a cache with nothing but keys and values: append the row,
+          then :meth:`decode_one`'s plain maths.
+        - Selective attention (``selective_mask`` and nothing else) with the ``selective`` evictor at its budget:
+          the new token takes the victim's slot (the largest F, never BOS, ties to the oldest position, as the
+          evictor's rule says), then :meth:`decode_one` and F updated in place: no compaction per step."""
+        if not plan.causal:
             return None
-        return functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]), bool(plan.transforms))
+        kinds = [t.kind for t in plan.transforms]
+        if all(kind == "sliding_window" for kind in kinds) and (not kinds or cache.horizon is not None):
+            return type(cache).lean_ready, functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]),
+                                                       bool(kinds))
+        if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
+            return type(cache).lean_ready_selective, functools.partial(self._lean_selective, plan, params)
+        return None
+
+    def _lean_selective(self, plan, params, q, k, v, cache):
+        qpos, kpos, carry = cache.replace_victim(k, v)
+        out, carry = self.decode_one(plan, q, cache.keys, cache.values, qpos, kpos, params, carry)
+        cache.state[ACCUMULATED_STATE].copy_(carry.unsqueeze(1).expand_as(cache.state[ACCUMULATED_STATE]))
+        return out
 
     @staticmethod
     def _lean_plain(scale: float, window: bool, q, k, v, cache):
