@@ -433,29 +433,42 @@ class KVCache:
                 and isinstance(self._next, int) and not self._feat and self._live is None and self.horizon is None
                 and len(self.state) == 1 and ACCUMULATED_STATE in self.state)
 
+    def lean_ready_replacing(self) -> bool:
+        """Whether the next token may take the lean step of an evictor without scores of its own (sink + window):
+        the cache at its budget, keys and values only, the same next position in every row."""
+        return (self._k is not None and self._m == self.budget and self.valid is None
+                and isinstance(self._next, int) and not self._feat and self._live is None and self.horizon is None
+                and not self.state)
+
     def replace_victim(self, key: torch.Tensor, value: torch.Tensor):
-        """Selective attention's lean eviction: the new token (B, H_kv, 1, D) takes the slot of the token the
-        selective evictor drops (the largest F, never position 1, ties to the oldest position), with F = 0, so
-        nothing is compacted. It is the token the full path evicts: the new token's F is 0 and every F is >= 0,
-        so it never outranks an older eligible token. Returns (the new query's positions (B, 1), the positions
-        (B, 1, M) and the running F (B, M) to attend with)."""
+        """The lean eviction of an evictor that evicts before attention: the new token (B, H_kv, 1, D) takes the
+        slot of the token the evictor's own rule drops (``score``, ``protected``, ``largest``; ties to the oldest
+        position), with every per-token score 0, so nothing is compacted. The lean steps use it only for
+        evictors under which the new token never outranks an older eligible one, so that it is the token the
+        full path evicts: selective (the new token's F is 0, every F is >= 0, ties go to the oldest) and
+        sink + window (the smallest position goes, the new token's is the largest). Returns (the new query's
+        positions (B, 1), the positions (B, 1, M) and the running F (B, M) or None to attend with)."""
         from .evictors.base import pick  # the cache is below the evictors in the import graph
 
         m = self._m
-        held = self.state[ACCUMULATED_STATE]
         pos = self._pos[:, :, :m]
-        victim = pick(held, pos != 1, pos, largest=True, ordered=self.ordered).unsqueeze(-1)  # (B, H_kv, 1)
+        evictor = self.evictor
+        eligible = ~evictor.protected(self)
+        victim = pick(evictor.score(self), eligible, pos, largest=evictor.largest,
+                      ordered=self.ordered).unsqueeze(-1)  # (B, H_kv, 1)
         rows = victim.unsqueeze(-1).expand(-1, -1, 1, key.shape[-1])
         self._k[:, :, :m].scatter_(2, rows, key)
         self._v[:, :, :m].scatter_(2, rows, value)
         pos.scatter_(2, victim, self._next)
-        held.scatter_(2, victim, 0.0)
+        for held in self.state.values():
+            held.scatter_(2, victim, 0.0)
         qpos = torch.full((key.shape[0], 1), self._next, dtype=torch.int64, device=key.device)
         self._next += 1
         self.evicted += 1
         self.ordered = False
         self._last = None
-        return qpos, pos[:, :1], held[:, 0]
+        carry = self.state[ACCUMULATED_STATE][:, 0] if ACCUMULATED_STATE in self.state else None
+        return qpos, pos[:, :1], carry
 
     def append_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean step's append: one token per row (B, H_kv, 1, D), at the next position of every row, into the

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..cache import ACCUMULATED_STATE, accumulator_dtype
-from ..evictors.builtin import Selective
+from ..evictors.builtin import Selective, SinkWindow
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode
 from .composition import checked_logits
@@ -309,12 +309,27 @@ class BlockedBackend(Backend):
         if not plan.causal:
             return None
         kinds = [t.kind for t in plan.transforms]
-        if all(kind == "sliding_window" for kind in kinds) and (not kinds or cache.horizon is not None):
+        if (cache.evictor is None and all(kind == "sliding_window" for kind in kinds)
+                and (not kinds or cache.horizon is not None)):
             return type(cache).lean_ready, functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]),
                                                        bool(kinds))
         if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
             return type(cache).lean_ready_selective, functools.partial(self._lean_selective, plan, params)
+        if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
+            return type(cache).lean_ready_replacing, functools.partial(self._lean_replacing,
+                                                                       plan.logit_scale(cache._k.shape[-1]))
         return None
+
+    @staticmethod
+    def _lean_replacing(scale: float, q, k, v, cache):
+        cache.replace_victim(k, v)
+        ks, vs = cache.keys, cache.values
+        b, h, _, d = q.shape
+        hkv = ks.shape[1]
+        if q.dtype not in (torch.float32, torch.float64):
+            return F.scaled_dot_product_attention(q, ks, vs, scale=scale, enable_gqa=h != hkv)
+        logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
+        return (torch.softmax(logits, dim=-1) @ vs).reshape(b, h, 1, d)
 
     def _lean_selective(self, plan, params, q, k, v, cache):
         qpos, kpos, carry = cache.replace_victim(k, v)
