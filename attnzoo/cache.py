@@ -441,34 +441,36 @@ class KVCache:
                 and not self.state)
 
     def replace_victim(self, key: torch.Tensor, value: torch.Tensor):
-        """The lean eviction of an evictor that evicts before attention: the new token (B, H_kv, 1, D) takes the
-        slot of the token the evictor's own rule drops (``score``, ``protected``, ``largest``; ties to the oldest
-        position), with every per-token score 0, so nothing is compacted. The lean steps use it only for
-        evictors under which the new token never outranks an older eligible one, so that it is the token the
-        full path evicts: selective (the new token's F is 0, every F is >= 0, ties go to the oldest) and
-        sink + window (the smallest position goes, the new token's is the largest). Returns (the new query's
-        positions (B, 1), the positions (B, 1, M) and the running F (B, M) or None to attend with)."""
+        """The lean eviction of an evictor that evicts before attention: the token the evictor's own rule drops
+        (``score``, ``protected``, ``largest``; ties to the oldest position) leaves, the slots after it move up
+        one (the slots stay in position order, which the cache's views show), and the new token (B, H_kv, 1, D)
+        takes the last slot with every per-token score 0. The lean steps use it only for evictors under which
+        the new token never outranks an older eligible one, so that it is the token the full path evicts:
+        selective (the new token's F is 0, every F is >= 0, ties go to the oldest) and sink + window (the
+        smallest position goes, the new token's is the largest). Returns (the new query's positions (B, 1), the
+        positions (B, 1, M) and the running F (B, M) or None to attend with)."""
         from .evictors.base import pick  # the cache is below the evictors in the import graph
 
-        m = self._m
-        pos = self._pos[:, :, :m]
         evictor = self.evictor
-        eligible = ~evictor.protected(self)
-        victim = pick(evictor.score(self), eligible, pos, largest=evictor.largest,
-                      ordered=self.ordered).unsqueeze(-1)  # (B, H_kv, 1)
-        rows = victim.unsqueeze(-1).expand(-1, -1, 1, key.shape[-1])
-        self._k[:, :, :m].scatter_(2, rows, key)
-        self._v[:, :, :m].scatter_(2, rows, value)
-        pos.scatter_(2, victim, self._next)
-        for held in self.state.values():
-            held.scatter_(2, victim, 0.0)
+        pos = self._pos[:, :, :self._m]
+        victim = pick(evictor.score(self), ~evictor.protected(self), pos, largest=evictor.largest,
+                      ordered=self.ordered)  # (B, H_kv)
+        self.remove(victim)
+        last = self._m
+        with torch.no_grad():
+            self._k.narrow(2, last, 1).copy_(key)
+            self._v.narrow(2, last, 1).copy_(value)
+            self._pos.select(2, last).fill_(self._next)
+        self._m = last + 1
+        for name, held in self.state.items():
+            buf = self._state_room(name, held, last, 1)
+            buf.select(2, last).zero_()
+            self.state[name] = buf[:, :, :last + 1]
         qpos = torch.full((key.shape[0], 1), self._next, dtype=torch.int64, device=key.device)
         self._next += 1
-        self.evicted += 1
-        self.ordered = False
         self._last = None
         carry = self.state[ACCUMULATED_STATE][:, 0] if ACCUMULATED_STATE in self.state else None
-        return qpos, pos[:, :1], carry
+        return qpos, self._pos[:, :1, :last + 1], carry
 
     def append_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean step's append: one token per row (B, H_kv, 1, D), at the next position of every row, into the
