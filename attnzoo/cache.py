@@ -23,6 +23,7 @@ computation), never into earlier steps: the autograd graph does not grow with th
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -57,10 +58,10 @@ class KVCache:
     """
 
     def __init__(self, batch: int, budget: int | None, evictor=None, state_names: tuple[str, ...] = ()) -> None:
-        if batch < 1:
-            raise ValueError(f"batch must be >= 1, got {batch}")
-        if budget is not None and budget < 1:
-            raise ValueError(f"budget must be >= 1 or None, got {budget}")
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
         self.batch = batch
         self.budget = budget
         self.evictor = evictor
@@ -96,6 +97,11 @@ class KVCache:
         #: (variant, signature, step): a decoding step the full path has validated for this signature, taken
         #: while :meth:`lean_ready` holds (``Variant.decode``); None when there is none
         self._lean = None
+        #: the spec (hash, name) whose ``new_cache`` made this cache, and the (H, H_kv, D) of its steps: another
+        #: spec's or geometry's steps are refused (``Variant.decode``)
+        self.spec_hash: str | None = None
+        self.spec_name: str | None = None
+        self.geometry: tuple[int, int, int] | None = None
 
     # -- storage --------------------------------------------------------------------------------------------------
     @property
@@ -147,9 +153,29 @@ class KVCache:
         if isinstance(value, torch.Tensor):
             if value.shape != (self.batch,):
                 raise ValueError(f"next_position must have shape ({self.batch},), got {tuple(value.shape)}")
+            if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+                raise ValueError(f"next_position must hold integers, got dtype {value.dtype}")
             value = value.to(torch.int64)
-        elif int(value) < 1:
-            raise ValueError(f"positions are 1-based: next_position must be >= 1, got {value}")
+            if bool((value < 1).any()):
+                raise ValueError(f"positions are 1-based: next_position must be >= 1, got {value.tolist()}")
+        else:
+            try:
+                value = operator.index(value) if not isinstance(value, bool) else None
+            except TypeError:
+                value = None
+            if value is None:
+                raise ValueError(f"next_position must be an int or a ({self.batch},) integer tensor") from None
+            if value < 1:
+                raise ValueError(f"positions are 1-based: next_position must be >= 1, got {value}")
+        if self._m:
+            pos = self._pos[:, :, :self._m]
+            if self.valid is not None:  # padding takes the next real token's position: only real ones count
+                pos = torch.where(self.valid, pos, 0)
+            held = pos.amax(dim=(1, 2))  # the last position each row holds
+            wanted = value.to(held.device) if isinstance(value, torch.Tensor) else torch.full_like(held, value)
+            if bool((wanted <= held).any()):
+                raise ValueError(f"next_position {wanted.tolist()} would go back to positions the cache holds (last "
+                                 f"held {held.tolist()}): positions only move forward")
         self._next = value if isinstance(value, torch.Tensor) else int(value)
 
     def _grow(self, need: int) -> None:
@@ -517,7 +543,11 @@ class KVCache:
         """Keep the batch rows ``index`` (LongTensor (B',)) in that order: beam search's reorder, batch selection
         and repetition all reduce to it. The batch size becomes B'."""
         self._lean = None
-        index = torch.as_tensor(index, dtype=torch.int64)
+        given = torch.as_tensor(index)
+        if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+            raise ValueError(f"reorder takes integer row indices, got dtype {given.dtype} (for a boolean selection, "
+                             f"pass mask.nonzero().flatten())")
+        index = given.to(torch.int64)
         if index.dim() != 1 or index.numel() < 1:
             raise ValueError(f"reorder takes a non-empty 1-D index of rows, got shape {tuple(index.shape)}")
         if bool(((index < 0) | (index >= self.batch)).any()):

@@ -149,6 +149,8 @@ class Variant:
         options = self.spec.cache
         if budget is _UNSET:
             budget = options.budget if options is not None else None
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
         evictor = self.plan.evictor_cls(options) if options is not None else None
         if budget is not None and evictor is None:
             raise ValueError(f"spec '{self.spec.name}' has no cache evictor, so a budget cannot be kept")
@@ -160,6 +162,7 @@ class Variant:
         if self.plan.one(Slot.ACCUMULATOR) is not None:
             names.insert(0, ACCUMULATED_STATE)
         cache = KVCache(batch, budget, evictor, tuple(names))
+        cache.spec_hash, cache.spec_name = self.spec.hash, self.spec.name  # refused by another spec's steps
         if self.plan.earliest_key(1) is not None:  # a mask bounds how far back any query sees (a sliding window)
             cache.horizon = self.plan.earliest_key
         return cache
@@ -239,7 +242,17 @@ class Variant:
     def _full_extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
+        made_by = getattr(cache, "spec_hash", None)
+        if made_by is not None and made_by != self.spec.hash:
+            raise ValueError(f"this cache was made by spec '{cache.spec_name}' ({made_by[:12]}), not by "
+                             f"'{self.spec.name}' ({self.spec.hash[:12]}): its evictor, scores and stored rows are "
+                             f"that spec's; make one with this variant's new_cache()")
         dims = check_qkv(q, k, v)
+        held = getattr(cache, "geometry", None)
+        if held is not None and held != (dims.num_heads, dims.num_kv_heads, dims.head_dim):
+            raise ValueError(f"this cache holds steps of {held[0]} query heads, {held[1]} key/value heads and head "
+                             f"size {held[2]}, got {dims.num_heads}, {dims.num_kv_heads} and {dims.head_dim}")
+        cache.geometry = (dims.num_heads, dims.num_kv_heads, dims.head_dim)
         if q.shape[0] != cache.batch:
             raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
         mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)

@@ -383,3 +383,40 @@ def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, bu
     assert ready is (attnzoo.KVCache.lean_ready_selective if spec == "selective-pruned" else
                      attnzoo.KVCache.lean_ready_replacing) and ready(caches[0])
     assert caches[0].evicted == caches[1].evicted and caches[0].num_tokens == budget
+
+
+def test_the_cache_boundary_refuses_what_it_cannot_compute_exactly():
+    """Hostile or careless arguments to a decode cache get one line, never a wrong or NaN step."""
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 4, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    variant = attnzoo.compile("vanilla", backend="blocked")
+    cache = variant.new_cache(1)
+    variant.prefill(q[:, :, :6], k[:, :, :6], v[:, :, :6], cache)
+    with pytest.raises(ValueError, match="only move forward"):  # it would make earlier keys look later
+        cache.next_position = 2
+    with pytest.raises(ValueError, match="1-based"):
+        attnzoo.compile("ssa").new_cache(1).next_position = torch.tensor([0])
+    with pytest.raises(ValueError, match="integers"):
+        cache.next_position = torch.tensor([9.0])
+    with pytest.raises(ValueError, match="an int"):
+        cache.next_position = 9.5
+    cache.next_position = 10  # forward is fine: a gap
+    two = variant.new_cache(2)
+    variant.prefill(torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 2, 3, 8), two)
+    for bad in (torch.tensor([True, False]), torch.tensor([1.0, 0.0])):
+        with pytest.raises(ValueError, match="integer row indices"):
+            two.reorder(bad)
+    for budget in (float("nan"), 4.0, True):
+        with pytest.raises(ValueError, match="budget must be an int"):
+            attnzoo.compile("selective-pruned").new_cache(1, budget=budget)
+    h2o = attnzoo.compile("h2o")
+    other = h2o.new_cache(1, budget=4)
+    h2o.prefill(q[:, :, :3], k[:, :, :3], v[:, :, :3], other)
+    with pytest.raises(ValueError, match="made by spec 'h2o'"):
+        attnzoo.compile("selective").decode(q[:, :, 3:4], k[:, :, 3:4], v[:, :, 3:4], other)
+    fox = attnzoo.compile("forgetting")
+    gate = fox.new_cache(1)
+    fox.prefill(q[:, :, :3], k[:, :, :3], v[:, :, :3], gate)
+    with pytest.raises(ValueError, match="4 query heads") as caught:
+        fox.decode(torch.randn(1, 2, 1, 8), k[:, :, 3:4], v[:, :, 3:4], gate)
+    assert "\n" not in str(caught.value)
