@@ -445,26 +445,26 @@ class KVCache:
         if self._k.shape[2] > 2 * room:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
 
+    def _rows_only(self) -> bool:
+        """Nothing per token but rows and positions: no padding, no features, no step's live rows, and one next
+        position for every row (so every row holds the same positions)."""
+        return (self._k is not None and self.valid is None and isinstance(self._next, int) and not self._feat
+                and self._live is None)
+
     def lean_ready(self) -> bool:
-        """Whether the next token may take the lean step: nothing but keys and values to append (no padding, no
-        per-token scores or features, no evictor, the same next position in every row: so every row holds the
-        same positions and, under a window, only tokens the next query sees)."""
-        return (self._k is not None and self.valid is None and isinstance(self._next, int) and not self.state
-                and not self._feat and self._live is None and self.evictor is None)
+        """Whether the next token may take the plain lean step: rows only and no evictor (under a window, the
+        cache then holds only tokens the next query sees)."""
+        return self._rows_only() and not self.state and self.evictor is None
 
     def lean_ready_selective(self) -> bool:
-        """Whether the next token may take selective attention's lean step: the cache at its budget, holding
-        keys, values and F only (no padding, features or window), the same next position in every row."""
-        return (self._k is not None and self._m == self.budget and self.valid is None
-                and isinstance(self._next, int) and not self._feat and self._live is None and self.horizon is None
-                and len(self.state) == 1 and ACCUMULATED_STATE in self.state)
+        """Whether the next token may take selective attention's lean step: rows and F only, at the budget."""
+        return (self._rows_only() and self._m == self.budget and self.horizon is None and len(self.state) == 1
+                and ACCUMULATED_STATE in self.state)
 
     def lean_ready_replacing(self) -> bool:
-        """Whether the next token may take the lean step of an evictor without scores of its own (sink + window):
-        the cache at its budget, keys and values only, the same next position in every row."""
-        return (self._k is not None and self._m == self.budget and self.valid is None
-                and isinstance(self._next, int) and not self._feat and self._live is None and self.horizon is None
-                and not self.state)
+        """Whether the next token may take the lean step of an evictor without scores of its own (sink +
+        window): rows only, at the budget."""
+        return self._rows_only() and self._m == self.budget and self.horizon is None and not self.state
 
     def replace_victim(self, key: torch.Tensor, value: torch.Tensor):
         """The lean eviction of an evictor that evicts before attention: the token the evictor's own rule drops

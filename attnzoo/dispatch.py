@@ -223,20 +223,17 @@ class Variant:
 
     def _extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
         lean = cache._lean
-        if (lean is not None and lean[0] is self and key_mask is None and inputs is None
-                and lean[1] == (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
-                and lean[2](cache) and _fingerprint(params) == cache.params_key
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        plain_call = key_mask is None and inputs is None and not _grad_wanted(q, k, v)
+        if (lean is not None and plain_call and lean[0] is self and lean[1] == _signature(q, k, v)
+                and lean[2](cache) and _fingerprint(params) == cache.params_key):
             return lean[3](q, k, v, cache)  # what the full path checked for this signature still holds
         out, grouped = self._full_extend(q, k, v, cache, params, key_mask, evict_first, inputs)
         cache._lean = None
-        if (q.shape[2] == 1 and key_mask is None and inputs is None
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))):
+        if plain_call and q.shape[2] == 1:
             offer = getattr(self.backend_for(q.device, q.dtype, Mode.DECODE), "lean_step", None)
             found = offer(self.plan, cache, grouped) if offer is not None else None
             if found is not None:  # (ready(cache) -> bool, step(q, k, v, cache) -> out)
-                cache._lean = (self, (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
-                                      v.device), *found)
+                cache._lean = (self, _signature(q, k, v), *found)
         return out
 
     def _full_extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
@@ -275,6 +272,15 @@ class Variant:
         out = backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
         cache.drop_expired()
         return out, grouped
+
+
+def _signature(q, k, v) -> tuple:
+    """What a lean decoding step was validated for: the shapes, dtypes and devices of q, k and v."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+
+
+def _grad_wanted(q, k, v) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _fingerprint(params) -> tuple:

@@ -175,14 +175,18 @@ def _refuse_bypassing(model, called: list) -> None:
                                f"attnzoo has nothing to replace")
 
 
+def _refuse_unknown(kwargs: dict, here: str) -> None:
+    """A keyword argument that may change what the attention computes, and that attnzoo does not read."""
+    for key, value in kwargs.items():
+        if value is not None and key not in SEMANTIC_KWARGS and key not in PASSIVE_KWARGS:
+            raise IntegrationError(f"{here} passes {key!r} to the attention function, which attnzoo does not know "
+                                   f"how to compute: not supported")
+
+
 def read_call(module, q_shape, k_shape, v_shape, kwargs) -> LayerCall:
     """The :class:`LayerCall` of one call of the attention function (refusing what attnzoo cannot compute)."""
     here = where(module)
-    unknown = sorted(k for k, v in kwargs.items()
-                     if v is not None and k not in SEMANTIC_KWARGS and k not in PASSIVE_KWARGS)
-    if unknown:
-        raise IntegrationError(f"{here} passes {unknown[0]!r} to the attention function, which attnzoo does not "
-                               f"know how to compute: not supported")
+    _refuse_unknown(kwargs, here)
     causal = getattr(module, "is_causal", True) is not False and kwargs.get("is_causal", True) is not False
     if not causal:
         raise IntegrationError(f"{here} is not causal (bidirectional or encoder attention): attnzoo's transformers "
@@ -218,10 +222,7 @@ def _check_call(module, core, scaling, kwargs) -> None:
     if call is None:
         return
     here = where(module)
-    for key, value in kwargs.items():
-        if value is not None and key not in SEMANTIC_KWARGS and key not in PASSIVE_KWARGS:
-            raise IntegrationError(f"{here} passes {key!r} to the attention function, which attnzoo does not know "
-                                   f"how to compute: not supported")
+    _refuse_unknown(kwargs, here)
     if scaling is not None and not math.isclose(float(scaling), call.scaling, rel_tol=1e-6):
         raise IntegrationError(f"{here}: transformers passes scaling {scaling} but apply() built the layer for "
                                f"{call.scaling}: run apply() again")

@@ -94,29 +94,25 @@ class NativeLayer:
         return {"attention_sink.sink": self.call.sinks} if self.call.sinks is not None else {}
 
 
+def _bounds_keys(cls, entry) -> bool:
+    return cls.slot is Slot.MASK and (entry.kind in WINDOW_KINDS or cls(entry).earliest_key(1 << 30) is not None)
+
+
+#: The composition rules, as data: native feature -> (what on the user's side conflicts with it, the test of a
+#: user's transform (its class, its entry)). The scale's rule is :func:`compose`'s ``attention.scale`` check.
+CONFLICTS = {
+    "window": ("a mask that bounds how far back queries see (sliding_window, local_global, ...)", _bounds_keys),
+    "softcap": ("a softcap transform", lambda cls, entry: entry.kind == "softcap"),
+    "sink": ("a normaliser transform (attention_sink: one per spec)", lambda cls, entry: cls.slot is Slot.NORMALISER),
+    "scale": ("attention.scale other than the model's", None),
+}
+
+
 def _user_side(feature: str, spec) -> list[int]:
-    """Indices of the user's transforms that want what the native ``feature`` is."""
+    """Indices of the user's transforms that want what the native ``feature`` is (:data:`CONFLICTS`)."""
     registry = get_registry()
-    out = []
-    for i, entry in enumerate(spec.transforms):
-        cls = registry.transforms[entry.kind]
-        if feature == "window" and cls.slot is Slot.MASK and (
-                entry.kind in WINDOW_KINDS or cls(entry).earliest_key(1 << 30) is not None):
-            out.append(i)
-        elif feature == "softcap" and entry.kind == "softcap":
-            out.append(i)
-        elif feature == "sink" and cls.slot is Slot.NORMALISER:
-            out.append(i)
-    return out
-
-
-#: The composition rules, as data: (native feature, what on the user's side conflicts with it).
-CONFLICTS = (
-    ("window", "a mask that bounds how far back queries see (sliding_window, local_global, ...)"),
-    ("softcap", "a softcap transform"),
-    ("sink", "a normaliser transform (attention_sink: one per spec)"),
-    ("scale", "attention.scale other than the model's"),
-)
+    clashes = CONFLICTS[feature][1]
+    return [i for i, entry in enumerate(spec.transforms) if clashes(registry.transforms[entry.kind], entry)]
 
 
 def compose(native: NativeLayer, user, prefer: str = "error"):
