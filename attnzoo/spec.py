@@ -25,6 +25,10 @@ from .transforms.base import COMPOSING_SLOTS, StrictModel
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
 SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
+#: the longest key or value a message quotes from a file; longer ones are cut (a message never echoes a file)
+EXCERPT = 40
+#: the top-level keys of a spec; a file with none of them (nor a near miss) is not a spec and is not quoted at all
+SPEC_KEYS = ("name", "summary", "attention", "transforms", "cache")
 
 
 class AttentionOptions(StrictModel):
@@ -154,7 +158,7 @@ class _SpecYamlLoader(yaml.SafeLoader):
                 raise yaml.MarkedYAMLError(problem="mapping keys must be plain scalars",
                                            problem_mark=key_node.start_mark) from None
             if duplicate:
-                raise yaml.MarkedYAMLError(problem=f"duplicate key {_show(key)}", problem_mark=key_node.start_mark)
+                raise yaml.MarkedYAMLError(problem=f"duplicate key {_quote(key)}", problem_mark=key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -186,7 +190,7 @@ def _json(text: str, source: str) -> Any:
         out = {}
         for key, value in items:
             if key in out:
-                raise SpecError(source, f"duplicate key {_show(key)}")
+                raise SpecError(source, f"duplicate key {_quote(key)}")
             out[key] = value
         return out
 
@@ -253,6 +257,8 @@ def read_spec_file(path: Path, source: str | None = None) -> dict[str, Any]:
         raise SpecError(source, "empty file (a spec is a mapping with at least 'name')")
     if not isinstance(data, dict):
         raise SpecError(source, f"the top level must be a mapping, not {type(data).__name__}")
+    if not any(key in SPEC_KEYS or did_you_mean(key, SPEC_KEYS) for key in data if isinstance(key, str)):
+        raise SpecError(source, f"not a spec file: its top level has none of the keys {', '.join(SPEC_KEYS)}")
     _check_tree(data, source)
     return data
 
@@ -367,7 +373,7 @@ def _spec_error(exc: ValidationError, data: Any, source: str, model: type | None
         ctx = first.get("ctx", {})
         tag = ctx.get("discriminator", "kind").strip(chr(39))
         expected = [t.strip().strip(chr(39)) for t in str(ctx.get("expected_tags", "")).split(",")]
-        msg = (f"unknown {tag} {ctx.get('tag')!r}{did_you_mean(ctx.get('tag'), expected)} "
+        msg = (f"unknown {tag} {_quote(ctx.get('tag'))}{did_you_mean(ctx.get('tag'), expected)} "
                f"(known: {ctx.get('expected_tags')})")
     elif kind == "union_tag_not_found":
         msg = f"missing {first.get('ctx', {}).get('discriminator', 'kind')}"
@@ -392,11 +398,20 @@ def _format_loc(loc: tuple, data: Any) -> str:
 
 
 def _show(value: Any) -> str:
-    """A key or name quoted for a one-line message: ``'name'``, with escapes for newlines and control characters."""
+    """A name or path quoted for a one-line message: ``'name'``, with escapes for newlines and control characters."""
+    return repr(value)
+
+
+def _quote(value: Any) -> str:
+    """A key or value from a file, quoted like :func:`_show` and cut after :data:`EXCERPT` characters: a message
+    quotes a spec's fields, never a file's contents at length."""
+    if isinstance(value, str) and len(value) > EXCERPT:
+        return repr(value[:EXCERPT]) + "..."
     return repr(value)
 
 
 def _field(key: Any) -> str:
-    """A mapping key as a segment of a field path: as written when printable, else quoted with escapes."""
+    """A mapping key as a segment of a field path: as written when printable and short, else quoted with escapes
+    (and cut after :data:`EXCERPT` characters)."""
     key = str(key)
-    return key if key.isprintable() and key else repr(key)
+    return key if key.isprintable() and key and len(key) <= EXCERPT else _quote(key)

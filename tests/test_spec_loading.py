@@ -205,6 +205,32 @@ def test_unreadable_paths(make, fragment, tmp_path, capsys):
     assert fragment in line
 
 
+@pytest.mark.parametrize("suffix, text", [
+    (".yaml", "root:$6$salt$SECRETHASH:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"),
+    (".yaml", "root: $6$salt$SECRETHASH\n"),
+    (".toml", 'password = "SECRETHASH"\n'),
+    (".json", '{"token": "SECRETHASH"}'),
+])
+def test_a_file_that_is_not_a_spec_is_never_quoted(suffix, text, tmp_path, capsys):
+    """A symlink named like a spec to a file of secrets: the message says what is wrong, quoting nothing."""
+    target = tmp_path / "shadow"
+    target.write_text(text)
+    link = tmp_path / f"innocent{suffix}"
+    link.symlink_to(target)
+    line = reject([str(link)], capsys).removeprefix(f"attnzoo: {link}: ")
+    assert line.startswith("not a spec file") and "SECRET" not in line and "root" not in line and "token" not in line
+
+
+def test_keys_and_values_from_a_spec_are_quoted_short(tmp_path, capsys):
+    path = tmp_path / "long.yaml"
+    path.write_text("name: x\n" + "k" * 300 + "SECRET: 1\n")
+    line = reject([str(path)], capsys)
+    assert "'" + "k" * 40 + "'...: unknown key" in line and "SECRET" not in line
+    path.write_text("name: x\ntransforms:\n  - kind: " + "z" * 300 + "SECRET\n")
+    line = reject([str(path)], capsys)
+    assert "unknown kind '" + "z" * 40 + "'..." in line and "SECRET" not in line
+
+
 def test_one_bad_file_among_good_ones(capsys):
     good = [str(SPECS / "selective-ssa.yaml"), str(SPECS / "softcap.json")]
     bad = str(CORPUS / "nan.toml")

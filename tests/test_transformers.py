@@ -138,6 +138,43 @@ def test_weights_stamped_with_another_spec_are_refused(tmp_path):
         str(caught.value)
 
 
+def test_a_stamp_that_lies_about_its_spec_is_refused(tmp_path):
+    """The spec embedded in the safetensors metadata is read and checked: a true hash beside another spec fails."""
+    model = zt.apply(make("llama"), "ssa")
+    model.save_pretrained(tmp_path)
+    record = dict(model.config.attnzoo)
+    lying = copy.deepcopy(record["spec"])
+    lying["transforms"] = lying["transforms"][:1]
+    zt.stamp_safetensors(str(tmp_path / "model.safetensors"), {**record, "spec": lying})
+    with pytest.raises(zt.CheckpointSpecMismatchError) as caught:
+        zt.load_transform_params(model, tmp_path)
+    message = str(caught.value)
+    assert "\n" not in message and "model.safetensors" in message and "embedded spec" in message
+    zt.stamp_safetensors(str(tmp_path / "model.safetensors"), record)  # the true stamp loads again
+    assert zt.load_transform_params(model, tmp_path)
+
+
+def test_a_checkpoint_config_never_names_a_file_on_the_loading_machine(tmp_path):
+    """config.json's attnzoo.spec is an embedded record or a registered name: a path is refused unread."""
+    secret = tmp_path / "secret.yaml"
+    secret.write_text("name: hunter2-password\n")
+    model = zt.apply(make("llama"), "ssa")
+    model.save_pretrained(tmp_path / "ckpt")
+    config = tmp_path / "ckpt" / "config.json"
+    data = json.loads(config.read_text())
+    for spec, reason in ((str(secret), "is a path"), ("no-such-spec", "a name no plugin registers"),
+                         (17, "a int")):
+        data["attnzoo"]["spec"] = spec
+        config.write_text(json.dumps(data))
+        with pytest.raises(zt.IntegrationError) as caught:
+            zt.from_pretrained(tmp_path / "ckpt")
+        message = str(caught.value)
+        assert "\n" not in message and reason in message and "hunter2" not in message
+    data["attnzoo"]["spec"] = "ssa"  # a registered name is allowed
+    config.write_text(json.dumps(data))
+    assert zt.from_pretrained(tmp_path / "ckpt").config.attnzoo["name"] == "ssa"
+
+
 def test_load_refuses_missing_parameters_and_pickles(tmp_path):
     model = zt.apply(make("gpt2"), "ssa")
     model.save_pretrained(tmp_path)

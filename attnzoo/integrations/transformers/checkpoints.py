@@ -89,7 +89,7 @@ def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, *
     if not isinstance(record, dict) or "spec" not in record or "hash" not in record:
         raise IntegrationError(f"{path_or_name}: its config records no attnzoo spec (it was not saved after apply()); "
                                f"load it with transformers and call apply(model, spec)")
-    apply(model, record["spec"], budget=record.get("budget") if budget is UNSET else budget,
+    apply(model, recorded_spec(record, path_or_name), budget=record.get("budget") if budget is UNSET else budget,
           backend=backend or record.get("backend", "auto"), prefer=record.get("prefer", "error"))
     if model.config.attnzoo["hash"] != record["hash"]:
         raise CheckpointSpecMismatchError(
@@ -97,6 +97,24 @@ def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, *
             f"here but was saved as {str(record['hash'])[:12]} (a transform or plugin changed its defaults)")
     load_transform_params(model, path_or_name, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
     return model
+
+
+def recorded_spec(record: dict, where) -> object:
+    """The spec a checkpoint's ``config.attnzoo`` record names: the embedded spec (a mapping, as :func:`apply` writes
+    it) or the name of a spec registered here. Never a path: a checkpoint is input, and a config that named a file
+    on the loading machine would have attnzoo read (and quote) that file."""
+    from ...registry import get_registry
+    from ...spec import names_a_file
+
+    spec = record.get("spec")
+    if isinstance(spec, dict):
+        return spec
+    if isinstance(spec, str) and not names_a_file(spec) and spec in get_registry().specs:
+        return spec
+    what = "a path" if isinstance(spec, str) and names_a_file(spec) else (
+        "a name no plugin registers here" if isinstance(spec, str) else f"a {type(spec).__name__}")
+    raise IntegrationError(f"{where}: config.json's attnzoo.spec is {what}; a checkpoint names an embedded spec "
+                           f"record (as save_pretrained writes it) or a registered spec, never a file")
 
 
 def _quietly(load):
@@ -207,13 +225,7 @@ def load_transform_params(model, path_or_name, **hub_kwargs) -> list[str]:
         raise IntegrationError(f"{shown}: holds {len(extra)} attnzoo parameter(s) the model does not have (first: "
                                f"{extra[0]})")
     for file in files:
-        with safe_open(file, framework="pt") as fh:
-            meta = fh.metadata() or {}
-        stamped = meta.get(METADATA_HASH)
-        if stamped is not None and stamped != mine["hash"]:
-            raise CheckpointSpecMismatchError(
-                f"{file}: weights saved with spec '{meta.get(METADATA_NAME)}' (hash {stamped[:12]}), the model uses "
-                f"spec '{mine['name']}' (hash {mine['hash'][:12]})")
+        check_stamp(file, mine)
     tensors = {}
     for key, source in mapping.items():
         file, name = found[source]
@@ -227,6 +239,40 @@ def load_transform_params(model, path_or_name, **hub_kwargs) -> list[str]:
         for key, value in tensors.items():
             wanted[key].copy_(value)
     return sorted(tensors)
+
+
+def check_stamp(file: str, mine: dict) -> None:
+    """Refuse a safetensors file whose spec stamp (:func:`stamp_safetensors`) disagrees with the model's spec record
+    ``mine``: the hash, the name, or the embedded spec itself (compared as canonical JSON, and hashed again so that
+    a stamp cannot pair a true hash with another spec). A file without a stamp (saved by plain transformers, or
+    sharded by another tool) is accepted on the config's record alone."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt") as fh:
+        meta = fh.metadata() or {}
+    stamped = meta.get(METADATA_HASH)
+    if stamped is None and METADATA_SPEC not in meta:
+        return
+    saved = f"weights saved with spec '{str(meta.get(METADATA_NAME))[:64]}' (hash {str(stamped)[:12]})"
+    ours = f"the model uses spec '{mine['name']}' (hash {mine['hash'][:12]})"
+    if stamped != mine["hash"] or meta.get(METADATA_NAME, mine["name"]) != mine["name"]:
+        raise CheckpointSpecMismatchError(f"{file}: {saved}, {ours}")
+    try:
+        spec = json.loads(meta.get(METADATA_SPEC, "null"))
+    except (json.JSONDecodeError, RecursionError):
+        raise CheckpointSpecMismatchError(f"{file}: its {METADATA_SPEC} metadata is not JSON") from None
+    if spec is None:
+        raise CheckpointSpecMismatchError(f"{file}: stamped with a spec hash but no {METADATA_SPEC} metadata")
+    canonical = json.dumps(spec, sort_keys=True)
+    if canonical != json.dumps(mine["spec"], sort_keys=True):
+        from ...spec import load_spec
+
+        try:
+            rehashed = load_spec(spec).hash if isinstance(spec, dict) else "not a spec"
+        except Exception:  # noqa: BLE001 - any refusal means the stamp does not describe the model's spec
+            rehashed = "not a valid spec"
+        raise CheckpointSpecMismatchError(f"{file}: its embedded spec ({rehashed[:12]}) is not the spec its hash "
+                                          f"and config.json name; {ours}")
 
 
 def _match_keys(wanted: list[str], found: list[str], prefix: str) -> dict[str, str]:
