@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+#: the longest sequence the benchmark times (its SDPA baseline holds N x N scores at the largest lengths)
+MAX_LENGTH = 1 << 17
+
 
 @dataclass
 class Config:
@@ -258,24 +261,40 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="attnzoo bench", description=__doc__)
+def build_parser():
+    from .cli import Parser, int_in
+
+    parser = Parser(prog="attnzoo bench", description=__doc__)
+    length = int_in(1, MAX_LENGTH)
     parser.add_argument("specs", nargs="*", help="spec names (default: vanilla ssa selective selective-ssa)")
-    parser.add_argument("--lengths", type=int, nargs="+", help="sequence lengths to time")
-    parser.add_argument("--memory-lengths", type=int, nargs="*", help="lengths for peak memory only (default "
+    parser.add_argument("--lengths", type=length, nargs="+", help="sequence lengths to time")
+    parser.add_argument("--memory-lengths", type=length, nargs="*", help="lengths for peak memory only (default "
                         "8192, or none when --lengths is given)")
-    parser.add_argument("--repeats", type=int, help="interleaved repeats (median is kept)")
+    parser.add_argument("--repeats", type=int_in(1, 1000), help="interleaved repeats (median is kept)")
     parser.add_argument("--out", default="bench-results", help="directory for JSON, markdown and plot")
     parser.add_argument("--worker", nargs=4, metavar=("BACKEND", "SPEC", "N", "GRAD"), help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    from .cli import folder_for_writing, int_in
+
+    args = build_parser().parse_args(argv)
+    length = int_in(1, MAX_LENGTH)
     cfg = Config()
-    if args.config:
-        data = json.loads(args.config)
-        cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+    try:  # the worker's arguments are written by run_benchmark, but refused in one line all the same
+        if args.config:
+            data = json.loads(args.config)
+            cfg = Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        if args.worker:
+            name, spec, n, grad = args.worker
+            n = length(n)
+    except (ValueError, TypeError, AttributeError, argparse.ArgumentTypeError) as exc:
+        print(f"attnzoo bench: bad worker arguments: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
     if args.worker:
-        name, spec, n, grad = args.worker
-        print(json.dumps(worker(cfg, name, spec, int(n), grad == "1")))
+        print(json.dumps(worker(cfg, name, spec, n, grad == "1")))
         return 0
     if args.specs:
         cfg.specs = tuple(args.specs)
@@ -296,8 +315,12 @@ def main(argv=None) -> int:
     except SpecError as exc:
         print(f"attnzoo bench: {exc}", file=sys.stderr)
         return 2
-    if min((*cfg.lengths, *cfg.memory_lengths), default=1) < 1 or cfg.repeats < 1:
-        print("attnzoo bench: lengths and repeats must be >= 1", file=sys.stderr)
+    from .cli import BadInput
+
+    try:
+        folder_for_writing(args.out, "--out")
+    except BadInput as exc:
+        print(f"attnzoo bench: {exc}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

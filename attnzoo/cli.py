@@ -16,6 +16,30 @@ class BadInput(Exception):
     """Raised by a command for input it cannot use; main() prints its one line and exits 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with its refusals on one line (exit 2): ``attnzoo build: error: ... (see attnzoo build --help)``
+    instead of a usage block; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
+def int_in(low: int, high: int):
+    """An argparse ``type``: an integer from ``low`` to ``high``, else one line naming the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"'{text[:40]}' is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: an integer from {low:,} to {high:,}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its message
+    return parse
+
+
 def _dtype(name: str):
     import torch
 
@@ -55,6 +79,18 @@ def _writable(path: str) -> None:
         raise BadInput(f"--report {path}: no such directory '{folder}'")
     if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise BadInput(f"--report {path}: not writable")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Whether paths ``a`` and ``b`` name one file: the same file on disk, or the same resolved path."""
+    import os
+
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+        return os.path.realpath(a) == os.path.realpath(b)
+    except OSError:
+        return False
 
 
 def cmd_list(args) -> int:
@@ -131,18 +167,22 @@ def cmd_conformance(args) -> int:
 
     from .conformance import runner
     from .registry import get_registry
+    from .spec import names_a_file
 
     reg = get_registry()
     dtypes = tuple(_dtype(d) for d in args.dtype) if args.dtype else runner.DEFAULT_DTYPES
+    files = [s for s in args.specs or [] if names_a_file(s)]
     args.specs = runner.with_files(reg, args.specs)
     specs, backends = runner.select(reg, args.specs, args.backend, args.plugin)
-    try:
-        expected = runner.read_expected_failures(args.expected_failures)
-    except OSError as exc:
-        raise BadInput(f"{args.expected_failures}: cannot read: {exc.strerror or exc}") from None
+    expected = runner.read_expected_failures(args.expected_failures)
     device = _device(args.device)
-    for path in args.report or []:  # before the run: a report that cannot be written would waste it
+    inputs = [*files, args.expected_failures or ""]
+    for i, path in enumerate(args.report or []):  # before the run: a report that cannot be written would waste it
         _writable(path)
+        for other in [*inputs, *args.report[:i]]:
+            if other and _same_file(path, other):
+                raise BadInput(f"--report {path}: names {other}, an input of this run (or another report); "
+                               f"a report never overwrites what it reports on")
     cases = runner.build_cases(reg, args.specs, args.backend, dtypes, plugin=args.plugin, seed=args.seed,
                                device=device)
     console = Console(width=150, stderr=False)
@@ -190,6 +230,10 @@ def cmd_build(args) -> int:
     names = args.specs or sorted(reg.specs)
     root = Path(args.cache_dir) if args.cache_dir else builder.cache_dir()
     specs = [load_spec(name, registry=reg) for name in names]  # bad input stops before anything is written
+    if args.compile_for is not None:  # and so does a bad --compile-for, --dtype or --head-dim
+        from .backends.triton.aot import targets
+
+        targets(args.compile_for, args.dtype, args.head_dim)
     can_load = builder.triton_version() is not None
     table = Table(title=f"attnzoo build -> {root}", title_justify="left")
     for col in ("spec", "key", "artifact", "build ms", "load ms (forward)", "load ms (backward)"):
@@ -240,18 +284,14 @@ def cmd_new_plugin(args) -> int:
 def _compile_for(args, reg, specs, rows, root) -> int:
     """Compile every built spec's kernels for the named CUDA architectures, dtypes and head dims (no GPU needed)
     into its artifact, where the runtime loads them; 1 if any kernel fails."""
-    from .backends.triton.aot import parse_arch
+    from .backends.triton.aot import targets
     from .backends.triton.backend import TritonBackend
-    from .backends.triton.build import interpreting
     from .plan import Plan
 
-    if interpreting():
-        raise BadInput("--compile-for needs a process without TRITON_INTERPRET=1")
     try:
-        archs = [parse_arch(a) for text in args.compile_for for a in text.split(",") if a]
+        archs, dtypes, head_dims = targets(args.compile_for, args.dtype, args.head_dim)
     except ValueError as exc:
         raise BadInput(str(exc)) from None
-    dtypes = [_dtype(name) for name in args.dtype]
     backend = TritonBackend(root=root)
     status = EXIT_OK
     built = {row["spec"] for row in rows}
@@ -259,7 +299,7 @@ def _compile_for(args, reg, specs, rows, root) -> int:
         row["compiled"] = []
         for arch in archs:
             for dtype in dtypes:
-                for head_dim in args.head_dim:
+                for head_dim in head_dims:
                     for kernel in backend.compile_for(Plan.from_spec(spec, reg), arch, dtype, head_dim, reg):
                         kernel.update(arch=arch, dtype=str(dtype).removeprefix("torch."), head_dim=head_dim)
                         row["compiled"].append(kernel)
@@ -293,15 +333,53 @@ def _setting(text: str) -> tuple[str, object]:
         return key, value
 
 
+#: training longer than this (at the measured step rate) asks for --yes first
+LONG_RUN_SECONDS = 3600
+
+
+def folder_for_writing(path: str, flag: str) -> None:
+    """One line (exit 2) unless ``path`` is, or can be made, a folder to write into: checked before any work."""
+    import os
+    from pathlib import Path
+
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise BadInput(f"{flag} {path}: exists and is not a folder")
+    existing = target
+    while not existing.exists():
+        if existing.is_symlink():
+            raise BadInput(f"{flag} {path}: '{existing}' is a dangling symbolic link")
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BadInput(f"{flag} {path}: '{existing}' is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise BadInput(f"{flag} {path}: '{existing}' is not writable")
+
+
 def cmd_experiment(args) -> int:
     from . import experiments
     from .dispatch import compile as compile_spec
 
     overrides = dict(_setting(s) for s in args.set or [])
-    overrides.update(specs=args.spec, seeds=args.seed, steps=args.steps)
+    for flag, key, value in (("--spec", "specs", args.spec), ("--seed", "seeds", args.seed),
+                             ("--steps", "steps", args.steps)):
+        if value is None:
+            continue
+        if key in overrides and overrides[key] != value:
+            raise BadInput(f"{flag} and --set {key}= disagree ({value!r} and {overrides[key]!r}); give one")
+        overrides[key] = value
     cfg = experiments.config(args.name, **overrides)
+    folder_for_writing(args.out, "--out")
     for spec in cfg["specs"]:  # a misspelt spec fails now, not after the first model has trained
         compile_spec(spec.removesuffix("+memory") if isinstance(spec, str) else spec)
+    seconds, per_step = experiments.estimate_seconds(args.name, cfg)
+    if seconds > LONG_RUN_SECONDS:
+        what = (f"about {seconds / 3600:.1f} h of training ({experiments.trainings(args.name, cfg)} models x "
+                f"{cfg['steps']} steps at {per_step:.2g} s/step measured here)")
+        if not args.yes:
+            raise BadInput(f"{args.name}: {what}; pass --yes to run it, or fewer --steps/--seed/--spec or a "
+                           f"smaller --set")
+        print(f"{args.name}: {what}", file=sys.stderr)
     results = experiments.run_experiment(args.name, args.out, show_progress=not args.no_progress, **overrides)
     print(experiments.format_summary(results))
     print(f"results: {results['json']}" + "".join(f", {args.out}/{p}" for p in results["plots"])
@@ -316,7 +394,7 @@ def _read_config(path: str):
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
-        raise BadInput(f"{file}: no such file")
+        raise BadInput(f"{file}: {'not a regular file' if os.path.exists(file) else 'no such file'}")
     if os.path.getsize(file) > (1 << 22):
         raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
     try:
@@ -377,7 +455,7 @@ def cmd_native_spec(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="attnzoo", description="Attention variants declared as data: list, validate, explain, check and build "
         "them. Exit codes: 0 success, 1 a check failed, 2 bad input (one line, no traceback).")
     from . import __version__
@@ -411,7 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", action="append", help="dtype to test (repeatable; default float64 and float32)")
     p.add_argument("--report", action="append", metavar="FILE", help="write a report: FILE.md markdown, else JSON")
     p.add_argument("--expected-failures", metavar="FILE", help="test ids (or patterns) expected to fail")
-    p.add_argument("--seed", type=int, default=0, help="seed of the fresh random inputs")
+    p.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0, help="seed of the fresh random inputs")
     p.add_argument("--device", default="cpu",
                    help="device of the backend under test, e.g. cuda (default cpu; the reference runs on CPU)")
     p.set_defaults(func=cmd_conformance)
@@ -449,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "e.g. --set batch=32 (VALUE as JSON); an unknown KEY lists the valid ones")
     p.add_argument("--out", default="experiment-results", help="results folder (default: ./experiment-results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--yes", action="store_true", help="run even when training would take over an hour at the step "
+                   "rate measured here")
     p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("native-spec", help="the spec each layer of a transformers model runs, from its config.json "

@@ -14,18 +14,23 @@ definition (not from attnzoo's reference backend):
 from __future__ import annotations
 
 import keyword
+import os
 import re
+import shutil
 from pathlib import Path
 
-_NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+_NAME = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
+#: the longest plugin name: its kinds (``<name>_logit_temperature``) stay readable, its spec name valid
+MAX_NAME = 40
 
 
 def names(name: str) -> dict[str, str]:
     """The names the package uses for plugin ``name``: distribution, module, kinds, spec. ValueError (one line)
     for a name that cannot be a package name."""
-    if not _NAME.match(name or ""):
-        raise ValueError(f"plugin name '{name}': use lowercase letters and digits, words joined by - or _ "
-                         "(e.g. mygate, rope-scale)")
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_NAME:
+        shown = repr(name) if len(repr(name)) <= MAX_NAME + 2 else repr(name)[:MAX_NAME] + "..."
+        raise ValueError(f"plugin name {shown}: use at most {MAX_NAME} lowercase letters and digits, words joined "
+                         "by - or _ (e.g. mygate, rope-scale)")
     ident = name.replace("-", "_")
     if keyword.iskeyword(ident):
         raise ValueError(f"plugin name '{name}' is a Python keyword")
@@ -38,8 +43,15 @@ def scaffold(name: str, where: Path | str = ".") -> Path:
     """Write the package ``attnzoo-<name>/`` under ``where`` and return its path. Refuses (ValueError) to write
     into an existing directory."""
     n = names(name)
-    root = Path(where) / n["dist"]
-    if root.exists():
+    where = Path(where)
+    if not where.is_dir():
+        why = "a dangling symbolic link" if where.is_symlink() and not where.exists() else (
+            "not a directory" if where.exists() else "no such directory")
+        raise ValueError(f"--dir {where}: {why}")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ValueError(f"--dir {where}: not writable")
+    root = where / n["dist"]
+    if os.path.lexists(root):
         raise ValueError(f"{root}: already exists (choose another name or directory)")
     files = {
         "pyproject.toml": PYPROJECT,
@@ -49,10 +61,16 @@ def scaffold(name: str, where: Path | str = ".") -> Path:
         "tests/test_formulas.py": TEST_FORMULAS,
         "tests/test_conformance.py": TEST_CONFORMANCE,
     }
-    for relative, template in files.items():
-        path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(template.format(**n))
+    root.mkdir()
+    try:
+        for relative, template in files.items():
+            path = root / relative
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "x", encoding="utf-8") as handle:  # "x": never through a planted file or link
+                handle.write(template.format(**n))
+    except OSError as exc:  # e.g. the disk is full: remove the half-written package, which was ours alone
+        shutil.rmtree(root, ignore_errors=True)
+        raise ValueError(f"{root}: cannot write: {exc.strerror or exc}") from None
     return root
 
 

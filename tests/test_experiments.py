@@ -121,7 +121,8 @@ TINY = {
                 "--set", "parity_bits=5", "--set", "copy_length=4",
                 "--set", 'budgets={"parity": [2, 11], "copy": [3, 10]}'],
     "denoising": ["--steps", "3", "--set", "test_size=64", "--set", "n=6", "--set", "k=2"],
-    "graph": ["--steps", "3", "--set", "test_size=64", "--set", "nodes=8", "--set", "head_dim=8"],
+    "graph": ["--steps", "3", "--set", "test_size=64", "--set", "nodes=8", "--set", "head_dim=8",
+              "--set", "degrees=[1, 2, 4]"],
     "language-model": ["--steps", "2", "--spec", "vanilla", "selective+memory", "--set", "dim=16",
                        "--set", "heads=2", "--set", "layers=1", "--set", "context=12", "--set", "batch=2",
                        "--set", "valid_windows=3", "--set", "budgets=[4, 12]"],
@@ -154,6 +155,19 @@ def test_seeded_runs_repeat():
     (["experiment", "graph", "--set", "nodez=3"], "has no setting 'nodez'"),
     (["experiment", "graph", "--set", "nodes"], "expected KEY=VALUE"),
     (["experiment", "graph", "--spec", "vanila"], "vanilla"),
+    (["experiment", "graph", "--steps", "-5"], "steps=-5: must be an integer from 1 to 10,000,000"),
+    (["experiment", "graph", "--set", "lr=NaN"], "lr=nan: must be a finite number > 0"),
+    (["experiment", "graph", "--set", "lr=abc"], "lr='abc': must be a finite number > 0"),
+    (["experiment", "graph", "--set", "batch=0"], "batch=0: must be an integer from 1"),
+    (["experiment", "denoising", "--set", "head_dim=-3"], "head_dim=-3: must be an integer from 1"),
+    (["experiment", "graph", "--set", "batch=true"], "batch=True: must be an integer"),
+    (["experiment", "graph", "--set", "seeds=[]"], "seeds=[]: must be a list of 1 to 1000 integers"),
+    (["experiment", "graph", "--set", "nodes=40"], "head_dim (32) must be at least nodes (40)"),
+    (["experiment", "graph", "--set", "degrees=[31, 32]"], "every degree must be below nodes (32)"),
+    (["experiment", "variable-assignment", "--set", "heads=5"], "dim (96) must be a multiple of heads (5)"),
+    (["experiment", "pruning", "--set", 'tasks=["parity", "sort"]'], "unknown task 'sort'"),
+    (["experiment", "graph", "--steps", "3", "--set", "steps=2"], "--steps and --set steps= disagree"),
+    (["experiment", "graph", "--steps", "1000000"], "pass --yes to run it"),
 ])
 def test_bad_experiment_input_is_one_line(argv, message, capsys, tmp_path):
     with pytest.raises(SystemExit) if "invalid choice" in message else nullcontext():
@@ -163,3 +177,34 @@ def test_bad_experiment_input_is_one_line(argv, message, capsys, tmp_path):
     assert message in err and "Traceback" not in err
     assert not list(tmp_path.iterdir())  # nothing written
 
+
+
+def test_set_wins_over_the_defaults_and_the_out_folder_is_checked_first(tmp_path, capsys):
+    out = tmp_path / "results"
+    argv = ["experiment", "denoising", "--seed", "0", "--no-progress", "--set", "steps=4", "--set", "test_size=64",
+            "--set", "n=6", "--set", "k=2", "--spec", "vanilla"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert json.loads((out / "denoising.json").read_text())["config"]["steps"] == 4
+    capsys.readouterr()
+    (tmp_path / "a-file").write_text("kept")
+    for bad, why in ((tmp_path / "a-file", "exists and is not a folder"),
+                     (tmp_path / "a-file" / "below", "is not a folder")):
+        assert main([*argv, "--out", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.splitlines()) == 1
+    assert (tmp_path / "a-file").read_text() == "kept"
+
+
+def test_a_long_run_is_estimated_before_it_starts_and_runs_with_yes(tmp_path, capsys, monkeypatch):
+    """The estimate comes from steps timed here: a 6-step run passes the gate only with --yes when the limit is
+    set below it."""
+    from attnzoo import cli
+
+    argv = ["experiment", "graph", "--seed", "0", "--no-progress", "--spec", "vanilla", "--steps", "6",
+            "--out", str(tmp_path), *TINY["graph"][2:]]
+    monkeypatch.setattr(cli, "LONG_RUN_SECONDS", 0.0)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "h of training (1 models x 6 steps at" in err and "--yes" in err and not list(tmp_path.iterdir())
+    assert main([*argv, "--yes"]) == 0
+    assert (tmp_path / "graph.json").exists()

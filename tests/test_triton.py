@@ -131,7 +131,9 @@ def test_key_covers_spec_and_versions(tmp_path, monkeypatch):
     assert builder.artifact_key(spec) != key
 
 
-def test_existing_artifact_loads_without_generating(tmp_path, monkeypatch):
+def test_an_artifact_is_generated_once_per_process(tmp_path, monkeypatch):
+    """The code that runs is generated in the process (docs/triton.md, trust model), once per key: loading both
+    parts after a build generates nothing again."""
     builder.build("softcap", root=tmp_path)
 
     def refuse(plan):

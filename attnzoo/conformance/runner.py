@@ -9,7 +9,9 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import os
 import platform
+import stat
 import sys
 import time
 import warnings
@@ -170,11 +172,40 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
     return cases
 
 
+#: the largest expected-failures file read (a list of test ids is kilobytes)
+MAX_EXPECTED_BYTES = 1 << 20
+
+
 def read_expected_failures(path: str | Path | None) -> list[str]:
+    """The test ids (or fnmatch patterns) listed in ``path``, one per line, ``#`` comments dropped. Only a regular
+    file of at most :data:`MAX_EXPECTED_BYTES` is read (never a device, pipe or folder, which could block or never
+    end); anything else raises ValueError with one line."""
     if path is None:
         return []
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat then refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file (an expected-failures file lists test ids)")
+        chunks, size = [], 0
+        while size <= MAX_EXPECTED_BYTES and (chunk := os.read(fd, MAX_EXPECTED_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        raw = b"".join(chunks)
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_EXPECTED_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_EXPECTED_BYTES >> 20} MiB, not an expected-failures list")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     entries = []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         entry = line.split("#", 1)[0].strip()
         if entry:
             entries.append(entry)

@@ -31,16 +31,49 @@ def module(name: str):
 
 
 def config(name: str, **overrides) -> dict:
-    """The experiment's default configuration with ``overrides`` (None values are ignored); unknown keys are
-    refused with the valid ones."""
-    cfg = dict(module(name).DEFAULTS)
+    """The experiment's default configuration with ``overrides`` (None values are ignored), every value typed and
+    range-checked (:mod:`.settings`); an unknown key is refused with the valid ones."""
+    from . import settings
+
+    mod = module(name)
+    cfg = dict(mod.DEFAULTS)
     for key, value in overrides.items():
         if value is None:
             continue
         if key not in cfg:
             raise ValueError(f"experiment '{name}' has no setting '{key}' (settings: {', '.join(sorted(cfg))})")
         cfg[key] = value
+    settings.check(name, cfg, tasks=getattr(mod, "TASKS", None))
     return cfg
+
+
+def trainings(name: str, cfg: dict) -> int:
+    """How many models a run of ``cfg`` trains: one per spec, seed (and task)."""
+    return len(cfg["specs"]) * len(cfg["seeds"]) * len(cfg.get("tasks", [None]))
+
+
+def estimate_seconds(name: str, cfg: dict, probe_steps: int = 3) -> tuple[float, float]:
+    """(seconds of training ``cfg`` would take, seconds per step) at the step rate measured here: each spec's first
+    run is started and stopped after ``probe_steps`` steps past the first (its warm-up), nothing evaluated or
+    written. Measured per spec, as specs differ in cost; a run of ``probe_steps + 1`` steps or fewer is not
+    measured (0.0, 0.0)."""
+    from . import common
+
+    mod = module(name)
+    total, rates = 0.0, []
+    if cfg["steps"] <= probe_steps + 1:
+        return total, 0.0
+    for spec in cfg["specs"]:
+        probe = {**cfg, "specs": [spec], "seeds": cfg["seeds"][:1]}
+        if "tasks" in cfg:
+            probe["tasks"] = cfg["tasks"][:1]
+        with common.probing(probe_steps) as probed:
+            mod.run(probe, show_progress=False)
+        if probed.seconds_per_step is None:  # the experiment trains nothing for this spec
+            continue
+        rates.append(probed.seconds_per_step)
+        total += probed.seconds_per_step * cfg["steps"] * trainings(name, {**cfg, "specs": [spec]})
+    return total, (sum(rates) / len(rates) if rates else 0.0)
 
 
 def run_experiment(name: str, out: str | Path | None, show_progress: bool = True, **overrides) -> dict:

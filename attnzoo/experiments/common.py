@@ -4,6 +4,7 @@ the results folder (JSON + matplotlib plots). docs/experiments.md describes ever
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
@@ -133,6 +134,35 @@ def progress(total: int, desc: str, enabled: bool = True):
 
 
 @dataclass
+class Probe:
+    """What :func:`probing` measured: the seconds per training step, past the first (None: no run got that far)."""
+
+    steps: int
+    seconds_per_step: float | None = None
+
+
+class _ProbeDone(Exception):
+    """Stops a probed run once its steps are timed."""
+
+
+_PROBE: list[Probe] = []
+
+
+@contextlib.contextmanager
+def probing(steps: int = 3):
+    """Within the block, the first :func:`train` stops after ``steps`` steps past its first and records their mean
+    time in the yielded :class:`Probe`; the run that called it is abandoned (nothing evaluated or written)."""
+    probe = Probe(steps)
+    _PROBE.append(probe)
+    try:
+        yield probe
+    except _ProbeDone:
+        pass
+    finally:
+        _PROBE.remove(probe)
+
+
+@dataclass
 class TrainLog:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -156,6 +186,12 @@ def train(model, batches, steps: int, lr: float, loss_fn, desc: str, show_progre
     model.train()
     with progress(steps, desc, show_progress) as bar:
         for step in range(steps):
+            if _PROBE and step in (1, 1 + _PROBE[-1].steps):
+                if step == 1:
+                    probe_start = time.perf_counter()
+                else:
+                    _PROBE[-1].seconds_per_step = (time.perf_counter() - probe_start) / _PROBE[-1].steps
+                    raise _ProbeDone
             factor = min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * step / max(1, steps)))
             for g, lr0 in zip(opt.param_groups, base, strict=True):
                 g["lr"] = lr0 * factor

@@ -19,12 +19,19 @@ The generated kernels do not specialise on sizes (``codegen.SIZES``): one compil
 length, batch and head count, so the variants are the dtype, the head dim and the call's kind (with or without a
 key mask, the accumulator's initial carry in prefill, the decode kernel). Cases outside the captured ones
 (positions that do not increase, say) compile on first use, with the warning.
+
+Trust: the ``compiled/`` directories and files are checked as the rest of the artifact (``build.py``): never a
+symbolic link, nothing another user can write or own. Triton's launcher takes a stored kernel only under the
+compile hash it computes now from the generated source, the options and the target, so a stored kernel is never
+used for another source. The cubins' contents are not verified: they are trusted as Triton trusts its own cache
+directory, into which they are copied (an entry Triton's cache already holds is kept, not replaced).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import threading
 import warnings
@@ -57,6 +64,31 @@ def parse_arch(text: str | int) -> int:
     if not raw.isdigit() or not 50 <= int(raw) < 200:
         raise ValueError(f"--compile-for {text!r}: expected a CUDA compute capability such as 80, 90 or sm_90")
     return int(raw)
+
+
+#: the dtypes the kernels take on a GPU (as :meth:`TritonBackend.supports` says; float64 is declined)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def targets(archs, dtypes, head_dims) -> tuple[list[int], list[torch.dtype], list[int]]:
+    """``--compile-for``'s architectures, ``--dtype``'s names and ``--head-dim``'s sizes, checked before anything
+    is built or compiled: ValueError (one line) for an unknown architecture, a dtype the kernels do not take, a
+    head dim below 1, or a process in Triton's interpreter."""
+    parsed = [parse_arch(a) for text in archs for a in str(text).split(",") if a.strip()]
+    if not parsed:
+        raise ValueError("--compile-for: expected a CUDA compute capability such as 80, 90 or sm_90")
+    for name in dtypes:
+        if name not in DTYPES:
+            why = " (float64: the kernels accumulate in float32)" if name == "float64" else ""
+            raise ValueError(f"--dtype {name}: the triton kernels take {', '.join(DTYPES[:-1])} or {DTYPES[-1]}{why}")
+    for head_dim in head_dims:
+        if head_dim < 1:
+            raise ValueError(f"--head-dim {head_dim}: a head dim is a number of channels, at least 1 (e.g. 64, 128)")
+    from .build import interpreting
+
+    if interpreting():
+        raise ValueError("--compile-for needs a process without TRITON_INTERPRET=1")
+    return parsed, [getattr(torch, name) for name in dict.fromkeys(dtypes)], list(dict.fromkeys(head_dims))
 
 
 def gpu_target(arch: int):
@@ -212,9 +244,13 @@ def compile_for(backend, plan, artifact_dir: Path, arch: int, dtype: torch.dtype
 
     import triton
 
+    from .build import checked_dir, triton_version, write_atomic
+
+    targets([arch], [str(dtype).removeprefix("torch.")], [head_dim])  # before anything is stored
     directory = arch_dir(artifact_dir, arch)
     files = directory / _TRITON_FILES
-    files.mkdir(parents=True, exist_ok=True)
+    for path in (directory.parent, directory, files):  # never through a symbolic link, never another user's
+        checked_dir(path, create=True)
     index = read_index(artifact_dir, arch) or {"entries": {}}
     compilations: dict[str, tuple[Compilation, list[str]]] = {}
     for launch in capture(backend, plan, arch, dtype, head_dim, registry):
@@ -239,18 +275,25 @@ def compile_for(backend, plan, artifact_dir: Path, arch: int, dtype: torch.dtype
                                             "dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
                                             "shared": row["shared"]}
             rows.append(row)
-    from .build import _write_atomic, triton_version
-
     index.update(spec=plan.spec.name, arch=arch, triton=triton_version())
-    _write_atomic(directory / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    write_atomic(directory / INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
     return rows
 
 
 def read_index(artifact_dir: Path, arch: int) -> dict | None:
-    try:
-        return json.loads((arch_dir(artifact_dir, arch) / INDEX).read_text())
-    except (OSError, ValueError):
+    """The index of the kernels compiled for sm_``arch``, or None if there is none (or it is damaged). The
+    directories and the file are checked as the artifact is (no symbolic link, nothing another user can write:
+    ``build.CacheError`` otherwise)."""
+    from .build import checked_dir, read_file
+
+    directory = arch_dir(artifact_dir, arch)
+    if not all(checked_dir(path) for path in (directory.parent, directory)):
         return None
+    try:
+        index = json.loads(read_file(directory / INDEX) or b"")
+    except ValueError:
+        return None
+    return index if isinstance(index, dict) and isinstance(index.get("entries"), dict) else None
 
 
 # -- run time ---------------------------------------------------------------------------------------------------
@@ -277,19 +320,22 @@ def install(artifact_dir: Path, arch: int, modules: list[str], spec_name: str, c
     with the compile hook. Returns how many compiled kernels were installed."""
     from triton import knobs
 
+    from .build import checked_dir
+
     index = read_index(artifact_dir, arch)
     files = arch_dir(artifact_dir, arch) / _TRITON_FILES
     hashes: set[str] = set()
-    if index is None:
+    if index is None or not checked_dir(files):
         why = f"no kernels were compiled for sm_{arch} at build time"
     else:
         why = f"not among the {len(index['entries'])} kernels compiled for sm_{arch} at build time"
         target = Path(cache_dir or knobs.cache.dir)
         try:
             target.mkdir(parents=True, exist_ok=True)
-            for entry in files.iterdir() if files.is_dir() else ():
-                if entry.is_dir() and not (target / entry.name).exists():
-                    shutil.copytree(entry, target / entry.name, ignore=shutil.ignore_patterns("lock", "*.tmp*"))
+            for entry in sorted(files.iterdir()):
+                if entry.is_symlink() or not entry.is_dir() or (target / entry.name).exists():
+                    continue  # a symbolic link is never followed; what Triton's cache holds already, it keeps
+                _copy_compiled(entry, target / entry.name)
             hashes = set(index["entries"])
         except OSError as exc:  # Triton's cache not writable, say: the kernels compile on first use, with the warning
             why = f"not installed from the build-time kernels for sm_{arch} ({exc.strerror or exc})"
@@ -298,6 +344,20 @@ def install(artifact_dir: Path, arch: int, modules: list[str], spec_name: str, c
             _EXPECTED[module] = _Expected(spec_name, arch, hashes, why)
         _hook()
     return len(hashes)
+
+
+def _copy_compiled(entry: Path, target: Path) -> None:
+    """Copy one kernel's directory of Triton's cache layout (its cubin, metadata and IRs) into Triton's cache,
+    checked as the artifact is (``build.CacheError`` for what another user can write); Triton's lock and temporary
+    files stay behind, and a symbolic link is never followed."""
+    from .build import check_trusted, checked_dir
+
+    checked_dir(entry)
+    for item in entry.iterdir():
+        if not item.is_symlink():
+            check_trusted(item, item.lstat())
+    shutil.copytree(entry, target, ignore=lambda directory, names: [
+        name for name in names if name == "lock" or ".tmp" in name or os.path.islink(os.path.join(directory, name))])
 
 
 def _hook() -> None:
