@@ -40,12 +40,15 @@ def int_in(low: int, high: int):
     return parse
 
 
-def _dtype(name: str):
+def _dtype(name: str, floating: bool = True):
+    """The torch dtype ``name`` (a floating one unless ``floating`` is False), else one line."""
     import torch
 
     value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        raise BadInput(f"unknown floating dtype '{name}' (e.g. float32, float64, float16, bfloat16)")
+    if not isinstance(value, torch.dtype):
+        raise BadInput(f"unknown dtype '{name[:40]}' (e.g. float32, float64, float16, bfloat16)")
+    if floating and not value.is_floating_point:
+        raise BadInput(f"dtype '{name}' is not a floating dtype (e.g. float32, float64, float16, bfloat16)")
     return value
 
 
@@ -155,8 +158,8 @@ def cmd_validate(args) -> int:
 def cmd_explain(args) -> int:
     from .dispatch import explain
 
-    print(explain(args.spec, device=_device(args.device), dtype=_dtype(args.dtype), requires_grad=args.grad,
-                  mode=args.mode))
+    print(explain(args.spec, device=_device(args.device), dtype=_dtype(args.dtype, floating=False),
+                  requires_grad=args.grad, mode=args.mode))
     return EXIT_OK
 
 
@@ -474,8 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="which backends can run a spec, and why not")
     p.add_argument("spec", metavar="SPEC", help="a spec file or the name of a registered spec")
     p.add_argument("--device", default="cpu", help="device of the case, e.g. cpu, cuda, cuda:1 (default cpu)")
-    p.add_argument("--dtype", default="float32", help="dtype of q, k, v: float32, float64, float16 or bfloat16 "
-                   "(default float32)")
+    p.add_argument("--dtype", default="float32", help="dtype of q, k, v, any torch has (e.g. float32, float64, "
+                   "float16, bfloat16; default float32)")
     p.add_argument("--grad", action="store_true", help="the case needs gradients (training): --mode backward")
     p.add_argument("--mode", choices=["forward", "backward", "decode"], default=None,
                    help="forward, backward (training) or decode (decode and prefill with a cache)")

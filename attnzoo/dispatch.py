@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from .backends.base import Mode, batch_mode
-from .cache import ACCUMULATED_STATE, KVCache
+from .cache import ACCUMULATED_STATE, KVCache, accumulator_dtype
 from .errors import UnsupportedError
 from .inputs import check_key_mask, check_positions, check_qkv
 from .packing import as_documents, document_positions, run_packed
@@ -20,6 +20,11 @@ from .transforms.base import Dims, Slot
 _UNSET: Any = object()
 
 
+class NotFloatingError(UnsupportedError, ValueError):
+    """The UnsupportedError of q, k, v that are not floating point (integers, bool, complex): also a ValueError,
+    which the input checks raised for them before the backends were asked."""
+
+
 def _case(device, dtype) -> tuple[torch.device, torch.dtype]:
     return torch.device(device if device is not None else "cpu"), dtype if dtype is not None else torch.float32
 
@@ -27,7 +32,18 @@ def _case(device, dtype) -> tuple[torch.device, torch.dtype]:
 def verdicts(plan: Plan, registry, device, dtype, mode: Mode) -> dict[str, list[str]]:
     """Every backend's reasons for not running the case in ``mode`` (empty list: it can), best priority first."""
     ordered = sorted(registry.backends.values(), key=lambda b: (-b.priority, b.name))
-    return {b.name: b.verdict(plan, device, dtype, mode) for b in ordered}
+    return {b.name: verdict(b, plan, device, dtype, mode) for b in ordered}
+
+
+def verdict(backend, plan: Plan, device, dtype, mode: Mode) -> list[str]:
+    """One backend's reasons (:meth:`Backend.verdict`). q, k and v are floating point (``check_qkv``): a backend
+    that accepts another dtype (integers, bool, complex: a plugin's ``supports`` that never looked at the dtype)
+    is declined here with that reason, so that explain says what a call raises."""
+    reasons = backend.verdict(plan, device, dtype, mode)
+    if not reasons and not dtype.is_floating_point:
+        reasons = [f"dtype {str(dtype).removeprefix('torch.')} is not a floating-point dtype: q, k and v must be "
+                   f"floating point"]
+    return reasons
 
 
 class Variant:
@@ -60,7 +76,8 @@ class Variant:
                 reasons = {self.backend_name: reasons[self.backend_name]}
             chosen = next((name for name, why in reasons.items() if not why), None)
             if chosen is None:
-                raise UnsupportedError(self.spec.name, reasons, mode=str(mode))
+                error = UnsupportedError if dtype.is_floating_point else NotFloatingError
+                raise error(self.spec.name, reasons, mode=str(mode))
             self._chosen[key] = self.registry.backends[chosen]
         return self._chosen[key]
 
@@ -94,6 +111,7 @@ class Variant:
         positions restart at 1 in each (given ``positions`` must increase within each document), padding tokens
         (in no document) output 0.
         """
+        self._case_first(q, batch_mode(_grad_given(q, k, v, params, inputs)))
         if documents is not None:
             return self._packed(q, k, v, params, positions, key_mask, renamed_flag(return_accumulated,
                                                                                    return_selection),
@@ -102,6 +120,14 @@ class Variant:
         pos, mask, grouped = self._batch_inputs(q, k, v, params, positions, key_mask, inputs)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
+
+    def _case_first(self, q, mode: Mode) -> None:
+        """Choose the backend for q's device and dtype before the inputs are checked or the parameters made: a
+        dtype no backend takes (integers, complex, float8; ``explain`` lists each backend's reason) raises
+        UnsupportedError with those reasons, never an error from inside torch. (Cached: the call's own
+        ``backend_for`` then finds the same choice.)"""
+        if isinstance(q, torch.Tensor):
+            self.backend_for(q.device, q.dtype, mode)
 
     def _batch_inputs(self, q, k, v, params, positions, key_mask, inputs):
         """The batch form's checked positions (B, N), key mask and per-transform parameters and inputs."""
@@ -117,6 +143,11 @@ class Variant:
         """The attention probabilities (B, H, N, N) of the batch form, materialised by the reference backend (for
         inspection, such as transformers' ``output_attentions``; it costs the N x N the fast backends avoid).
         Arguments as in ``__call__``."""
+        if isinstance(q, torch.Tensor):
+            reference = self.registry.backends["reference"]
+            why = verdict(reference, self.plan, q.device, q.dtype, Mode.FORWARD)
+            if why:
+                raise UnsupportedError(self.spec.name, {"reference": why}, mode="probabilities")
         pos, mask, grouped = self._batch_inputs(q, k, v, params, positions, key_mask, inputs)
         _, probs, _, _ = self.registry.backends["reference"].attend(self.plan, q, k, v, pos, pos.unsqueeze(1),
                                                                     grouped, mask)
@@ -138,7 +169,8 @@ class Variant:
             return backend.forward(self.plan, qg, kg, vg, pg, posg, None, return_accumulated=want)
 
         token_inputs = [(t.kind, declared.name) for t, declared in self.plan.token_inputs().values()]
-        return run_packed(forward, q, k, v, grouped, pos, docs, token_inputs, return_accumulated)
+        f_dtype = accumulator_dtype(q.dtype) if self.plan.one(Slot.ACCUMULATOR) is not None else None
+        return run_packed(forward, q, k, v, grouped, pos, docs, token_inputs, return_accumulated, f_dtype=f_dtype)
 
     # -- decoding -------------------------------------------------------------------------------------------------
     def new_cache(self, batch: int, budget: int | None = _UNSET) -> KVCache:
@@ -192,6 +224,7 @@ class Variant:
         return self._extend(q, k, v, cache, params, key_mask, evict_first=False, inputs=inputs)
 
     def _packed_prefill(self, q, k, v, cache, params, key_mask, inputs, documents):
+        self._case_first(q, Mode.DECODE)
         check_qkv(q, k, v)
         b, h, n, d = q.shape
         if key_mask is not None:
@@ -244,6 +277,7 @@ class Variant:
             raise ValueError(f"this cache was made by spec '{cache.spec_name}' ({made_by[:12]}), not by "
                              f"'{self.spec.name}' ({self.spec.hash[:12]}): its evictor, scores and stored rows are "
                              f"that spec's; make one with this variant's new_cache()")
+        self._case_first(q, Mode.DECODE)
         dims = check_qkv(q, k, v)
         held = getattr(cache, "geometry", None)
         if held is not None and held != (dims.num_heads, dims.num_kv_heads, dims.head_dim):
@@ -290,6 +324,16 @@ def _fingerprint(params) -> tuple:
     return tuple(sorted((key, id(t), t._version) for key, t in params.items() if isinstance(t, torch.Tensor)))
 
 
+def _grad_given(q, k, v, params, inputs) -> bool:
+    """Whether a gradient is wanted of q, k, v, a given parameter or a per-token input (as ``_needs_grad`` finds
+    once they are checked and grouped: the initial parameters need none)."""
+    tensors = [q, k, v]
+    for given in (params, inputs):
+        if hasattr(given, "values"):
+            tensors += list(given.values())
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _needs_grad(q, k, v, grouped) -> bool:
     tensors = [q, k, v, *(p for group in grouped.values() for p in group.values())]
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
@@ -324,7 +368,9 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
     """Every backend's verdict on a case, one line each, and which one ``auto`` picks.
 
     ``mode``: ``"forward"``, ``"backward"`` (forward and backward) or ``"decode"`` (decode and prefill with a
-    cache); default: backward when ``requires_grad``, else forward."""
+    cache); default: backward when ``requires_grad``, else forward. The verdicts are those a call gets, for any
+    dtype torch has: one that every backend declines (integers, complex, float8) raises UnsupportedError with
+    these reasons before torch computes anything (tests/test_dtypes.py)."""
     registry = registry or get_registry()
     loaded = load_spec(spec, registry=registry)
     plan = Plan.from_spec(loaded, registry)

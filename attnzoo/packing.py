@@ -16,7 +16,8 @@ The documents may be given three ways, all turned into :class:`Documents`:
   non-causal one), e.g. ``BlockDiagonalCausalMask.from_seqlens([1, 63, 200])``; it needs no GPU.
 
 Tokens in no document (after the last offset, or with id -1) are padding: their outputs are 0 and they are never
-attended.
+attended. A batch with no document at all (every id -1) gives outputs of 0 (and an F of 0) that stay in the inputs'
+graph, with gradients of exactly 0 (:class:`_Padding`).
 
 How it runs: the documents of equal length are stacked into one batch and handed to the backend's batch form (so
 every backend's fast path applies, no key block of another document is ever visited, and each document's positions
@@ -35,6 +36,9 @@ import torch
 from .inputs import positions_tensor
 
 _XFORMERS_CAUSAL = {"BlockDiagonalCausalMask": True, "BlockDiagonalMask": False}
+#: the dtypes cu_seqlens and document ids may have (torch's integer dtypes that hold values)
+_INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                             torch.uint32, torch.uint64})
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,17 @@ def _from_xformers(bias: Any, batch: int, n: int, device, causal: bool) -> Docum
     return _from_offsets(q_starts, batch, n, device, f"xformers bias {name}'s sequence starts")
 
 
+def _check_device(documents: torch.Tensor, device, what: str) -> None:
+    """The offsets or ids are read on the host: they may be on q's device or on the CPU, never on the meta device
+    (it holds no values) nor on another accelerator."""
+    here, want = documents.device, torch.device(device)
+    if here.type == "meta":
+        raise ValueError(f"{what}: on the meta device, which holds no values; put it on the CPU or on q's device "
+                         f"({want})")
+    if here != want and here.type != "cpu":
+        raise ValueError(f"{what}: on {here} but q is on {want}; put it on q's device or on the CPU")
+
+
 def as_documents(documents: Any, batch: int, n: int, device, causal: bool) -> Documents:
     """Turn any of the accepted forms (module docstring) into :class:`Documents`; one clear error line otherwise."""
     if isinstance(documents, Documents):
@@ -127,13 +142,17 @@ def as_documents(documents: Any, batch: int, n: int, device, causal: bool) -> Do
             offsets.append(offsets[-1] + length)
         return _from_offsets(offsets, batch, n, device, "document lengths")
     if isinstance(documents, torch.Tensor):
-        if documents.dtype.is_floating_point or documents.dtype == torch.bool:
-            raise ValueError("documents must be an integer tensor (cu_seqlens or document ids)")
+        if documents.dtype not in _INTEGER_DTYPES:
+            raise ValueError(f"documents must be an integer tensor (cu_seqlens or document ids), got "
+                             f"{str(documents.dtype).removeprefix('torch.')}")
+        if documents.dim() not in (1, 2):
+            raise ValueError(f"documents: a 1-D cu_seqlens or (B, N) document ids, got shape "
+                             f"{tuple(documents.shape)}")
+        what = "cu_seqlens" if documents.dim() == 1 else "document ids"
+        _check_device(documents, device, what)
         if documents.dim() == 1:
-            return _from_offsets([int(x) for x in documents.tolist()], batch, n, device, "cu_seqlens")
-        if documents.dim() == 2:
-            return _from_ids(documents, batch, n, device)
-        raise ValueError(f"documents: a 1-D cu_seqlens or (B, N) document ids, got shape {tuple(documents.shape)}")
+            return _from_offsets([int(x) for x in documents.tolist()], batch, n, device, what)
+        return _from_ids(documents, batch, n, device)
     raise ValueError(f"documents must be cu_seqlens, (B, N) document ids, a list of lengths or an xformers "
                      f"BlockDiagonal(Causal)Mask, got {type(documents).__name__}")
 
@@ -160,15 +179,23 @@ def document_positions(docs: Documents, positions: torch.Tensor | None, device) 
 
 
 def run_packed(forward, q, k, v, grouped, positions, docs: Documents, token_inputs: list[tuple[str, str]],
-               return_accumulated: bool):
+               return_accumulated: bool, *, f_dtype: torch.dtype | None):
     """Run ``forward(q, k, v, params, positions, return_accumulated)`` (a backend's batch form) on the documents,
     those of equal length stacked into one batch, and write the results back into the packed layout: out
     (B, H, N, D), 0 at padding; F (B, N, N), block-diagonal, when ``return_accumulated``. ``token_inputs``: the
-    (kind, name) of the per-token inputs (B, H, N) in ``grouped``, gathered per document like q.
+    (kind, name) of the per-token inputs (B, H, N) in ``grouped``, gathered per document like q. ``f_dtype``: the
+    dtype of F (``accumulator_dtype(q.dtype)``), None for a spec without an accumulator; needed only when there is
+    no document at all (then no backend call gives F).
 
     Gathering and scattering copy each token once, forward and backward (:class:`_Gather`, :class:`_Scatter`:
     their gradients are the scatter and the gather, not one full-size tensor per document)."""
     b, h, n, d = q.shape
+    if not docs.segments:  # every token is padding: nothing to attend, but the outputs stay in the inputs' graph
+        inputs = (q, k, v, *(t for group in grouped.values() for t in group.values()))
+        out = _Padding.apply((b, h, n, d), q.dtype, *inputs)
+        if not return_accumulated:
+            return out
+        return out, (_Padding.apply((b, n, n), f_dtype, *inputs) if f_dtype is not None else None)
     by_length: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     for segment in docs.segments:
         by_length[segment[2] - segment[1]].append(segment)
@@ -185,8 +212,7 @@ def run_packed(forward, q, k, v, grouped, positions, docs: Documents, token_inpu
         outputs.append(group_out)
         if group_f is not None:
             f_parts.append((segments, group_f))
-    out = (_Scatter.apply((b, h, n, d), tuple(tuple(g) for g in groups), *outputs) if outputs
-           else q.new_zeros(b, h, n, d))
+    out = _Scatter.apply((b, h, n, d), tuple(tuple(g) for g in groups), *outputs)
     if not return_accumulated:
         return out
     accumulated = None
@@ -238,3 +264,21 @@ class _Scatter(torch.autograd.Function):
     def backward(ctx, grad):
         return (None, None, *(torch.stack([grad[row, :, start:stop] for row, start, stop in segments])
                               for segments in ctx.groups))
+
+
+class _Padding(torch.autograd.Function):
+    """Zeros of ``shape`` in ``dtype`` that depend on none of ``inputs``: the output of a packed batch whose tokens
+    are all padding. It is a node of the inputs' graph, so ``backward()`` works, and each input that needs a
+    gradient gets an exact zero tensor (not None: a leaf's ``.grad`` is then 0, as for padding in a batch with
+    documents, rather than unset). No arithmetic on the inputs: a NaN or inf in a padding token cannot leak."""
+
+    @staticmethod
+    def forward(ctx, shape, dtype, *inputs):
+        ctx.like = [(t.shape, t.dtype, t.device) for t in inputs]
+        return inputs[0].new_zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        zeros = (torch.zeros(shape, dtype=dtype, device=device) if wanted else None
+                 for wanted, (shape, dtype, device) in zip(ctx.needs_input_grad[2:], ctx.like, strict=True))
+        return (None, None, *zeros)

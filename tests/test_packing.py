@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import attnzoo
+from attnzoo.cache import accumulator_dtype
 
 LENGTHS = [1, 63, 200]
 
@@ -100,6 +101,18 @@ def test_attnzoo_nn_takes_documents():
     ([10, 0], r"^document lengths must be >= 1"),
     (torch.zeros(2, 40), r"^documents must be an integer tensor"),
     ("abc", r"^documents must be cu_seqlens"),
+    (torch.tensor([0, 30, 20]), r"^cu_seqlens must increase strictly"),
+    (torch.tensor([0]), r"^cu_seqlens must start at 0 and hold at least one document, got \[0\]$"),
+    (torch.tensor([0, 40], dtype=torch.complex64),
+     r"^documents must be an integer tensor \(cu_seqlens or document ids\), got complex64$"),
+    (torch.tensor([True, False]), r"^documents must be an integer tensor \(cu_seqlens or document ids\), got bool$"),
+    (torch.tensor(40), r"^documents: a 1-D cu_seqlens or \(B, N\) document ids, got shape \(\)$"),
+    (torch.zeros(1, 2, 40, dtype=torch.int64), r"^documents: a 1-D cu_seqlens or \(B, N\) document ids, got shape "
+                                               r"\(1, 2, 40\)$"),
+    (torch.tensor([0, 40], device="meta"),
+     r"^cu_seqlens: on the meta device, which holds no values; put it on the CPU or on q's device \(cpu\)$"),
+    (torch.zeros(2, 40, dtype=torch.int64, device="meta"), r"^document ids: on the meta device, which holds no "
+                                                            r"values; put it on the CPU or on q's device \(cpu\)$"),
 ])
 def test_bad_documents_are_one_line(documents, message):
     q, k, v = qkv(b=2, n=40)
@@ -181,3 +194,96 @@ def test_a_packed_prefill_needs_an_empty_cache_with_a_row_per_document():
     with pytest.raises(ValueError, match=r"^a packed prefill fills one row of an empty cache per document: make it "
                                          r"with new_cache\(batch=2\), got batch 1 holding 0 tokens$"):
         variant.prefill(q, k, v, variant.new_cache(batch=1), documents=[10, 30])
+
+
+def test_cu_seqlens_of_any_integer_dtype_give_the_same_documents():
+    variant = attnzoo.compile("forgetting", backend="blocked")
+    q, k, v = qkv(b=2, n=40)
+    want = variant(q, k, v, documents=torch.tensor([0, 10, 40, 65, 71]))
+    for dtype in (torch.int32, torch.int16, torch.uint8, torch.uint16):
+        got = variant(q, k, v, documents=torch.tensor([0, 10, 40, 65, 71], dtype=dtype))
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device: a CUDA GPU")
+def test_cu_seqlens_on_another_device_than_q_is_refused_and_on_the_cpu_is_taken():
+    q, k, v = (t.detach().cuda() for t in qkv(n=40))
+    variant = attnzoo.compile("vanilla", backend="reference")
+    with pytest.raises(ValueError, match=r"^cu_seqlens: on cuda:0 but q is on cpu; put it on q's device or on the "
+                                         r"CPU$"):
+        variant(q.cpu(), k.cpu(), v.cpu(), documents=torch.tensor([0, 10, 40], device="cuda"))
+    on_cpu = variant(q, k, v, documents=torch.tensor([0, 10, 40]))
+    on_gpu = variant(q, k, v, documents=torch.tensor([0, 10, 40], device="cuda"))
+    torch.testing.assert_close(on_cpu, on_gpu, rtol=0, atol=1e-12)
+
+
+def _padding_case(backend):
+    """(spec, dtype, needs grad) of each backend's packed path on CPU: flex computes forward only and takes no
+    accumulator; triton (TRITON_INTERPRET=1, from conftest) takes no float64."""
+    return {"reference": ("selective-ssa", torch.float64, True), "blocked": ("selective-ssa", torch.float64, True),
+            "triton": ("selective-ssa", torch.float32, True), "flex": ("vanilla", torch.float32, False)}[backend]
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked", "triton", "flex"])
+def test_a_batch_of_nothing_but_padding_gives_zeros_in_the_graph_with_zero_gradients(backend):
+    """Every id -1: out is 0 and F is 0 (B, N, N) in the accumulator's dtype, both nodes of the inputs' graph, so
+    backward() works and q, k, v and every parameter get a gradient of exactly 0; NaN in the padding never
+    leaks (no arithmetic touches it)."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    spec, dtype, grad = _padding_case(backend)
+    variant = attnzoo.compile(spec, backend=backend)
+    q, k, v = (t.detach().to(dtype).requires_grad_(grad) for t in qkv(b=2, n=12))
+    with torch.no_grad():
+        q[0, 0, 0, 0] = float("nan")
+    params = {key: p.requires_grad_(grad) for key, p in variant.init_params(4, 8, 2, dtype=dtype).items()}
+    ids = torch.full((2, 12), -1)
+    out, f = variant(q, k, v, params=params, documents=ids, return_accumulated=True)
+    assert out.shape == (2, 4, 12, 8) and out.dtype == dtype and int(torch.count_nonzero(out)) == 0
+    if spec == "vanilla":
+        assert f is None
+    else:
+        assert f.shape == (2, 12, 12) and f.dtype == accumulator_dtype(dtype) and int(torch.count_nonzero(f)) == 0
+    if not grad:
+        return
+    assert out.grad_fn is not None and f.grad_fn is not None
+    (out.sum() + f.sum()).backward()
+    for tensor in (q, k, v, *params.values()):
+        assert tensor.grad is not None and tensor.grad.shape == tensor.shape and tensor.grad.dtype == tensor.dtype
+        assert int(torch.count_nonzero(tensor.grad)) == 0
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked", "triton"])
+def test_rows_of_only_padding_beside_rows_with_documents_equal_the_documents_run_alone(backend):
+    """Row 1 all padding, rows 0 and 2 with documents (and trailing padding): outputs, F, and the gradients of
+    q, k, v and the parameters (summed over documents) equal each document run alone with the reference."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    spec, dtype, _ = _padding_case(backend)
+    variant = attnzoo.compile(spec, backend=backend)
+    ref = attnzoo.compile(spec, backend="reference")
+    q, k, v = (t.detach().to(dtype).double().requires_grad_() for t in qkv(b=3, n=20, seed=3))
+    params = {key: p.requires_grad_() for key, p in ref.init_params(4, 8, 2, dtype=torch.float64).items()}
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64))
+    ids = torch.tensor([[0] * 7 + [1] * 13, [-1] * 20, [2] * 16 + [-1] * 4])
+    cast = [t.to(dtype) for t in (q, k, v)]
+    out, f = variant(*cast, params={key: p.to(dtype) for key, p in params.items()}, documents=ids,
+                     return_accumulated=True)
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    got = torch.autograd.grad((out.double() * weight).sum(), (q, k, v, *params.values()))
+    want_out = torch.zeros(3, 4, 20, 8, dtype=torch.float64)
+    want_f = torch.zeros(3, 20, 20, dtype=torch.float64)
+    for row, start, stop in ((0, 0, 7), (0, 7, 20), (2, 0, 16)):
+        part, part_f = ref(q[row:row + 1, :, start:stop], k[row:row + 1, :, start:stop],
+                           v[row:row + 1, :, start:stop], params=params, return_accumulated=True)
+        want_out[row, :, start:stop] = part[0]
+        want_f[row, start:stop, start:stop] = part_f[0]
+    want = torch.autograd.grad((want_out * weight).sum(), (q, k, v, *params.values()))
+    atol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), want_out.detach(), rtol=0, atol=atol)
+    torch.testing.assert_close(f.double(), want_f.detach(), rtol=0, atol=atol)
+    assert int(torch.count_nonzero(out[1])) == 0 and int(torch.count_nonzero(got[0][1])) == 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=50 * atol)

@@ -27,6 +27,22 @@ class Mode(str, Enum):
         return self.value
 
 
+#: the dtypes torch computes eager attention in (matmul, softmax) on every device
+EAGER_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def eager_dtype_reasons(dtype: torch.dtype) -> list[str]:
+    """Why eager torch attention (the reference and blocked backends) cannot compute in ``dtype``: [] for
+    :data:`EAGER_DTYPES`, else one reason (integers, bool, complex, quantized; float8 and float4, in which torch
+    has no matmul or softmax, only scaled float8 matmuls)."""
+    if dtype in EAGER_DTYPES:
+        return []
+    name = str(dtype).removeprefix("torch.")
+    why = ("torch has no matmul or softmax in it (its float8 kernels are scaled matmuls)" if dtype.is_floating_point
+           else "not a floating-point dtype")
+    return [f"dtype {name}: {why}; eager torch attention takes float64, float32, float16 or bfloat16"]
+
+
 def batch_mode(requires_grad: bool) -> Mode:
     """The mode of a batch-form call: BACKWARD when a gradient is wanted, else FORWARD."""
     return Mode.BACKWARD if requires_grad else Mode.FORWARD

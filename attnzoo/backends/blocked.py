@@ -9,10 +9,10 @@ O(H · block · N); the carry chain carries the gradient back into earlier block
 Fast paths: a spec with only row scales (SSA temperatures) and a causal mask is one call to
 ``torch.nn.functional.scaled_dot_product_attention`` on the scaled rows; an accumulator whose selection is
 pointwise in one selector head's logits (``AccumulatorTransform.pointwise``: ``selective_mask``, or a plugin's)
-under a plain causal mask runs the fused kernel of ``selective_kernel.py`` (CPU); logits transforms that are all
-separable (a query term plus a key term: ALiBi, the forgetting gate) fold their key terms into the keys as one more
-dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without logits transforms hand their mask
-(−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
+under a plain causal mask runs the fused kernel of ``selective_kernel.py`` (CPU, float32 and float64); logits
+transforms that are all separable (a query term plus a key term: ALiBi, the forgetting gate) fold their key terms
+into the keys as one more dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without
+logits transforms hand their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
 This module never imports the reference backend (it computes the same function independently).
 """
@@ -28,13 +28,16 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import ACCUMULATED_STATE, accumulator_dtype
 from ..evictors.builtin import Selective, SinkWindow
 from ..transforms.base import Context, Dims, Slot
-from .base import Backend, Mode
+from .base import Backend, Mode, eager_dtype_reasons
 from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
 _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
+#: the dtypes the fused CPU selective kernel (selective_kernel.py) runs in: its forward fails on float16 and bfloat16
+#: (``torch.neg`` into its float32 -F buffer), so those take the blocks below
+_FUSED_DTYPES = (torch.float32, torch.float64)
 
 
 def _pointwise(acc):
@@ -67,7 +70,7 @@ class BlockedBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return []
+        return eager_dtype_reasons(dtype)
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
@@ -83,7 +86,8 @@ class BlockedBackend(Backend):
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
                                                  enable_gqa=q.shape[1] != k.shape[1])
             accumulated = None
-        elif simple and qs.device.type == "cpu" and (pointwise := _pointwise(acc)) is not None:
+        elif (simple and qs.device.type == "cpu" and qs.dtype in _FUSED_DTYPES
+              and (pointwise := _pointwise(acc)) is not None):
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
                                         int(positions[0, 0]), self.block_size)
             accumulated = None

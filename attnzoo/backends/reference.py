@@ -1,7 +1,8 @@
 """The reference backend: plain eager torch that materialises everything. It defines the truth.
 
-Small and obviously correct on purpose; it imports nothing from the fast backends. Any float dtype, any device,
-autograd through everything (q, k, v and every transform parameter).
+Small and obviously correct on purpose; it imports nothing from the fast backends. float64, float32, float16 and
+bfloat16 (the dtypes torch computes matmul and softmax in; others are declined with a reason), any device, autograd
+through everything (q, k, v and every transform parameter).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 
 from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
-from .base import Backend, Mode
+from .base import Backend, Mode, eager_dtype_reasons
 from .composition import checked_logits
 
 
@@ -40,7 +41,7 @@ class ReferenceBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return []
+        return eager_dtype_reasons(dtype)
 
     # The pieces below are methods so that tests can build deliberately broken backends by overriding one.
     def accumulate(self, selection: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,8 @@ class XformersBackend(Backend):
             reasons.append("xformers' memory_efficient_attention has no CPU kernels (its attention-bias classes do "
                            "work on CPU: packed input takes them)")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            reasons.append(f"dtype {dtype}: xformers' kernels take float16, bfloat16 or float32")
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')}: xformers' kernels take float16, bfloat16 or "
+                           "float32")
         if plan.one(Slot.ACCUMULATOR) is not None:
             reasons.append("the accumulator (selective attention) needs F, which depends on earlier queries' "
                            "attention: memory_efficient_attention cannot take it unless it is materialised")

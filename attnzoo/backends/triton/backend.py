@@ -291,7 +291,7 @@ class TritonBackend(Backend):
         elif dtype == torch.bfloat16 and interpreting():
             reasons.append("bfloat16: Triton's interpreter computes bfloat16 wrongly")
         elif dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            reasons.append(f"dtype {dtype}: the kernels take float32, float16 or bfloat16")
+            reasons.append(f"dtype {str(dtype).removeprefix('torch.')}: the kernels take float32, float16 or bfloat16")
         return reasons + codegen.problems(plan)
 
     # -- plumbing -------------------------------------------------------------------------------------------------
