@@ -16,7 +16,7 @@ from attnzoo.backends.blocked import BlockedBackend
 from attnzoo.backends.reference import ReferenceBackend
 from attnzoo.conformance import runner
 from attnzoo.evictors.base import pick
-from attnzoo.evictors.builtin import Selective
+from attnzoo.evictors.builtin import H2O, Selective, SinkWindow
 from attnzoo.registry import new_registry
 from attnzoo.transforms.logits import Softcap
 from attnzoo.transforms.lowering import TritonLogits, tanh
@@ -175,6 +175,52 @@ class ScoresFromOthers(Selective):
         return (positions - positions.mean(-1, keepdim=True)).abs()
 
 
+class NeedsBudgetOverEight(H2O):
+    """A SnapKV-like evictor: a window of the 8 most recent tokens is always kept, so it refuses budgets up to 8
+    (every budget the suite used to craft caches at). Correct in itself: the suite must still check it."""
+
+    def check_budget(self, budget):
+        return None if budget is None or budget > 8 else f"needs budget > 8 (got {budget})"
+
+    def protected(self, cache):
+        return cache.positions > cache.positions.amax(-1, keepdim=True) - 8
+
+
+class WrongVictimOverEight(NeedsBudgetOverEight):
+    """Its victim() evicts the largest accumulated attention where its declared rule (``largest = False``) names
+    the smallest."""
+
+    def victim(self, cache):
+        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=True)
+
+
+class ProtectsOneTooMany(NeedsBudgetOverEight):
+    """Keeps BOS and nine recent tokens where check_budget allows a budget of nine: at its smallest budget every
+    token of a full cache is protected, and the budget cannot be kept."""
+
+    def protected(self, cache):
+        return (cache.positions > cache.positions.amax(-1, keepdim=True) - 9) | (cache.positions == 1)
+
+
+class SinkForgetsBOS(SinkWindow):
+    """Protects positions 2..sink and lets BOS go: consistent with its own protected(), so only the spec's
+    ``sink`` (positions 1..sink are never evicted) shows the bug."""
+
+    def protected(self, cache):
+        return (cache.positions <= self.options.sink) & (cache.positions > 1)
+
+
+class SelectiveForgetsBOS(Selective):
+    """Ranks BOS first (as an evictor that scores by key norm or age might) and protects nothing: its rule is
+    followed, but the spec's selective_mask sets protect_bos, so BOS must stay."""
+
+    def score(self, cache):
+        return super().score(cache) + (cache.positions == 1).to(torch.float32) * 1e6
+
+    def protected(self, cache):
+        return torch.zeros_like(cache.positions, dtype=torch.bool)
+
+
 def caught(registry, spec: str, backend: str, dtype: torch.dtype) -> list[runner.Result]:
     """Run the suite's cases for one spec, backend and dtype until the first failure; return the failures."""
     for case in runner.build_cases(registry, [spec], [backend], (dtype,)):
@@ -206,6 +252,10 @@ TRANSFORM_MUTANTS = [
     ("selective", EvictsSmallestF, "selective-pruned", "evictors", "evictor", "declared rule"),
     ("selective", EvictsProtected, "selective-pruned", "evictors", "evictor", "protected"),
     ("selective", ScoresFromOthers, "selective-pruned", "evictors", "evictor", "independent_scores"),
+    ("h2o", WrongVictimOverEight, "h2o", "evictors", "evictor", "budget 9: evicted position"),
+    ("h2o", ProtectsOneTooMany, "h2o", "evictors", "evictor", "budget 9: every one of 10 tokens is protected"),
+    ("sink_window", SinkForgetsBOS, "streaming", "evictors", "evictor", "but cache.sink is 4"),
+    ("selective", SelectiveForgetsBOS, "selective-pruned", "evictors", "evictor", "sets protect_bos"),
 ]
 
 
@@ -230,3 +280,30 @@ def test_planted_triton_gradient_bug_is_caught():
              if c.check == "gradients/gqa-n63"]
     result = runner.run_case(cases[0])
     assert result.status == "fail" and "gradients gqa-n63: grad." in result.message, result
+
+
+def test_an_evictor_that_refuses_small_budgets_is_still_checked():
+    """Its crafted caches are built at the budgets it accepts (9, and about six above), and it passes."""
+    reg = registry_replacing("h2o", NeedsBudgetOverEight, "evictors")
+    from attnzoo.conformance import eviction
+    from attnzoo.plan import Plan
+
+    spec = reg.specs["h2o"]
+    assert eviction.budgets_for(lambda: Plan.from_spec(spec, reg).evictor_cls(spec.cache), False) == [9, 15]
+    case = next(c for c in runner.build_cases(reg, ["h2o"], ["reference"], (torch.float64,)) if c.check == "evictor")
+    assert runner.run_case(case).status == "pass"
+
+
+class RefusesEveryBudget(Selective):
+    def check_budget(self, budget):
+        return None if budget is None or budget > 100 else "needs budget > 100"
+
+
+def test_an_evictor_check_that_cannot_run_is_never_a_pass():
+    """No budget to check at: the evictor check fails with "not run, because ..." (an AssertionError, which the
+    runner reports as a fail), never a pass."""
+    from attnzoo.conformance import eviction
+    from attnzoo.evictors.base import EvictorOptions
+
+    with pytest.raises(AssertionError, match="not run, because check_budget refuses every budget from 1 to 64"):
+        eviction.budgets_for(lambda: RefusesEveryBudget(EvictorOptions(evictor="selective")), True)

@@ -76,6 +76,55 @@ def test_hook_register_evictors():
     assert cache.positions.flatten().tolist() == [1, 2]
 
 
+class WindowOptions(attnzoo.EvictorOptions):
+    window: int = 3
+
+
+class RecentQueries(attnzoo.Evictor):
+    """Keeps one score per query of a window of W (a state whose size depends on an option): the attention each
+    of the last W queries gave each token; evicts the token with the least attention summed over the window."""
+
+    kind = "recent_queries"
+    Options = WindowOptions
+    largest = False
+    evict_after_attention = True
+    needs_probabilities = True
+    independent_scores = True
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.state_names = tuple(f"q{i}" for i in range(options.window))
+
+    def update(self, cache, probs):
+        per_head = probs[:, :, -1].detach().mean(dim=1).unsqueeze(1).expand_as(cache.positions)
+        names = self.state_names
+        for older, newer in zip(names[:0:-1], names[-2::-1], strict=True):  # shift the ring by one query
+            cache.state[older] = cache.state[newer].clone()
+        cache.state[names[0]] = per_head.clone()
+
+    def score(self, cache):
+        return sum(cache.state[name] for name in self.state_names)
+
+
+def test_evictor_state_names_may_depend_on_its_options(tmp_path):
+    file = tmp_path / "rq.json"
+    file.write_text(json.dumps({"name": "rq", "cache": {"evictor": "recent_queries", "budget": 5, "window": 4}}))
+    reg = isolated(("rq", plugin("rq", register_evictors=lambda register: register(RecentQueries),
+                                 register_specs=lambda register: register(file))))
+    spec = reg.specs["rq"]
+    variant = attnzoo.compile(spec, registry=reg)
+    cache = variant.new_cache(batch=1)
+    x = torch.randn(1, 2, 9, 4, generator=torch.Generator().manual_seed(0))
+    for i in range(9):
+        variant.decode(x[:, :, i:i + 1], x[:, :, i:i + 1], x[:, :, i:i + 1], cache)
+    assert set(cache.state) == {"q0", "q1", "q2", "q3"} and cache.num_tokens == 5 and cache.evicted == 4
+    assert all(t.shape == cache.positions.shape for t in cache.state.values())
+    from attnzoo.conformance import runner
+
+    case = next(c for c in runner.build_cases(reg, ["rq"], ["reference"], (torch.float64,)) if c.check == "evictor")
+    assert runner.run_case(case).status == "pass"
+
+
 def test_hook_register_backends():
     class Echo(attnzoo.Backend):
         name = "echo"

@@ -333,9 +333,11 @@ def check_batch_invariance(target: Target) -> None:
         check_close(f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, target.dtype)
 
 
-def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_position=1, watch=False):
+def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_position=1, watch=False,
+            keep=(0, "")):
     """Prefill the first ``prefill`` tokens, then decode the rest one by one. Returns (out, cache, problems):
-    ``problems`` lists budget overruns and protected tokens evicted (with ``watch``)."""
+    ``problems`` lists budget overruns, protected tokens evicted (with ``watch``) and positions 1..k of
+    ``keep = (k, why)`` (:func:`eviction.must_keep`) missing after a step."""
     q, k, v = (inputs[n].to(device=device, dtype=dtype) for n in ("q", "k", "v"))
     params = {key: p.to(device) for key, p in params_of(inputs, dtype).items()}
     cache = variant.new_cache(batch=q.shape[0], budget=budget)
@@ -353,6 +355,11 @@ def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_
             if budget is not None and cache.num_tokens > budget and not problems:
                 problems.append(f"cache holds {cache.num_tokens} tokens after step {i + 1}, over its budget "
                                 f"{budget}")
+            lost = [p for p in range(first_position, first_position + min(keep[0], i + 1))
+                    if not bool((cache.positions == p).any(-1).all())]
+            if lost and not problems:
+                problems.append(f"position {lost[0]} was evicted by step {i + 1}, but {keep[1]}: the spec says it "
+                                f"is never evicted")
     if watcher is not None:
         problems += watcher.problems
     return torch.cat(outs, dim=2), cache, problems
@@ -386,35 +393,40 @@ def check_decode(target: Target) -> None:
 
 
 def check_evictor(target: Target) -> None:
-    """Evictor properties: on crafted caches it evicts exactly the token its declared rule names and never a
-    protected one; in real decoding a budget >= N changes nothing, the budget holds after every step, and no
-    protected token is evicted."""
+    """Evictor properties, at budgets derived from the evictor (:func:`eviction.budgets_for`: its smallest accepted
+    budget, the one just above what it protects, one between): on crafted caches it evicts exactly the token its
+    declared rule names and never a protected one; in real decoding a budget >= N changes nothing, and at each
+    derived budget (where eviction happens) the budget holds after every step, no protected token is evicted, and
+    what the spec itself protects (BOS under ``protect_bos``, a ``sink``) is never evicted."""
     if target.spec.cache is None:
         raise Unsupported("spec has no cache evictor")
     target.require(decode=True)
     variant = target.variant()
-    eviction.check_rule_on_crafted_caches(lambda: variant.plan.evictor_cls(target.spec.cache), (2, 5, 8),
-                                          "accumulator" in target.spec.slots(), target.generator("crafted"))
-    inputs = _random_case(target, Shape("evict", 1, 2, 1, 24, 8))
-    truth = _memo(target, ("evict-truth",), lambda: run_batch(target.reference(), inputs, torch.float64, False))["out"]
+    factory = lambda: variant.plan.evictor_cls(target.spec.cache)  # noqa: E731 - a fresh evictor per use
+    has_accumulator = "accumulator" in target.spec.slots()
+    budgets = eviction.budgets_for(factory, has_accumulator)
+    eviction.check_rule_on_crafted_caches(factory, budgets, has_accumulator, target.generator("crafted"))
+    n = max(24, max(budgets) + 8)  # every derived budget evicts, several times
+    inputs = _random_case(target, Shape(f"evict-n{n}", 1, 2, 1, n, 8))
+    truth = _memo(target, ("evict-truth", n),
+                  lambda: run_batch(target.reference(), inputs, torch.float64, False))["out"]
     low = None
     if target.dtype != torch.float64:
-        low = _memo(target, ("evict-low", target.dtype),
+        low = _memo(target, ("evict-low", n, target.dtype),
                     lambda: run_batch(target.reference(), inputs, target.dtype, False))["out"]
-    full, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=24, watch=True)
+    full, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=n, watch=True)
     check_close("budget >= N", full, truth, low, target.dtype)
     if cache.evicted or problems:
         raise AssertionError(f"budget >= N: {cache.evicted} tokens evicted {'; '.join(problems)}")
-    for budget in (6, 9):
-        problem = cache.evictor.check_budget(budget) if cache.evictor is not None else None
-        if problem:
-            continue
-        _, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=budget, prefill=4,
-                                     watch=True)
+    keep = eviction.must_keep(target.spec)
+    for budget in budgets:
+        _, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=budget,
+                                     prefill=min(4, budget), watch=True, keep=keep)
         if problems:
             raise AssertionError(f"budget {budget}: {problems[0]}")
-        if cache.num_tokens != budget:
-            raise AssertionError(f"budget {budget}: cache holds {cache.num_tokens} tokens")
+        if cache.num_tokens != budget or not cache.evicted:
+            raise AssertionError(f"budget {budget}: cache holds {cache.num_tokens} tokens after {n} steps, "
+                                 f"{cache.evicted} evicted")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -35,14 +35,15 @@ def rule_victim(score: torch.Tensor, protected: torch.Tensor, positions: torch.T
 
 
 def crafted_cache(evictor, budget: int, state_names: tuple[str, ...], gen: torch.Generator, first: tuple[int, ...],
-                  head_dim: int = 4, kv_heads: int = 2) -> KVCache:
-    """A cache one token over ``budget`` with positions that start at ``first[row]`` and grow with gaps, and
-    integer-valued scores (so ties occur), the same in every head unless the evictor keeps a set per head."""
+                  head_dim: int = 4, kv_heads: int = 2, gapped: bool = True) -> KVCache:
+    """A cache one token over ``budget`` with positions that start at ``first[row]`` and grow with gaps (of 1 to
+    3; not ``gapped``: by 1, as in real decoding), and integer-valued scores (so ties occur), the same in every
+    head unless the evictor keeps a set per head."""
     batch, m = len(first), budget + 1
     cache = KVCache(batch, budget, evictor, state_names)
     cache.keys = torch.randn(batch, kv_heads, m, head_dim, generator=gen)
     cache.values = torch.randn(batch, kv_heads, m, head_dim, generator=gen)
-    gaps = torch.randint(1, 4, (batch, m), generator=gen)
+    gaps = torch.randint(1, 4, (batch, m), generator=gen) if gapped else torch.ones(batch, m, dtype=torch.int64)
     gaps[:, 0] = 0
     positions = torch.tensor(first).view(batch, 1) + gaps.cumsum(-1)
     cache.positions = positions.view(batch, 1, m).expand(batch, kv_heads, m).clone()
@@ -54,20 +55,65 @@ def crafted_cache(evictor, budget: int, state_names: tuple[str, ...], gen: torch
     return cache
 
 
-def check_rule_on_crafted_caches(evictor_factory, budgets: tuple[int, ...], has_accumulator: bool,
+#: the largest budget the suite looks for an accepted one under
+MAX_BUDGET = 64
+
+
+def state_names_of(evictor, has_accumulator: bool) -> tuple[str, ...]:
+    return ((ACCUMULATED_STATE,) if has_accumulator else ()) + tuple(evictor.state_names)
+
+
+def protected_count(evictor_factory, budget: int, names: tuple[str, ...]) -> int:
+    """The most tokens the evictor protects in one row and head of a cache one over ``budget`` whose positions
+    run 1, 2, 3, ... (as in real decoding from BOS)."""
+    evictor = evictor_factory()
+    cache = crafted_cache(evictor, budget, names, torch.Generator().manual_seed(0), (1,), gapped=False)
+    return int(evictor.protected(cache).sum(-1).max())
+
+
+def budgets_for(evictor_factory, has_accumulator: bool) -> list[int]:
+    """The budgets the suite checks an evictor at, derived from the evictor itself: its smallest accepted budget,
+    the smallest budget just above the number of tokens it protects, and one in between (about six above the
+    smallest). Raises AssertionError ("not run, because ...") when it accepts no budget up to :data:`MAX_BUDGET`:
+    an evictor check that cannot run is never a pass."""
+    sample = evictor_factory()
+    accepted = [b for b in range(1, MAX_BUDGET + 1) if not sample.check_budget(b)]
+    if not accepted:
+        raise AssertionError(f"evictor '{sample.kind}': not run, because check_budget refuses every budget from 1 "
+                             f"to {MAX_BUDGET} ({sample.check_budget(MAX_BUDGET)})")
+    names = state_names_of(sample, has_accumulator)
+    above = next((b for b in accepted if b > protected_count(evictor_factory, b, names)), accepted[0])
+    middle = min(accepted, key=lambda b: abs(b - (accepted[0] + 6)))
+    return sorted({accepted[0], above, middle})
+
+
+def must_keep(spec) -> tuple[int, str]:
+    """(k, why): the spec itself says positions 1..k are never evicted, whatever its evictor's rule declares: a
+    transform option ``protect_bos: true`` (selective_mask: BOS is never masked, so its evictor must keep it) gives
+    k = 1, a cache option ``sink: s`` gives k = s. (0, "") when the spec says nothing."""
+    keep, why = 0, ""
+    for i, t in enumerate(spec.transforms):
+        if getattr(t, "protect_bos", False) is True:
+            keep, why = 1, f"transforms[{i}] ({t.kind}) sets protect_bos"
+    sink = getattr(spec.cache, "sink", None)
+    if isinstance(sink, int) and not isinstance(sink, bool) and sink > keep:
+        keep, why = sink, f"cache.sink is {sink}"
+    return keep, why
+
+
+def check_rule_on_crafted_caches(evictor_factory, budgets: list[int], has_accumulator: bool,
                                  gen: torch.Generator) -> None:
-    """Raise AssertionError (one line) unless the evictor follows its declared rule on crafted caches.
+    """Raise AssertionError (one line) unless the evictor follows its declared rule on crafted caches at each of
+    ``budgets`` (:func:`budgets_for`: every one is accepted, so none is skipped).
 
     ``evictor_factory()`` returns a fresh evictor instance with the spec's options."""
     sample = evictor_factory()
     kind = sample.kind
-    names = ((ACCUMULATED_STATE,) if has_accumulator else ()) + tuple(sample.state_names)
+    names = state_names_of(sample, has_accumulator)
     for budget in budgets:
-        if sample.check_budget(budget):
-            continue
-        for first in ((1, 37), (5, 1)):
+        for first, gapped in (((1, 37), True), ((5, 1), True), ((1, 3), False)):
             evictor = evictor_factory()
-            cache = crafted_cache(evictor, budget, names, gen, first)
+            cache = crafted_cache(evictor, budget, names, gen, first, gapped=gapped)
             try:
                 score, protected = evictor.score(cache), evictor.protected(cache)
             except NotImplementedError as exc:

@@ -31,7 +31,10 @@ class Evictor:
     ``per_head``: the kept set may differ between key/value heads (otherwise one set per layer).
     ``evict_after_attention``: evict after the new query attended over ``budget + 1`` tokens (H2O, TOVA score
     with the current query's attention) rather than before (selective, sink + window).
-    ``state_names``: per-token scores the cache keeps for this evictor, (B, H_kv, M) each, starting at 0.
+    ``state_names``: per-token scores the cache keeps for this evictor, (B, H_kv, M) each, starting at 0. A class
+    attribute, or set per instance in ``__init__`` when the names depend on the options (one score per query of a
+    window of W: ``self.state_names = tuple(f"q{i}" for i in range(options.window))``). :meth:`update` may write
+    ``cache.state[name]`` in place or assign it a new (B, H_kv, M) tensor; the cache adopts it.
     ``needs_probabilities``: :meth:`update` reads the new queries' attention probabilities (backends compute
     them, O(H·T·M) per step, only for evictors that declare it; the others get None).
     ``independent_scores``: removing a token changes no other token's score or protection, so the cache may pick
@@ -45,7 +48,7 @@ class Evictor:
     largest: ClassVar[bool] = True
     per_head: ClassVar[bool] = False
     evict_after_attention: ClassVar[bool] = False
-    state_names: ClassVar[tuple[str, ...]] = ()
+    state_names: tuple[str, ...] = ()  # per class, or per instance from the options
     needs_probabilities: ClassVar[bool] = False
     independent_scores: ClassVar[bool] = False
     _options_model: ClassVar[type[EvictorOptions] | None] = None
