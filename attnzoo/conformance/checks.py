@@ -16,6 +16,7 @@ import torch
 from ..backends.base import Mode, batch_mode
 from ..dispatch import Variant
 from ..inputs import check_positions, check_qkv
+from ..transforms.base import Dims, Slot
 from . import eviction
 from .tolerance import check_close
 from .trace import culprit
@@ -63,6 +64,12 @@ DIFFERENTIAL_SHAPES = (
 #: The shapes checked in float16 and bfloat16: one that has GQA, a masked row and positions past float16's range
 #: (each shape costs a compilation per dtype in the compiling backends, so the default run stays short).
 HALF_SHAPES = ("offset-gaps-n45",)
+#: The shapes of the quick profile (``attnzoo conformance --quick``): N = 1 (a row of one key), an odd size with GQA
+#: and a masked row, and GQA with a masked row and offset positions, all small; every other check runs as in the
+#: full profile. Not the N = 1,030 shape, which takes minutes in Triton's interpreter.
+QUICK_SHAPES = ("n1", "masked-rows-n33", "offset-gaps-n45")
+#: The profiles: the differential shapes each one checks (float16 and bfloat16 keep to :data:`HALF_SHAPES`).
+PROFILES = {"full": tuple(s.id for s in DIFFERENTIAL_SHAPES), "quick": QUICK_SHAPES}
 
 
 @dataclass
@@ -129,29 +136,153 @@ def _random_case(target: Target, shape: Shape) -> dict[str, torch.Tensor]:
     return inputs
 
 
-def _trace(target: Target, inputs: dict, dtype) -> str | None:
+def _traced_inputs(target: Target, inputs: dict, dtype):
+    """The plan, rows, grouped parameters, positions and key mask of ``inputs`` in ``dtype``, as backends get them."""
     variant = target.reference()
     q, k, v = (inputs[n].to(dtype) for n in ("q", "k", "v"))
     n = q.shape[2]
     positions = check_positions(inputs.get("positions"), q.shape[0], n, q.device)
     grouped = variant.plan.add_inputs(variant.plan.split_params(params_of(inputs, dtype), check_qkv(q, k, v), q),
                                       inputs_of(inputs, dtype), q.shape[0], q.shape[1], n, q)
-    return culprit(variant.plan, q, k, v, grouped, positions, inputs.get("key_mask"))
+    return variant.plan, q, k, v, grouped, positions, inputs.get("key_mask")
+
+
+def _trace(target: Target, inputs: dict, dtype) -> str | None:
+    return culprit(*_traced_inputs(target, inputs, dtype))
+
+
+class _TorchTL:
+    """``triton.language`` as far as fragments use it, rendered in torch: ``tl.<name>`` is ``torch.<name>`` (with
+    Python numbers as tensors), and the dtypes. A name torch lacks raises, and the fragment is not traced."""
+
+    float16, bfloat16, float32, float64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+    int1, int8, int16, int32, int64 = torch.bool, torch.int8, torch.int16, torch.int32, torch.int64
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name, None)
+        if name.startswith("_") or not callable(fn):
+            raise AttributeError(name)
+        return lambda *args, **kw: fn(*(torch.as_tensor(a) if isinstance(a, (bool, int, float)) else a
+                                        for a in args), **kw)
+
+
+def _first_bad(value, where: torch.Tensor, allow_neg_inf: bool) -> tuple | None:
+    """The (b, h, i, j) index of the first non-finite entry of ``value`` at a True entry of ``where``, or None."""
+    value = torch.as_tensor(value).expand_as(where)
+    bad = (torch.isnan(value) | torch.isposinf(value)) if allow_neg_inf else ~torch.isfinite(value)
+    hits = (bad & where).nonzero()
+    return tuple(int(i) for i in hits[0].tolist()) if len(hits) else None
+
+
+def _fragment_culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
+    """The first Triton fragment (logits slot in spec order, then the accumulator's) that gives non-finite values
+    at a pair that may attend, evaluated in torch (``_TorchTL``) on float32 logits as the kernels compute them, each
+    fragment on the torch maths' output of the transforms before it; as one phrase, or None (no fragment does, or
+    the fragments could not be rendered in torch). The kernels discard a fragment's value at every other pair."""
+    from ..backends.triton.codegen import host_termed
+
+    tl = _TorchTL()
+    q, k, v = q.float(), k.float(), v.float()
+    params = {kind: {n: p.float() for n, p in group.items()} for kind, group in params.items()}
+    pos = positions.unsqueeze(1)
+    dims = Dims(q.shape[1], q.shape[3], k.shape[1])
+    with torch.no_grad():
+        qs, ks, vs = (plan.row_scale(slot, x, pos, params, widen=True)
+                      for slot, x in ((Slot.QUERY, q), (Slot.KEY, k), (Slot.VALUE, v)))
+        features = plan.token_features(qs, ks, vs, positions, key_mask, params)
+        ctx = plan.context(positions, pos, dims, key_mask, features, features)
+        group = dims.num_heads // dims.num_kv_heads
+        x = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
+        allowed = plan.allowed(ctx, key_mask).expand_as(x)
+
+        def blame(t, slot, field, text, value, where, allow_neg_inf, context):
+            hit = _first_bad(value, where, allow_neg_inf)
+            if hit is None:
+                return None
+            b, h, i, j = hit
+            heads = context.heads.flatten().tolist()
+            what = "NaN" if bool(torch.isnan(torch.as_tensor(value).expand_as(where)[hit])) else "inf"
+            return (f"non-finite values first appear in transform '{t.kind}' ({slot} slot): its Triton fragment "
+                    f"{field} {text!r} gives {what} at query position {int(positions[b, i])}, key position "
+                    f"{int(positions[b, j])} (batch row {b}, head {heads[h]}), a pair that may attend, where the "
+                    f"torch maths before it is finite (the transform's Triton lowering, not the backend)")
+
+        try:
+            for t in plan.many(Slot.LOGITS):
+                low = None if host_termed(plan, t) else t.triton()
+                if low is not None:
+                    names = {f"p_{name}": f"p{i}" for i, name in enumerate(low.params)}
+                    env = {"tl": tl, "qp": ctx.qpos, "kp": ctx.kpos, "head": ctx.heads, "H": dims.num_heads, "x": x,
+                           **{f"p{i}": params[t.kind][name][ctx.heads] for i, name in enumerate(low.params)}}
+                    y = eval(low.forward.format(x="x", **names), env)  # the plugin's own fragment, rendered in torch
+                    found = blame(t, "logits", "forward", low.forward, y, allowed, True, ctx)
+                    if found:
+                        return found
+                    env["y"] = y
+                    finite = allowed & torch.isfinite(torch.as_tensor(y).expand_as(allowed))
+                    for field, text in (("derivative", low.derivative),
+                                        *((f"param_derivatives[{i}]", e) for i, e in enumerate(low.param_derivatives))):
+                        value = eval(text.format(x="x", y="y", **names), env)
+                        found = blame(t, "logits", field, text, value, finite, False, ctx)
+                        if found:
+                            return found
+                x = t.apply(x, ctx, params[t.kind])
+            acc = plan.one(Slot.ACCUMULATOR)
+            low = acc.triton() if acc is not None else None
+            if low is not None:
+                index, ok, sel_ctx = plan.selector_view(acc, allowed, ctx)
+                xs = x.index_select(1, index)
+                ok = ok.expand_as(xs)
+                env = {"tl": tl, "qp": sel_ctx.qpos, "kp": sel_ctx.kpos, "head": sel_ctx.heads, "H": dims.num_heads,
+                       "ok": ok, "x": xs}
+                keep = ok & torch.as_tensor(eval(low.keep, env)).expand_as(ok) if low.keep else ok
+                for field, text in (("value", low.value), ("derivative", low.derivative)):
+                    found = blame(acc, "accumulator", field, text, eval(text.format(x="x"), env), keep, False,
+                                  sel_ctx)
+                    if found:
+                        return found
+        except Exception:  # a fragment torch cannot render (a Triton-only function, say): not traced
+            return None
+    return None
 
 
 def _compare(target: Target, name: str, got: dict, truth: dict, low: dict | None, inputs: dict | None = None
              ) -> None:
+    """``check_close`` of every result; a non-finite one is traced to the transform whose term first goes
+    non-finite: its torch maths (in float64, then the tested dtype), then, on the triton backend, its Triton
+    fragment rendered in torch at the pairs that may attend; else the message says the backend produced it."""
     for key in truth:
         try:
             check_close(f"{name}: {key}", got[key], truth[key], low[key] if low else None, target.dtype)
         except AssertionError as exc:
-            if inputs is not None and "non-finite" in str(exc):
-                for dtype in dict.fromkeys((torch.float64, target.dtype)):
-                    blame = _trace(target, inputs, dtype)
-                    if blame:
-                        raise AssertionError(f"{name}: {key}: {blame} (the transform's own maths, not the "
-                                             f"backend)") from None
+            if inputs is None or "non-finite" not in str(exc):
+                raise
+            for dtype in dict.fromkeys((torch.float64, target.dtype)):
+                blame = _trace(target, inputs, dtype)
+                if blame:
+                    raise AssertionError(f"{name}: {key}: {blame} (the transform's own maths, not the "
+                                         f"backend)") from None
+            fragments = _runs_fragments(target)
+            if fragments:
+                blame = _fragment_culprit(*_traced_inputs(target, inputs, target.dtype))
+                if blame:
+                    raise AssertionError(f"{name}: {key}: {blame}") from None
+            unwritten = "(an unwritten or overflowing element)"
+            if str(exc).endswith(unwritten):
+                traced = "torch maths or Triton fragment" if fragments else "own maths"
+                raise AssertionError(f"{str(exc).removesuffix(unwritten).rstrip()}, and no transform's {traced} "
+                                     f"gives non-finite values on these inputs: the backend produced it "
+                                     f"{unwritten}") from None
             raise
+
+
+def _runs_fragments(target: Target) -> bool:
+    """Whether the backend under test runs the transforms' Triton fragments (the triton backend)."""
+    try:
+        from ..backends.triton.backend import TritonBackend
+    except ImportError:
+        return False
+    return isinstance(target.registry.backends.get(target.backend), TritonBackend)
 
 
 # -- the checks ---------------------------------------------------------------------------------------------------

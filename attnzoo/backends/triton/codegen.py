@@ -18,7 +18,7 @@ from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
 #: Bump when the template or the generated helpers change meaning: it is part of every artifact's key.
-GENERATOR_VERSION = "4"
+GENERATOR_VERSION = "5"
 
 #: the integer kernel arguments Triton must not specialise on their values (every one but the head dim D)
 SIZES = ("H", "HKV", "NQ", "NK", "KPB", "KPHS", "NMB", "NNB", "TQS", "TKS", "NT", "SEL")
@@ -143,9 +143,16 @@ def _param_names(t, index0: int) -> dict[str, str]:
     return {f"p_{name}": f"p{index0 + i}" for i, name in enumerate(t.triton().params)}
 
 
+#: what fragments see at a tile's rows past the last query and columns past the last key (template.py's docstring)
+_OUT_OF_RANGE = ["    Fragments see qp = 1 at rows past the last query and kp = 1 at columns past the last key (in",
+                 "    decoding, rows past the KV group see head = the group's last head); what they compute there,",
+                 "    and at every pair outside _allowed, is discarded by tl.where(ok, ...), never multiplied by 0."]
+
+
 def _mask_helper(plan) -> list[str]:
     lines = ["@triton.jit", "def _allowed(qp, kp, head, valid):",
-             '    """Which pairs may attend: attention.causal and every mask transform, intersected."""',
+             '    """Which pairs may attend: attention.causal and every mask transform, intersected with valid',
+             '    (in range, and the key mask).', *_OUT_OF_RANGE[:-1], _OUT_OF_RANGE[-1] + '"""',
              "    ok = valid"]
     if plan.causal:
         lines += ["    # --- attention.causal ---", "    ok = ok & (kp <= qp)"]
@@ -160,13 +167,16 @@ _TERMS = "QT, KT, qoff, koff, qm, km, TQS, TKS"
 def _logits_helpers(plan) -> list[str]:
     fwd = ["@triton.jit", f"def _logits(x, qp, kp, head, H, PRM, {_TERMS}):",
            '    """The logits slot: each transform in spec order, on float32 tiles. Host-computed per-token terms',
-           '    (QT/KT row t, at qoff/koff where qm/km) are added where their transform stands."""']
+           '    (QT/KT row t, at qoff/koff where qm/km) are added where their transform stands.',
+           *_OUT_OF_RANGE[:-1], _OUT_OF_RANGE[-1] + '"""']
     bwd = ["@triton.jit",
-           f"def _logits_bwd(g, x, qp, kp, head, H, PRM, NPP: tl.constexpr, {_TERMS}, NTP: tl.constexpr):",
+           f"def _logits_bwd(g, ok, x, qp, kp, head, H, PRM, NPP: tl.constexpr, {_TERMS}, NTP: tl.constexpr):",
            '    """Chain rule back through the logits slot: g (dL/d output) -> dL/d input, the summed gradients of',
            '    the per-head parameters as a vector (entry i: packed parameter i), and the gradients of the',
-           '    per-token terms: row sums gq (BLOCK_M, NTP) and column sums gk (BLOCK_N, NTP), column t for term t."""',
-           "    dpv = tl.zeros([NPP], tl.float32)", "    x0 = x",
+           '    per-token terms: row sums gq (BLOCK_M, NTP) and column sums gk (BLOCK_N, NTP), column t for term t.',
+           *_OUT_OF_RANGE,
+           '    ok: the pairs _allowed lets attend; g and its product with every fragment are 0.0 outside it."""',
+           "    g = tl.where(ok, g, 0.0)", "    dpv = tl.zeros([NPP], tl.float32)", "    x0 = x",
            "    gq = tl.zeros([x.shape[0], NTP], tl.float32)", "    gk = tl.zeros([x.shape[1], NTP], tl.float32)"]
     steps = []
     index = 0
@@ -200,8 +210,8 @@ def _logits_helpers(plan) -> list[str]:
         bwd.append(f"    # --- back through '{t.kind}' ---")
         for j, expr in enumerate(low.param_derivatives):
             bwd.append(f"    dpv += tl.where(tl.arange(0, NPP) == {first + j}, "
-                       f"tl.sum(tl.sum(g * ({expr.format(**fmt)}), 1), 0), 0.0)")
-        bwd.append(f"    g = g * ({low.derivative.format(**fmt)})")
+                       f"tl.sum(tl.sum(tl.where(ok, g * ({expr.format(**fmt)}), 0.0), 1), 0), 0.0)")
+        bwd.append(f"    g = tl.where(ok, g * ({low.derivative.format(**fmt)}), 0.0)")
     return fwd + ["    return x"], bwd + ["    return g, dpv, gq, gk"]
 
 

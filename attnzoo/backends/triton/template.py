@@ -20,6 +20,13 @@ the host with the transform's torch maths) start each row's online softmax (``m 
 includes the sink and the backward kernels need no change; the sink's gradient is a host-side sum over LSE and
 DELTA.
 
+Fragments at out-of-range rows and columns: a tile's rows past NQ and columns past NK load position 1 (the
+smallest valid 1-based position), so fragments see ``qp = 1`` and ``kp = 1`` there, and in ``_decode`` the rows
+past a KV group see ``head`` = the group's last head. Every value a fragment computes at a pair outside
+``_allowed`` (out-of-range pairs included) is discarded with ``tl.where`` before it enters an accumulation (the
+softmax's row statistics, dq, dk, dv, the selection and F, the parameters' and per-token terms' gradients), never
+multiplied by 0, so a fragment that is non-finite only there leaks no NaN into any result.
+
 A spec gives two sources: the forward kernels (``_sel_carry``, ``_fwd``, ``_decode``) and the backward ones, loaded
 on the first backward pass; each carries the helpers it calls. Tensors are contiguous: q/o/dq (B, H, NQ, D), k/v
 (B, HKV, NK, D), positions int64 (B, NQ) and (B, KPH, NK), lse/delta float32 (B, H, NQ), carry float32 (B, NMB,
@@ -29,6 +36,9 @@ with per-token features (``LogitsTransform.separable``), their gradients DQT/DKT
 logits' gradient at that transform). """
 
 COMMON = '''
+# Out-of-range rows and columns (past NQ / NK in a tile) load position 1, the smallest valid (1-based) position:
+# fragments see qp = 1 and kp = 1 there, so tl.log(qp) and 1 / qp stay finite. What a fragment computes at a pair
+# outside _allowed (out of range included) is then discarded with tl.where, never multiplied by 0.
 @triton.jit
 def _load_rows(PTR, base, rows, nrows, D, BLOCK_D: tl.constexpr):
     d = tl.arange(0, BLOCK_D)
@@ -47,7 +57,7 @@ def _store_rows(PTR, base, rows, nrows, D, value, BLOCK_D: tl.constexpr):
 def _kv_tile(K, V, KPOS, b, kvh, cols, HKV, NK, D, KPB, KPHS, BLOCK_D: tl.constexpr):
     k = _load_rows(K, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
     v = _load_rows(V, (b * HKV + kvh) * NK, cols, NK, D, BLOCK_D)
-    kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    kp = tl.load(KPOS + b * KPB + kvh * KPHS + cols, mask=cols < NK, other=1)[None, :]
     return k, v, kp
 
 
@@ -78,7 +88,7 @@ ACC_SHARED = '''
 def _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D, KPB, KPHS, scale, SEL,
               BLOCK_D: tl.constexpr):
     ks = _load_rows(K, (b * HKV + skvh) * NK, cols, NK, D, BLOCK_D)
-    kps = tl.load(KPOS + b * KPB + skvh * KPHS + cols, mask=cols < NK, other=0)[None, :]
+    kps = tl.load(KPOS + b * KPB + skvh * KPHS + cols, mask=cols < NK, other=1)[None, :]
     oks = _allowed(qp, kps, SEL, valid)
     x0 = tl.dot(qs, tl.trans(ks)) * scale
     x = _logits(x0, qp, kps, SEL, H, PRM, PRM, PRM, 0, 0, False, False, 0, 0)  # no per-token terms with an accumulator
@@ -119,7 +129,7 @@ def _sel_carry(Q, K, QPOS, KPOS, KMASK, INIT, CARRY, TOTAL, PRM,
         if m >= m0:
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
-            qp = tl.load(QPOS + b * NQ + rows, mask=rows < NQ, other=0)[:, None]
+            qp = tl.load(QPOS + b * NQ + rows, mask=rows < NQ, other=1)[:, None]
             valid = (rows < NQ)[:, None] & kvalid
             sel, x, x0, oks, kps, ks = _sel_tile(qs, K, KPOS, PRM, b, skvh, cols, qp, valid, H, HKV, NK, D,
                                                  KPB, KPHS, scale, SEL, BLOCK_D)
@@ -169,7 +179,7 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
         m = NMB - 1 - mm  # query blocks in reverse: the reverse carry sums later queries
         rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
         rv = rows < NQ
-        qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+        qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=1)[:, None]
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
         valid = rv[:, None] & kvalid
         ftile, x, x0, oks, kps, ks = _f_tile(qs, K, KPOS, CARRY, PRM, b, m, cols, qp, valid, H, HKV, NK, D,
@@ -180,7 +190,7 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
         tl.store(RCARRY + (b * NMB + m) * NK + cols, running, mask=cv)
         dsel = -(running[None, :] + col[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
         running += col
-        g0, dpc, gq, gk = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
+        g0, dpc, gq, gk = _logits_bwd(dsel, oks, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
         dpv += dpc
         dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
     _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
@@ -196,7 +206,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
     b = tl.program_id(1).to(tl.int64)
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     rv = rows < NQ
-    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=1)[:, None]
     qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
     dqs = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = _key_range(m, NK, Q, BLOCK_M, CAUSAL_SKIP, False)  # every key block up to the diagonal
@@ -210,7 +220,7 @@ def _sel_bwd_dq(Q, K, V, DO, LSE, DELTA, DQS, RCARRY, QPOS, KPOS, KMASK, CARRY, 
                     KPB, KPHS, scale, BLOCK_M, BLOCK_N, BLOCK_D)
         rcarry = tl.load(RCARRY + (b * NMB + m) * NK + cols, mask=cv, other=0.0)
         dsel = -(rcarry[None, :] + tl.sum(e, 0)[None, :] - tl.cumsum(e, 0)) * _select_grad(x, oks, qp, kps)
-        g0, dpc, gq, gk = _logits_bwd(dsel, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
+        g0, dpc, gq, gk = _logits_bwd(dsel, oks, x0, qp, kps, SEL, H, PRM, NPP, PRM, PRM, 0, 0, False, False, 0, 0, 1)
         dqs += tl.dot(g0.to(ks.dtype), ks).to(tl.float32)
     _store_rows(DQS, b * NQ, rows, NQ, D, dqs * scale, BLOCK_D)
 '''
@@ -231,7 +241,7 @@ def _fwd(Q, K, V, O, LSE, QPOS, KPOS, KMASK, CARRY, LOGITS, PRM, BOUNDS, SINK, Q
     rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
     rv = rows < NQ
     q = _load_rows(Q, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
-    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=1)[:, None]
     qoff = ((b * H + h) * NQ + rows)[:, None]  # per-token terms (QT/KT) of this head
     qs = q
     if HAS_ACC:
@@ -284,7 +294,7 @@ def _decode(Q, K, V, O, LSE, QPOS, KPOS, CARRYV, SROW, LOGITS, PRM, SINK, QT, KT
     group = H // HKV
     r = tl.arange(0, BLOCK_M)
     rv = r < group
-    head = (kvh * group + r)[:, None]
+    head = (kvh * group + tl.minimum(r, group - 1))[:, None]  # rows past the group: its last head (discarded)
     q = _load_rows(Q, b * H + kvh * group, r, group, D, BLOCK_D)
     qp = tl.zeros([BLOCK_M, 1], tl.int64) + tl.load(QPOS + b)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -358,7 +368,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
             do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
             lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rv, other=0.0)
             delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rv, other=0.0)
-            qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+            qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=1)[:, None]
             valid = rv[:, None] & kvalid
             ok = _allowed(qp, kp, h, valid)
             x0 = tl.dot(q, tl.trans(k)) * scale
@@ -373,7 +383,7 @@ def _bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV, PG, QPOS, KPOS, KMASK, CARRY, PRM
             dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
             dp = tl.dot(do, tl.trans(v)).to(tl.float32)
             ds = p * (dp - delta[:, None])
-            g0, dpc, gq, gk = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
+            g0, dpc, gq, gk = _logits_bwd(ds, ok, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
                                           (cols < NK)[None, :], TQS, TKS, NTP)
             dpv += dpc
             dkt += gk
@@ -403,7 +413,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, 
     do = _load_rows(DO, (b * H + h) * NQ, rows, NQ, D, BLOCK_D)
     lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rv, other=0.0)
     delta = tl.load(DELTA + (b * H + h) * NQ + rows, mask=rv, other=0.0)
-    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=0)[:, None]
+    qp = tl.load(QPOS + b * NQ + rows, mask=rv, other=1)[:, None]
     qs = q
     if HAS_ACC:
         qs = _load_rows(Q, (b * H + SEL) * NQ, rows, NQ, D, BLOCK_D)
@@ -426,7 +436,7 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, 
         p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v)).to(tl.float32)
         ds = p * (dp - delta[:, None])
-        g0, dpc, gq, gk = _logits_bwd(ds, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
+        g0, dpc, gq, gk = _logits_bwd(ds, ok, x0, qp, kp, h, H, PRM, NPP, QT, KT, qoff, koff, rv[:, None],
                                       (cols < NK)[None, :], TQS, TKS, NTP)
         dqt += gq
         dq += tl.dot(g0.to(k.dtype), k).to(tl.float32)
