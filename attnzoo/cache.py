@@ -62,6 +62,9 @@ class KVCache:
             raise ValueError(f"batch must be an int >= 1, got {batch!r}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
             raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
+        #: the lean steps write a new token into its victim's slot, leaving the slots out of position order
+        #: until a public view (keys, values, positions, state) or a full step puts them back (_settle_order)
+        self._scrambled = False
         self.batch = batch
         self.budget = budget
         self.evictor = evictor
@@ -105,13 +108,41 @@ class KVCache:
 
     # -- storage --------------------------------------------------------------------------------------------------
     @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """Per-token scores by name, (B, H_kv, M) each, in the slots' position order."""
+        if self._scrambled:
+            self._settle_order()
+        return self._state
+
+    @state.setter
+    def state(self, value: dict[str, torch.Tensor]) -> None:
+        self._state = value
+
+    def _settle_order(self) -> None:
+        """Put the slots back in position order after lean steps wrote new tokens into their victims' slots: one
+        sort per row and head, paid only when a view is read or a full step runs (the lean steps never need it)."""
+        self._scrambled = False
+        m = self._m
+        order = self._pos[:, :, :m].argsort(dim=-1)
+        rows = order.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
+        self._k[:, :, :m] = self._k[:, :, :m].gather(2, rows)
+        self._v[:, :, :m] = self._v[:, :, :m].gather(2, rows)
+        self._pos[:, :, :m] = self._pos[:, :, :m].gather(2, order)
+        for t in self._state.values():
+            t.copy_(t.gather(2, order))
+
+    @property
     def keys(self) -> torch.Tensor | None:
+        if self._scrambled:
+            self._settle_order()
         if self._live is not None:
             return self._live[0]
         return None if self._k is None else self._k[:, :, :self._m]
 
     @keys.setter
     def keys(self, value: torch.Tensor) -> None:
+        if self._scrambled:
+            self._settle_order()
         self._lean = None
         self._k = value.detach()
         self._m = value.shape[2]
@@ -119,6 +150,8 @@ class KVCache:
 
     @property
     def values(self) -> torch.Tensor | None:
+        if self._scrambled:
+            self._settle_order()
         if self._live is not None:
             return self._live[1]
         return None if self._v is None else self._v[:, :, :self._m]
@@ -130,10 +163,14 @@ class KVCache:
 
     @property
     def positions(self) -> torch.Tensor | None:
+        if self._scrambled:
+            self._settle_order()
         return None if self._pos is None else self._pos[:, :, :self._m]
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
+        if self._scrambled:
+            self._settle_order()
         self._lean = None
         self._pos = value
         self.ordered = value.shape[-1] < 2 or bool((value[..., 1:] > value[..., :-1]).all())
@@ -242,6 +279,8 @@ class KVCache:
         b, hkv, count, d = key.shape
         if b != self.batch:
             raise ValueError(f"cache was made for batch {self.batch}, got k of batch {b}")
+        if self._scrambled:
+            self._settle_order()
         if key_mask is not None and bool(key_mask.all()):
             key_mask = None
         if key_mask is None and isinstance(self._next, int):
@@ -341,7 +380,10 @@ class KVCache:
         return None if self.valid is None else self.valid[:, 0]
 
     def remove(self, victim: torch.Tensor) -> None:
-        """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices."""
+        """Drop one token per (batch row, key/value head): ``victim`` (B, H_kv) holds slot indices (of the slots
+        in position order, as the views show them)."""
+        if self._scrambled:
+            self._settle_order()
         if victim.numel() == 1:
             self._remove_slot(int(victim))
             return
@@ -454,49 +496,44 @@ class KVCache:
     def lean_ready(self) -> bool:
         """Whether the next token may take the plain lean step: rows only and no evictor (under a window, the
         cache then holds only tokens the next query sees)."""
-        return self._rows_only() and not self.state and self.evictor is None
+        return self._rows_only() and not self._state and self.evictor is None
 
     def lean_ready_selective(self) -> bool:
         """Whether the next token may take selective attention's lean step: rows and F only, at the budget."""
-        return (self._rows_only() and self._m == self.budget and self.horizon is None and len(self.state) == 1
-                and ACCUMULATED_STATE in self.state)
+        return (self._rows_only() and self._m == self.budget and self.horizon is None and len(self._state) == 1
+                and ACCUMULATED_STATE in self._state)
 
     def lean_ready_replacing(self) -> bool:
         """Whether the next token may take the lean step of an evictor without scores of its own (sink +
         window): rows only, at the budget."""
-        return self._rows_only() and self._m == self.budget and self.horizon is None and not self.state
+        return self._rows_only() and self._m == self.budget and self.horizon is None and not self._state
 
-    def replace_victim(self, key: torch.Tensor, value: torch.Tensor):
-        """The lean eviction of an evictor that evicts before attention: the token the evictor's own rule drops
-        (``score``, ``protected``, ``largest``; ties to the oldest position) leaves, the slots after it move up
-        one (the slots stay in position order, which the cache's views show), and the new token (B, H_kv, 1, D)
-        takes the last slot with every per-token score 0. The lean steps use it only for evictors under which
-        the new token never outranks an older eligible one, so that it is the token the full path evicts:
-        selective (the new token's F is 0, every F is >= 0, ties go to the oldest) and sink + window (the
-        smallest position goes, the new token's is the largest). Returns (the new query's positions (B, 1), the
-        positions (B, 1, M) and the running F (B, M) or None to attend with)."""
-        from .evictors.base import pick  # the cache is below the evictors in the import graph
+    def lean_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The lean steps' view of the held tokens: keys, values (B, H_kv, M, D), positions (B, H_kv, M) and the
+        per-token scores, as the slots hold them (out of position order after :meth:`replace_slot`; attention
+        and the per-token scores do not depend on the order)."""
+        m = self._m
+        return self._k[:, :, :m], self._v[:, :, :m], self._pos[:, :, :m], self._state
 
-        evictor = self.evictor
-        pos = self._pos[:, :, :self._m]
-        victim = pick(evictor.score(self), ~evictor.protected(self), pos, largest=evictor.largest,
-                      ordered=self.ordered)  # (B, H_kv)
-        self.remove(victim)
-        last = self._m
+    def replace_slot(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The lean eviction: the token in ``slot`` ((B,) slot indices, one kept set per layer) leaves, and the new
+        token (B, H_kv, 1, D) takes its slot at the next position with every per-token score 0: no slot moves.
+        The lean steps choose ``slot`` by the evictor's own rule over :meth:`lean_slots` (ties to the oldest
+        position, not the first slot); the views put the slots back in position order when read."""
+        b, hkv, _, d = key.shape
+        m = self._m
         with torch.no_grad():
-            self._k.narrow(2, last, 1).copy_(key)
-            self._v.narrow(2, last, 1).copy_(value)
-            self._pos.select(2, last).fill_(self._next)
-        self._m = last + 1
-        for name, held in self.state.items():
-            buf = self._state_room(name, held, last, 1)
-            buf.select(2, last).zero_()
-            self.state[name] = buf[:, :, :last + 1]
-        qpos = torch.full((key.shape[0], 1), self._next, dtype=torch.int64, device=key.device)
+            rows = slot.view(b, 1, 1, 1).expand(b, hkv, 1, d)
+            self._k[:, :, :m].scatter_(2, rows, key)
+            self._v[:, :, :m].scatter_(2, rows, value)
+            at = slot.view(b, 1, 1).expand(b, hkv, 1)
+            self._pos[:, :, :m].scatter_(2, at, self._next)
+            for t in self._state.values():
+                t.scatter_(2, at, 0.0)
+        self._scrambled = True
         self._next += 1
         self._last = None
-        carry = self.state[ACCUMULATED_STATE][:, 0] if ACCUMULATED_STATE in self.state else None
-        return qpos, self._pos[:, :1, :last + 1], carry
+        self.evicted += 1
 
     def append_one(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean step's append: one token per row (B, H_kv, 1, D), at the next position of every row, into the
@@ -548,6 +585,8 @@ class KVCache:
             raise ValueError(f"reorder takes integer row indices, got dtype {given.dtype} (for a boolean selection, "
                              f"pass mask.nonzero().flatten())")
         index = given.to(torch.int64)
+        if self._scrambled:
+            self._settle_order()
         if index.dim() != 1 or index.numel() < 1:
             raise ValueError(f"reorder takes a non-empty 1-D index of rows, got shape {tuple(index.shape)}")
         if bool(((index < 0) | (index >= self.batch)).any()):

@@ -420,3 +420,39 @@ def test_the_cache_boundary_refuses_what_it_cannot_compute_exactly():
     with pytest.raises(ValueError, match="4 query heads") as caught:
         fox.decode(torch.randn(1, 2, 1, 8), k[:, :, 3:4], v[:, :, 3:4], gate)
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("options, first", [({}, 1), ({}, 7), ({"protect_bos": False}, 1), ({"self_mask": True}, 1),
+                                            ({"selector_head": 3}, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dtype):
+    """The lean selective step writes each new token into its victim's slot and never reorders: over many steps
+    in a row (no view read between them, so the slots stay out of order), outputs equal the float64 reference's
+    step by step; the views then show the same tokens and F, in position order. Selector head 3 of 4, BOS
+    unprotected, self-masking, a cache starting at an offset (no BOS), ties (zero keys early on)."""
+    torch.manual_seed(5)
+    b, h, hkv, d, n, budget = 2, 4, 2, 8, 40, 6
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    k[:, :, 1:4] = 0.0  # equal logits: ties in F
+    spec = {"name": "sel", "transforms": [{"kind": "selective_mask", **options}],
+            "cache": {"evictor": "selective", "budget": budget}}
+    lean, ref = attnzoo.compile(spec, backend="blocked"), attnzoo.compile(spec, backend="reference")
+    caches = [lean.new_cache(b), ref.new_cache(b)]
+    for variant, cache in zip((lean, ref), caches, strict=True):
+        cache.next_position = first
+        variant.prefill(q[:, :, :3].to(dtype if variant is lean else torch.float64), k[:, :, :3].to(
+            dtype if variant is lean else torch.float64), v[:, :, :3].to(dtype if variant is lean else torch.float64),
+            cache)
+    took = 0
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 5e-2}[dtype]  # bfloat16: its own lean step
+    for t in range(3, n):
+        took += caches[0]._lean is not None
+        got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
+        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
+    assert took >= n - 6 and caches[0]._scrambled
+    assert torch.equal(caches[0].positions, caches[1].positions)  # read: back in position order
+    torch.testing.assert_close(caches[0].accumulated().double(), caches[1].accumulated(), rtol=tol, atol=tol)
+    torch.testing.assert_close(caches[0].keys.double(), caches[1].keys, rtol=0, atol=tol)
+    assert caches[0].evicted == caches[1].evicted and not caches[0]._scrambled

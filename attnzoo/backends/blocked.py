@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..cache import ACCUMULATED_STATE, accumulator_dtype
 from ..evictors.builtin import Selective, SinkWindow
 from ..transforms.base import Context, Dims, Slot
+from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode, eager_dtype_reasons
 from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
@@ -311,6 +312,15 @@ class BlockedBackend(Backend):
             return type(cache).lean_ready, functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]),
                                                        bool(kinds))
         if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
+            acc = plan.one(Slot.ACCUMULATOR)
+            if type(acc) is SelectiveMask and cache._k.dtype in (torch.float32, torch.float64):
+                h = acc.options.selector_head
+                group = (cache.geometry[0] // cache.geometry[1]) if cache.geometry else None
+                if group is not None:
+                    bos = bool(cache.lean_slots()[2][0, 0, 0] == 1)  # held in slot 0 for good: never evicted
+                    return type(cache).lean_ready_selective, functools.partial(
+                        self._lean_selective_fused, plan.logit_scale(cache._k.shape[-1]), h // group, h % group,
+                        int(bos), bos and acc.options.protect_bos, not acc.options.self_mask)
             return type(cache).lean_ready_selective, functools.partial(self._lean_selective, plan, params)
         if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
             return type(cache).lean_ready_replacing, functools.partial(self._lean_replacing,
@@ -319,13 +329,59 @@ class BlockedBackend(Backend):
 
     @staticmethod
     def _lean_replacing(scale: float, q, k, v, cache):
-        cache.replace_victim(k, v)
-        return _plain_one(q, cache.keys, cache.values, scale)
+        """Sink + window at its budget: the smallest position after the sinks leaves, the new token takes its slot
+        (the evictor's rule; positions are distinct, so there are no ties)."""
+        _, _, pos, _ = cache.lean_slots()
+        first = pos[:, 0]
+        victim = torch.where(first > cache.evictor.options.sink, first, _LAST).argmin(-1)
+        cache.replace_slot(victim, k, v)
+        ks, vs, _, _ = cache.lean_slots()
+        return _plain_one(q, ks, vs, scale)
+
+    @staticmethod
+    def _lean_selective_fused(scale, kv_head, in_group, skip, bos_zero, self_zero, q, k, v, cache):
+        """:meth:`_lean_selective` for ``selective_mask`` in float32/float64, its maths written out: the victim
+        by the evictor's rule (largest F after BOS, which a selective cache holds in slot 0 for good; ties to the
+        oldest position), the new token into its slot, the logits once for attention and selection, S = ReLU of
+        the selector head's logits but 0 at BOS (``protect_bos``) and at the query's own key (no ``self_mask``),
+        F += S after it was subtracted."""
+        ks, vs, pos, state = cache.lean_slots()
+        held = state[ACCUMULATED_STATE]
+        f = held[:, 0]
+        rest = f[:, skip:] if skip else f
+        tied = rest == rest.amax(-1, keepdim=True)
+        victim = torch.where(tied, pos[:, 0, skip:] if skip else pos[:, 0], _LAST).argmin(-1)
+        if skip:
+            victim += skip
+        cache.replace_slot(victim, k, v)
+        b, h, _, d = q.shape
+        hkv = ks.shape[1]
+        logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
+        s = torch.relu(logits[:, kv_head, in_group])
+        if bos_zero:
+            s[:, 0] = 0.0
+        if self_zero:
+            s.scatter_(1, victim.unsqueeze(1), 0.0)
+        out = (torch.softmax(logits - f[:, None, None, :], dim=-1) @ vs).reshape(b, h, 1, d)
+        held.add_(s.unsqueeze(1))
+        return out
 
     def _lean_selective(self, plan, params, q, k, v, cache):
-        qpos, kpos, carry = cache.replace_victim(k, v)
-        out, carry = self.decode_one(plan, q, cache.keys, cache.values, qpos, kpos, params, carry)
-        cache.state[ACCUMULATED_STATE].copy_(carry.unsqueeze(1).expand_as(cache.state[ACCUMULATED_STATE]))
+        """Selective attention at its budget: the largest F that is not BOS leaves (ties to the oldest position,
+        the evictor's rule), the new token takes its slot with F = 0, then :meth:`decode_one`, and F is updated
+        in place. The new token never outranks an older eligible one (its F is 0, every F is >= 0, ties go to
+        the oldest), so this is the token the full path evicts."""
+        _, _, pos, state = cache.lean_slots()
+        held = state[ACCUMULATED_STATE]
+        first, f = pos[:, 0], held[:, 0]
+        masked = f.masked_fill(first == 1, float("-inf"))
+        tied = masked == masked.amax(-1, keepdim=True)
+        victim = torch.where(tied, first, _LAST).argmin(-1)
+        cache.replace_slot(victim, k, v)
+        ks, vs, pos, _ = cache.lean_slots()
+        qpos = pos.new_full((q.shape[0], 1), cache._next - 1)
+        out, carry = self.decode_one(plan, q, ks, vs, qpos, pos[:, :1], params, held[:, 0])
+        held.copy_(carry.unsqueeze(1).expand_as(held))
         return out
 
     @staticmethod
@@ -367,6 +423,10 @@ class BlockedBackend(Backend):
                                                features=query_features, key_features=key_features)
             cache.settle(carry, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+
+
+#: a position larger than any held: the lean victims' tie-break to the oldest position
+_LAST = torch.iinfo(torch.int64).max
 
 
 def _plain_one(q, ks, vs, scale: float):
