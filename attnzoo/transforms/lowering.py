@@ -4,8 +4,11 @@ A lowering is Triton source text for one hook point of the kernel template, with
 generator fills in. It needs no Triton import: the text is compiled only when a kernel is built.
 
 Names a fragment may use (besides its placeholders): ``qp`` (BLOCK_M, 1) and ``kp`` (1, BLOCK_N) int64 absolute
-query and key positions, ``head`` the query head index (a scalar, or (BLOCK_M, 1) in the decode kernel), ``H``
-the number of query heads, and ``tl`` (triton.language). Logits are float32.
+1-based query and key positions, ``head`` the query head index (a scalar, or (BLOCK_M, 1) in the decode kernel),
+``H`` the number of query heads, and ``tl`` (triton.language). Logits are float32. Rows past the last query and
+columns past the last key of a block see ``qp = 1`` and ``kp = 1`` (so ``tl.log(qp)`` stays finite), and every
+value computed there, and at pairs the masks forbid, is discarded with ``tl.where``, never multiplied by 0
+(docs/triton.md).
 
 Row-scale slots (query, key, value, output) need no lowering: the backend computes the per-token scale with the
 transform's own torch maths (O(N·D), autograd gives its parameter gradients) and the kernel reads scaled rows.
