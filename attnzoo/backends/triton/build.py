@@ -174,17 +174,23 @@ def _drop_others_write(path: Path | int) -> None:
         os.chmod(path, stat.S_IMODE(st.st_mode) & ~bits)
 
 
+def _mkdir_private(path: Path, shown: Path, doing: str) -> None:
+    """Create directory ``path`` (the umask applies, as to any directory) with no write bit another user would
+    have; nothing if it exists; :class:`CacheError` naming ``shown`` otherwise."""
+    try:
+        os.mkdir(path, 0o777)
+        _drop_others_write(path)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise _failed(shown, doing, exc) from None
+
+
 def checked_dir(path: Path, create: bool = False) -> bool:
     """Check that ``path`` is a real directory (not a symbolic link) that only its owner, this user or root, can
     write; created first when ``create``. False if it is absent (and not created); :class:`CacheError` otherwise."""
     if create:
-        try:
-            os.mkdir(path, 0o777)  # the umask applies, as to any directory
-            _drop_others_write(path)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise _failed(path, "create this directory", exc) from None
+        _mkdir_private(path, path, "create this directory")
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -210,13 +216,7 @@ def cache_root(root: Path) -> Path:
             break
         missing.append(path)
     for path in reversed(missing):  # as ``mkdir -p``, never writable by others
-        try:
-            os.mkdir(path, 0o777)
-            _drop_others_write(path)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise _failed(root, "create the cache directory", exc) from None
+        _mkdir_private(path, root, "create the cache directory")
     try:
         real = Path(os.path.realpath(root))
         st = os.stat(real)
