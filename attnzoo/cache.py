@@ -503,17 +503,62 @@ class KVCache:
         return (self._rows_only() and self._m == self.budget and self.horizon is None and len(self._state) == 1
                 and ACCUMULATED_STATE in self._state)
 
+    def lean_ready_scoring(self) -> bool:
+        """Whether the next token may take the lean step of an evictor that scores after attention (H2O, TOVA):
+        rows and the evictor's scores only, at the budget, with the spare slot the buffers keep for budget + 1,
+        every score a view of its buffer."""
+        if not (self._rows_only() and self._m == self.budget and self.horizon is None
+                and self._k.shape[2] > self._m and set(self._state) == set(self.evictor.state_names)):
+            return False
+        for name, t in self._state.items():
+            buf = self._state_buf.get(name)
+            if buf is None or buf.shape[2] <= self._m or t.data_ptr() != buf.data_ptr():
+                return False
+        return True
+
     def lean_ready_replacing(self) -> bool:
         """Whether the next token may take the lean step of an evictor without scores of its own (sink +
         window): rows only, at the budget."""
         return self._rows_only() and self._m == self.budget and self.horizon is None and not self._state
 
-    def lean_slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    def lean_slots(self, spare: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """The lean steps' view of the held tokens: keys, values (B, H_kv, M, D), positions (B, H_kv, M) and the
         per-token scores, as the slots hold them (out of position order after :meth:`replace_slot`; attention
-        and the per-token scores do not depend on the order)."""
+        and the per-token scores do not depend on the order). ``spare=1``: first the step's key and value
+        (:meth:`fill_spare`) in the slot after them, so the views hold M + 1 tokens."""
+        m = self._m + spare
+        return self._k[:, :, :m], self._v[:, :, :m], self._pos[:, :, :m], {
+            name: t if not spare else self._state_buf[name][:, :, :m] for name, t in self._state.items()}
+
+    def fill_spare(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The lean step of an evictor that evicts after attention: the new token (B, H_kv, 1, D) goes into the
+        spare slot after the held ones (the buffers keep room for budget + 1), at the next position, with every
+        per-token score 0; :meth:`settle_spare` then evicts one token."""
         m = self._m
-        return self._k[:, :, :m], self._v[:, :, :m], self._pos[:, :, :m], self._state
+        with torch.no_grad():
+            self._k.select(2, m).copy_(key.select(2, 0))
+            self._v.select(2, m).copy_(value.select(2, 0))
+            self._pos.select(2, m).fill_(self._next)
+            for name in self._state:
+                self._state_buf[name].select(2, m).zero_()
+
+    def settle_spare(self, victim: torch.Tensor) -> None:
+        """After :meth:`fill_spare` and attention: the token in slot ``victim`` (B, H_kv) leaves and the spare
+        slot's token takes its place (nothing moves when the victim is the new token itself)."""
+        m = self._m
+        with torch.no_grad():
+            at = victim.unsqueeze(-1)
+            rows = at.unsqueeze(-1).expand(*victim.shape, 1, self._k.shape[3])
+            for buf in (self._k, self._v):
+                buf[:, :, :m + 1].scatter_(2, rows, buf.narrow(2, m, 1).clone())
+            self._pos[:, :, :m + 1].scatter_(2, at, self._pos.narrow(2, m, 1).clone())
+            for name in self._state:
+                buf = self._state_buf[name]
+                buf[:, :, :m + 1].scatter_(2, at, buf.narrow(2, m, 1).clone())
+        self._scrambled = True
+        self._next += 1
+        self._last = None
+        self.evicted += 1
 
     def replace_slot(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean eviction: the token in ``slot`` ((B,) slot indices, one kept set per layer) leaves, and the new

@@ -352,7 +352,8 @@ def test_the_lean_step_under_a_sliding_window():
 
 
 @pytest.mark.parametrize("spec, budget", [("selective-pruned", 2), ("selective-pruned", 5), ("selective-pruned", 9),
-                                          ("streaming", 5), ("streaming", 9)])
+                                          ("streaming", 5), ("streaming", 9), ("h2o", 4), ("h2o", 9), ("tova", 3),
+                                          ("tova", 8)])
 def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, budget):
     """selective-pruned and streaming (sink + window) at their budget: the new token takes the evicted token's
     slot (no compaction); outputs, the tokens held and their F equal the float64 reference's step by step, ties
@@ -380,8 +381,9 @@ def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, bu
                                        rtol=1e-10, atol=1e-10)
     assert took > n // 2  # the lean step was offered ...
     ready = caches[0]._lean[2]  # ... and it is the evictor's, ready to run again
-    assert ready is (attnzoo.KVCache.lean_ready_selective if spec == "selective-pruned" else
-                     attnzoo.KVCache.lean_ready_replacing) and ready(caches[0])
+    assert ready is {"selective-pruned": attnzoo.KVCache.lean_ready_selective,
+                     "streaming": attnzoo.KVCache.lean_ready_replacing}.get(
+                         spec, attnzoo.KVCache.lean_ready_scoring) and ready(caches[0])
     assert caches[0].evicted == caches[1].evicted and caches[0].num_tokens == budget
 
 
@@ -455,4 +457,35 @@ def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dt
     assert torch.equal(caches[0].positions, caches[1].positions)  # read: back in position order
     torch.testing.assert_close(caches[0].accumulated().double(), caches[1].accumulated(), rtol=tol, atol=tol)
     torch.testing.assert_close(caches[0].keys.double(), caches[1].keys, rtol=0, atol=tol)
+    assert caches[0].evicted == caches[1].evicted and not caches[0]._scrambled
+
+
+@pytest.mark.parametrize("spec", [{"evictor": "h2o"}, {"evictor": "h2o", "recent": 0}, {"evictor": "tova"}])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_many_lean_scoring_steps_unread_equal_the_reference(spec, dtype):
+    """H2O (per head, its recent window protected) and TOVA evict after attention: the lean step puts the new
+    token in the spare slot, scores from the step's probabilities, and moves it into the victim's slot (or drops
+    it). Many steps with no view read between them equal the float64 reference step by step; then the views hold
+    the same tokens and scores in position order. Zero keys early on make ties."""
+    torch.manual_seed(6)
+    b, h, hkv, d, n, budget = 2, 4, 2, 8, 40, 6
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    k[:, :, 1:4] = 0.0
+    spec = {"name": "scoring", "cache": {**spec, "budget": budget}}
+    lean, ref = attnzoo.compile(spec, backend="blocked"), attnzoo.compile(spec, backend="reference")
+    caches = [lean.new_cache(b), ref.new_cache(b)]
+    lean.prefill(*(x[:, :, :3].to(dtype) for x in (q, k, v)), caches[0])
+    ref.prefill(q[:, :, :3], k[:, :, :3], v[:, :, :3], caches[1])
+    took = 0
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for t in range(3, n):
+        took += caches[0]._lean is not None
+        got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
+        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
+    assert took >= n - 6 and caches[0]._scrambled
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    for name, held in caches[1].state.items():
+        torch.testing.assert_close(caches[0].state[name].double(), held, rtol=tol, atol=tol)
     assert caches[0].evicted == caches[1].evicted and not caches[0]._scrambled

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..cache import ACCUMULATED_STATE, accumulator_dtype
-from ..evictors.builtin import Selective, SinkWindow
+from ..evictors.builtin import H2O, TOVA, Selective, SinkWindow
 from ..transforms.base import Context, Dims, Slot
 from ..transforms.selective import SelectiveMask
 from .base import Backend, Mode, eager_dtype_reasons
@@ -325,7 +325,42 @@ class BlockedBackend(Backend):
         if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
             return type(cache).lean_ready_replacing, functools.partial(self._lean_replacing,
                                                                        plan.logit_scale(cache._k.shape[-1]))
+        if (not kinds and type(cache.evictor) in (H2O, TOVA) and cache.budget is not None
+                and cache._k.dtype in (torch.float32, torch.float64)):
+            return type(cache).lean_ready_scoring, functools.partial(self._lean_scoring,
+                                                                     plan.logit_scale(cache._k.shape[-1]))
         return None
+
+    @staticmethod
+    def _lean_scoring(scale: float, q, k, v, cache):
+        """H2O or TOVA at its budget (they evict after attention, by the step's probabilities): the new token goes
+        into the spare slot, the query attends over budget + 1 tokens, the scores are updated as the evictor's
+        update() does (H2O: each key/value head adds its query heads' attention; TOVA: the mean attention over the
+        heads replaces the last), the victim is chosen by the evictor's rule (the smallest score; H2O protects its
+        recent window and chooses per head; ties to the oldest position) and the spare slot's token moves into
+        the victim's slot, which is the new token itself when it is the victim."""
+        evictor = cache.evictor
+        cache.fill_spare(k, v)
+        ks, vs, pos, state = cache.lean_slots(spare=1)
+        b, h, _, d = q.shape
+        hkv, m = ks.shape[1], ks.shape[2]
+        logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
+        probs = torch.softmax(logits, dim=-1)
+        out = (probs @ vs).reshape(b, h, 1, d)
+        if type(evictor) is H2O:
+            score = state["attention"]
+            score.add_(probs.sum(dim=2))
+            recent = evictor.recent(cache.budget)
+            protected = pos > int(cache._next) - recent  # the newest position is the new token's, _next still
+            masked = score.masked_fill(protected, float("inf"))
+        else:
+            score = state["last_attention"]
+            score.copy_(probs.mean(dim=(1, 2)).unsqueeze(1).expand(b, hkv, m))
+            masked = score
+        tied = masked == masked.amin(-1, keepdim=True)
+        victim = torch.where(tied, pos, _LAST).argmin(-1)  # (B, H_kv); per head for H2O, the same in every head else
+        cache.settle_spare(victim)
+        return out
 
     @staticmethod
     def _lean_replacing(scale: float, q, k, v, cache):
