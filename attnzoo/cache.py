@@ -505,15 +505,16 @@ class KVCache:
 
     def lean_ready_scoring(self) -> bool:
         """Whether the next token may take the lean step of an evictor that scores after attention (H2O, TOVA):
-        rows and the evictor's scores only, at the budget, with the spare slot the buffers keep for budget + 1,
-        every score a view of its buffer."""
+        rows and the evictor's scores only, at the budget, with the spare slot the buffers keep for budget + 1.
+        A score the full path left outside its buffer (an update() that assigned a new tensor, an eviction that
+        gathered) is adopted into it here, once."""
         if not (self._rows_only() and self._m == self.budget and self.horizon is None
                 and self._k.shape[2] > self._m and set(self._state) == set(self.evictor.state_names)):
             return False
         for name, t in self._state.items():
             buf = self._state_buf.get(name)
             if buf is None or buf.shape[2] <= self._m or t.data_ptr() != buf.data_ptr():
-                return False
+                self._state[name] = self._state_room(name, t, self._m, 1)[:, :, :self._m]
         return True
 
     def lean_ready_replacing(self) -> bool:
