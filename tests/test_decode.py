@@ -446,14 +446,8 @@ def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dt
         variant.prefill(q[:, :, :3].to(dtype if variant is lean else torch.float64), k[:, :, :3].to(
             dtype if variant is lean else torch.float64), v[:, :, :3].to(dtype if variant is lean else torch.float64),
             cache)
-    took = 0
     tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 5e-2}[dtype]  # bfloat16: its own lean step
-    for t in range(3, n):
-        took += caches[0]._lean is not None
-        got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
-        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
-    assert took >= n - 6 and caches[0]._scrambled
+    _decode_unread(lean, ref, caches, q, k, v, dtype, tol)
     assert torch.equal(caches[0].positions, caches[1].positions)  # read: back in position order
     torch.testing.assert_close(caches[0].accumulated().double(), caches[1].accumulated(), rtol=tol, atol=tol)
     torch.testing.assert_close(caches[0].keys.double(), caches[1].keys, rtol=0, atol=tol)
@@ -477,15 +471,22 @@ def test_many_lean_scoring_steps_unread_equal_the_reference(spec, dtype):
     caches = [lean.new_cache(b), ref.new_cache(b)]
     lean.prefill(*(x[:, :, :3].to(dtype) for x in (q, k, v)), caches[0])
     ref.prefill(q[:, :, :3], k[:, :, :3], v[:, :, :3], caches[1])
-    took = 0
     tol = 1e-10 if dtype == torch.float64 else 2e-5
+    _decode_unread(lean, ref, caches, q, k, v, dtype, tol)
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    for name, held in caches[1].state.items():
+        torch.testing.assert_close(caches[0].state[name].double(), held, rtol=tol, atol=tol)
+    assert caches[0].evicted == caches[1].evicted and not caches[0]._scrambled
+
+
+def _decode_unread(lean, ref, caches, q, k, v, dtype, tol):
+    """Decode tokens 3.. through both caches, comparing each step's output with the float64 reference's and
+    reading no view of the lean cache; the lean step must have run for nearly every step, leaving the slots
+    out of position order."""
+    n, took = q.shape[2], 0
     for t in range(3, n):
         took += caches[0]._lean is not None
         got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
     assert took >= n - 6 and caches[0]._scrambled
-    assert torch.equal(caches[0].positions, caches[1].positions)
-    for name, held in caches[1].state.items():
-        torch.testing.assert_close(caches[0].state[name].double(), held, rtol=tol, atol=tol)
-    assert caches[0].evicted == caches[1].evicted and not caches[0]._scrambled

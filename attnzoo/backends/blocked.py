@@ -366,11 +366,10 @@ class BlockedBackend(Backend):
     def _lean_replacing(scale: float, q, k, v, cache):
         """Sink + window at its budget: the smallest position after the sinks leaves, the new token takes its slot
         (the evictor's rule; positions are distinct, so there are no ties)."""
-        _, _, pos, _ = cache.lean_slots()
+        ks, vs, pos, _ = cache.lean_slots()  # views of the buffers: replace_slot writes into them
         first = pos[:, 0]
         victim = torch.where(first > cache.evictor.options.sink, first, _LAST).argmin(-1)
         cache.replace_slot(victim, k, v)
-        ks, vs, _, _ = cache.lean_slots()
         return _plain_one(q, ks, vs, scale)
 
     @staticmethod
@@ -412,8 +411,8 @@ class BlockedBackend(Backend):
         masked = f.masked_fill(first == 1, float("-inf"))
         tied = masked == masked.amax(-1, keepdim=True)
         victim = torch.where(tied, first, _LAST).argmin(-1)
-        cache.replace_slot(victim, k, v)
-        ks, vs, pos, _ = cache.lean_slots()
+        cache.replace_slot(victim, k, v)  # into the views above
+        ks, vs, _, _ = cache.lean_slots()
         qpos = pos.new_full((q.shape[0], 1), cache._next - 1)
         out, carry = self.decode_one(plan, q, ks, vs, qpos, pos[:, :1], params, held[:, 0])
         held.copy_(carry.unsqueeze(1).expand_as(held))
