@@ -493,6 +493,14 @@ class KVCache:
         return (self._k is not None and self.valid is None and isinstance(self._next, int) and not self._feat
                 and self._live is None)
 
+    @property
+    def lean_step_kind(self) -> str | None:
+        """Which lean step the next decode may take (docs/decoding.md): "fused" (one C call, on the CPU in
+        float32/float64), "torch" (the blocked backend's torch operations), or None (the full path)."""
+        if self._lean is None:
+            return None
+        return getattr(self._lean[3], "kind_name", "torch")
+
     def lean_ready(self) -> bool:
         """Whether the next token may take the plain lean step: rows only and no evictor (under a window, the
         cache then holds only tokens the next query sees)."""

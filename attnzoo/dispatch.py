@@ -385,6 +385,10 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
         lines.append(f"  {name:<10} yes (priority {priority})" if not why else f"  {name:<10} no: {'; '.join(why)}")
     chosen = next((name for name, why in result.items() if not why), None)
     lines.append(f"  auto -> {chosen}" if chosen else "  auto -> none can run this case")
+    if mode == Mode.DECODE and dev.type == "cpu" and not result.get("blocked", ["absent"]):
+        from .backends import fused_decode  # compiles the fused steps (once per process) to say whether they run
+
+        lines.append(f"  blocked's decode steps at a budget: {fused_decode.status()}")
     return "\n".join(lines)
 
 

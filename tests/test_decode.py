@@ -5,10 +5,25 @@ import torch
 from broken import EvictsBosOnTie, EvictsNewest, registry_replacing, registry_with_broken_backends
 
 import attnzoo
+from attnzoo.backends import fused_decode
 from attnzoo.cache import KVCache
 from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
 
 SHIPPED = sorted(attnzoo.get_registry().specs)
+
+
+
+@pytest.fixture(params=["fused", "torch"])
+def lean_kind(request, monkeypatch):
+    """The evicting lean steps in both forms: fused in C (compiled once per process) and the torch operations
+    that define them. A machine with a C compiler must compile the fused steps."""
+    if request.param == "torch":
+        monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))
+    elif fused_decode.library() is None:
+        if fused_decode._compiler() is None:
+            pytest.skip("no C compiler: the fused decoding steps cannot be built here")
+        pytest.fail(fused_decode.status())
+    return request.param
 
 
 def perturbed_params(variant, h, d, hkv, scale=0.5):
@@ -354,7 +369,7 @@ def test_the_lean_step_under_a_sliding_window():
 @pytest.mark.parametrize("spec, budget", [("selective-pruned", 2), ("selective-pruned", 5), ("selective-pruned", 9),
                                           ("streaming", 5), ("streaming", 9), ("h2o", 4), ("h2o", 9), ("tova", 3),
                                           ("tova", 8)])
-def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, budget):
+def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, budget, lean_kind):
     """selective-pruned and streaming (sink + window) at their budget: the new token takes the evicted token's
     slot (no compaction); outputs, the tokens held and their F equal the float64 reference's step by step, ties
     (F = 0 early on) included."""
@@ -380,6 +395,7 @@ def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, bu
             torch.testing.assert_close(caches[0].accumulated().gather(-1, order), caches[1].accumulated(),
                                        rtol=1e-10, atol=1e-10)
     assert took > n // 2  # the lean step was offered ...
+    assert caches[0].lean_step_kind == lean_kind
     ready = caches[0]._lean[2]  # ... and it is the evictor's, ready to run again
     assert ready is {"selective-pruned": attnzoo.KVCache.lean_ready_selective,
                      "streaming": attnzoo.KVCache.lean_ready_replacing}.get(
@@ -427,7 +443,7 @@ def test_the_cache_boundary_refuses_what_it_cannot_compute_exactly():
 @pytest.mark.parametrize("options, first", [({}, 1), ({}, 7), ({"protect_bos": False}, 1), ({"self_mask": True}, 1),
                                             ({"selector_head": 3}, 1)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dtype):
+def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dtype, lean_kind):
     """The lean selective step writes each new token into its victim's slot and never reorders: over many steps
     in a row (no view read between them, so the slots stay out of order), outputs equal the float64 reference's
     step by step; the views then show the same tokens and F, in position order. Selector head 3 of 4, BOS
@@ -456,7 +472,7 @@ def test_many_lean_selective_steps_unread_equal_the_reference(options, first, dt
 
 @pytest.mark.parametrize("spec", [{"evictor": "h2o"}, {"evictor": "h2o", "recent": 0}, {"evictor": "tova"}])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_many_lean_scoring_steps_unread_equal_the_reference(spec, dtype):
+def test_many_lean_scoring_steps_unread_equal_the_reference(spec, dtype, lean_kind):
     """H2O (per head, its recent window protected) and TOVA evict after attention: the lean step puts the new
     token in the spare slot, scores from the step's probabilities, and moves it into the victim's slot (or drops
     it). Many steps with no view read between them equal the float64 reference step by step; then the views hold
@@ -490,3 +506,57 @@ def _decode_unread(lean, ref, caches, q, k, v, dtype, tol):
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
     assert took >= n - 6 and caches[0]._scrambled
+    fused = fused_decode.library() is not None and dtype in (torch.float32, torch.float64)
+    assert caches[0].lean_step_kind == ("fused" if fused else "torch")
+
+
+@pytest.mark.parametrize("spec", ["selective-pruned", "streaming", "h2o", "tova"])
+def test_fused_steps_take_any_strides_odd_sizes_and_changes_of_buffers(spec, lean_kind):
+    """The fused steps read q, k and v through their batch and head strides (here views of a (B, N, H, D)
+    tensor, as transformers lays them out), at an odd head size with groups of 2 query heads; a step whose
+    rows are not contiguous takes the torch step, a view read between steps (the slots put back in order) and
+    a full step (a key mask) make the next fused step lay the buffers out again. Every output, the tokens held
+    and their scores equal the float64 reference's."""
+    torch.manual_seed(8)
+    b, h, hkv, d, n, budget = 3, 6, 3, 7, 26, 5
+    q = torch.randn(b, n, h, d, dtype=torch.float64).transpose(1, 2)
+    k, v = (torch.randn(b, n, hkv, d, dtype=torch.float64).transpose(1, 2) for _ in range(2))
+    lean, ref = attnzoo.compile(spec, backend="blocked"), attnzoo.compile(spec, backend="reference")
+    caches = [lean.new_cache(b, budget=budget), ref.new_cache(b, budget=budget)]
+    for variant, cache in zip((lean, ref), caches, strict=True):
+        variant.prefill(q[:, :, :4], k[:, :, :4], v[:, :, :4], cache)
+    kinds = []
+    for t in range(4, n):
+        step = [x[:, :, t:t + 1] for x in (q, k, v)]
+        if t == 14:  # rows with a stride of 2: not for the C code
+            step[0] = torch.stack([step[0], step[0]], dim=-1)[..., 0]
+        kinds.append(caches[0].lean_step_kind)
+        got = lean.decode(*step, caches[0], key_mask=torch.ones(b, 1, dtype=torch.bool) if t == 18 else None)
+        want = ref.decode(*(x[:, :, t:t + 1] for x in (q, k, v)), caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"step {t}")
+        if t == 11:
+            assert torch.equal(caches[0].positions, caches[1].positions)
+        for name, held in caches[1].state.items():
+            if name in caches[0].state:
+                torch.testing.assert_close(caches[0].state[name], held, rtol=1e-10, atol=1e-10)
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    assert kinds.count(lean_kind) >= n - 8 and caches[0].evicted == caches[1].evicted
+
+
+def test_the_fused_steps_say_why_they_are_unavailable(monkeypatch):
+    """No compiler, a compiler that fails, or the switch: one line each, and the torch lean steps run."""
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    lib, why = fused_decode._compile()
+    assert lib is None and "/nonexistent/cc could not compile fused_decode.c" in why and "\n" not in why
+    monkeypatch.setenv("ATTNZOO_FUSED_DECODE", "0")
+    assert fused_decode._compile() == (None, "switched off (ATTNZOO_FUSED_DECODE=0)")
+    monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off (ATTNZOO_FUSED_DECODE=0)"))
+    assert fused_decode.status() == ("torch lean steps: the fused C steps are unavailable: switched off "
+                                     "(ATTNZOO_FUSED_DECODE=0)")
+    assert "torch lean steps" in attnzoo.explain("h2o", mode="decode")
+    variant = attnzoo.compile("h2o", backend="blocked")
+    cache = variant.new_cache(1, budget=3)
+    x = torch.randn(1, 2, 6, 4)
+    variant.prefill(x[:, :, :3], x[:, :, :3], x[:, :, :3], cache)
+    variant.decode(x[:, :, 3:4], x[:, :, 3:4], x[:, :, 3:4], cache)
+    assert cache.lean_step_kind == "torch"

@@ -29,6 +29,7 @@ from ..cache import ACCUMULATED_STATE, accumulator_dtype
 from ..evictors.builtin import H2O, TOVA, Selective, SinkWindow
 from ..transforms.base import Context, Dims, Slot
 from ..transforms.selective import SelectiveMask
+from . import fused_decode
 from .base import Backend, Mode, eager_dtype_reasons
 from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
@@ -303,14 +304,18 @@ class BlockedBackend(Backend):
           then :meth:`decode_one`'s plain maths.
         - Selective attention (``selective_mask`` and nothing else) with the ``selective`` evictor at its budget:
           the new token takes the victim's slot (the largest F, never BOS, ties to the oldest position, as the
-          evictor's rule says), then :meth:`decode_one` and F updated in place: no compaction per step."""
+          evictor's rule says), then :meth:`decode_one` and F updated in place: no compaction per step.
+        - Sink + window, H2O and TOVA (no transforms) at their budget: the same with the evictor's own rule.
+
+        The evicting steps run fused in C on the CPU in float32/float64 (:mod:`.fused_decode`: one call a step),
+        the torch steps here being their fallback and their definition."""
         if not plan.causal:
             return None
         kinds = [t.kind for t in plan.transforms]
+        scale = plan.logit_scale(cache._k.shape[-1])
         if (cache.evictor is None and all(kind == "sliding_window" for kind in kinds)
                 and (not kinds or cache.horizon is not None)):
-            return type(cache).lean_ready, functools.partial(self._lean_plain, plan.logit_scale(cache._k.shape[-1]),
-                                                       bool(kinds))
+            return type(cache).lean_ready, functools.partial(self._lean_plain, scale, bool(kinds))
         if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
             acc = plan.one(Slot.ACCUMULATOR)
             if type(acc) is SelectiveMask and cache._k.dtype in (torch.float32, torch.float64):
@@ -318,17 +323,25 @@ class BlockedBackend(Backend):
                 group = (cache.geometry[0] // cache.geometry[1]) if cache.geometry else None
                 if group is not None:
                     bos = bool(cache.lean_slots()[2][0, 0, 0] == 1)  # held in slot 0 for good: never evicted
-                    return type(cache).lean_ready_selective, functools.partial(
-                        self._lean_selective_fused, plan.logit_scale(cache._k.shape[-1]), h // group, h % group,
-                        int(bos), bos and acc.options.protect_bos, not acc.options.self_mask)
+                    options = (h // group, h % group, int(bos), bos and acc.options.protect_bos,
+                               not acc.options.self_mask)
+                    step = functools.partial(self._lean_selective_fused, scale, *options)
+                    flags = int(options[3]) | (int(options[4]) << 1)
+                    return type(cache).lean_ready_selective, fused_decode.offer(
+                        "selective", step, cache, scale, (options[2], options[0], options[1], flags),
+                        ACCUMULATED_STATE)
             return type(cache).lean_ready_selective, functools.partial(self._lean_selective, plan, params)
         if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
-            return type(cache).lean_ready_replacing, functools.partial(self._lean_replacing,
-                                                                       plan.logit_scale(cache._k.shape[-1]))
+            step = functools.partial(self._lean_replacing, scale)
+            return type(cache).lean_ready_replacing, fused_decode.offer(
+                "sink_window", step, cache, scale, (cache.evictor.options.sink, 0, 0, 0))
         if (not kinds and type(cache.evictor) in (H2O, TOVA) and cache.budget is not None
                 and cache._k.dtype in (torch.float32, torch.float64)):
-            return type(cache).lean_ready_scoring, functools.partial(self._lean_scoring,
-                                                                     plan.logit_scale(cache._k.shape[-1]))
+            step = functools.partial(self._lean_scoring, scale)
+            evictor = cache.evictor
+            options = (0, evictor.recent(cache.budget), 0, 0) if type(evictor) is H2O else (1, 0, 0, 0)
+            return type(cache).lean_ready_scoring, fused_decode.offer(
+                "scoring", step, cache, scale, options, evictor.state_names[0], spare=1)
         return None
 
     @staticmethod

@@ -1,0 +1,208 @@
+"""Fused decoding steps on the CPU: one C call per lean step (docs/decoding.md, "A step validated once").
+
+A lean step of the blocked backend (selective attention, sink + window, H2O, TOVA at their budget) is some 15-25
+small torch operations, each costing more than the attention over a small cache. Here each is one call into C
+(``fused_decode.c`` and ``fused_decode_body.h`` beside this file): the evictor's victim, the new token into its
+slot, attention over the held tokens and the scores updated in place, for float32 and float64 on the CPU.
+
+The C source is compiled once per process, by the first step that can use it, with the system's C compiler
+(``$CC``, else ``cc``, ``gcc`` or ``clang``) into a private temporary directory that is removed as soon as the
+library is loaded: nothing compiled is ever read back from a shared place. Without a compiler, or with
+``ATTNZOO_FUSED_DECODE=0``, the torch lean steps run: the same maths, slower. :func:`status` says which and why
+(``attnzoo explain SPEC --mode decode`` prints it), and ``KVCache.lean_step_kind`` which one a cache takes.
+
+What a step assumes (shapes, dtypes, strides, a cache at its budget with room for the step) is checked here in
+Python before the C code sees a pointer: once when the buffers change, and the query, key and value's dtypes,
+shapes and strides at every call. Anything unexpected takes the torch lean step instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("fused_decode.c")
+_FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
+_LOCK = threading.Lock()
+_LOADED: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not)
+
+#: indices of the layout block (the LAY_* enum of fused_decode.c)
+(_B, _HKV, _G, _D, _M, _K, _KSB, _KSH, _V, _VSB, _VSH, _P, _PSB, _PSH, _S, _SSB, _SSH, _W,
+ _OPT0, _OPT1, _OPT2, _OPT3, _SIZE) = range(23)
+_STEPS = ("selective", "sink_window", "scoring")
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
+
+
+def _compiler() -> list[str] | None:
+    given = os.environ.get("CC")
+    if given:
+        return shlex.split(given)
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
+
+
+def _compile() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("ATTNZOO_FUSED_DECODE", "1").strip() == "0":
+        return None, "switched off (ATTNZOO_FUSED_DECODE=0)"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC to one)"
+    with tempfile.TemporaryDirectory(prefix="attnzoo-fused-") as tmp:  # mode 0700: private to this user
+        target = Path(tmp) / "fused_decode.so"
+        why = "no attempt"
+        for extra in (["-march=native"], []):  # built for this machine; the plain build where that flag is unknown
+            command = [*cc, *_FLAGS, *extra, str(_SOURCE), "-o", str(target), "-lm"]
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+                continue
+            if done.returncode == 0:
+                try:
+                    lib = ctypes.CDLL(str(target))
+                except OSError as exc:
+                    return None, f"the compiled library did not load: {exc}"
+                return _bind(lib), None
+            lines = [line for line in done.stderr.splitlines() if line.strip()]
+            why = lines[-1].strip() if lines else f"exit status {done.returncode}"
+        return None, f"{' '.join(cc)} could not compile {_SOURCE.name}: {why[:200]}"
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    if lib.attnzoo_fused_layout_size() != _SIZE:
+        raise RuntimeError("fused_decode.c and fused_decode.py disagree on the layout block")
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    for step in _STEPS:
+        for suffix in _SUFFIX.values():
+            fn = getattr(lib, f"attnzoo_{step}_{suffix}")
+            fn.argtypes = [p, p, i, i, p, i, i, p, i, i, p, i, ctypes.c_double]
+            fn.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled steps (compiled on the first call in this process), or None: :func:`status` says why."""
+    global _LOADED
+    if _LOADED is None:
+        with _LOCK:
+            if _LOADED is None:
+                _LOADED = _compile()
+    return _LOADED[0]
+
+
+def status() -> str:
+    """One line: whether the blocked backend's lean decoding steps on the CPU run fused in C, or why not."""
+    lib = library()
+    if lib is not None:
+        return "fused C steps (compiled once per process) for selective, sink_window, h2o and tova in float32/float64"
+    return f"torch lean steps: the fused C steps are unavailable: {_LOADED[1]}"
+
+
+class FusedStep:
+    """A fused lean step for one cache: ``step(q, k, v, cache) -> out``, with the torch lean step ``fallback``
+    (the same maths) taken for anything the C code was not laid out for.
+
+    ``kind``: "selective", "sink_window" or "scoring"; ``options``: the step's four options (fused_decode.c);
+    ``state``: the name of the per-token score the step updates, or None; ``spare``: 1 when the step uses the slot
+    after the held ones (H2O, TOVA)."""
+
+    kind_name = "fused"
+
+    def __init__(self, kind: str, fn_by_dtype: dict, fallback, scale: float, options: tuple[int, int, int, int],
+                 state: str | None, spare: int) -> None:
+        self.kind = kind
+        self.fn_by_dtype = fn_by_dtype
+        self.fallback = fallback
+        self.scale = float(scale)
+        self.options = options
+        self.state = state
+        self.spare = spare
+        self.layout = (ctypes.c_int64 * _SIZE)()
+        self.address = ctypes.addressof(self.layout)
+        self.held: tuple = ()  # the tensors the layout points into, kept alive and compared by identity
+        self.fn = None
+        self.shapes: tuple = ()
+
+    def _scores(self, cache):
+        if self.state is None:
+            return None
+        return cache._state_buf.get(self.state) if self.spare else cache._state.get(self.state)
+
+    def _lay_out(self, cache) -> bool:
+        """Fill the layout block for the cache's buffers as they are now; False if the C code cannot take them."""
+        keys, values, pos, scores = cache._k, cache._v, cache._pos, self._scores(cache)
+        b, hkv, _, d = keys.shape
+        m, need = cache._m, cache._m + self.spare
+        dtype = keys.dtype
+        rows = [keys, values]
+        per_token = [pos] + ([scores] if scores is not None else [])
+        if (dtype not in _SUFFIX or (self.state is not None and scores is None) or cache.geometry is None
+                or any(t.device.type != "cpu" for t in rows + per_token)
+                or any(t.dtype != dtype or t.shape[:2] != (b, hkv) or t.shape[2] < need or t.shape[3] != d
+                       or t.stride(3) != 1 or t.stride(2) != d for t in rows)
+                or any(t.dim() != 3 or t.shape[:2] != (b, hkv) or t.shape[2] < need or t.stride(2) != 1
+                       for t in per_token)
+                or pos.dtype != torch.int64 or (scores is not None and scores.dtype != dtype) or m < 1):
+            return False
+        h = cache.geometry[0]
+        if self.kind == "selective" and not (self.options[0] < m and self.options[1] < hkv
+                                             and self.options[2] < h // hkv):
+            return False  # the victim is chosen after the skipped slots; the selector head is one of the query heads
+        lay = self.layout
+        lay[_B], lay[_HKV], lay[_G], lay[_D], lay[_M] = b, hkv, h // hkv, d, m
+        lay[_K], lay[_KSB], lay[_KSH] = keys.data_ptr(), keys.stride(0), keys.stride(1)
+        lay[_V], lay[_VSB], lay[_VSH] = values.data_ptr(), values.stride(0), values.stride(1)
+        lay[_P], lay[_PSB], lay[_PSH] = pos.data_ptr(), pos.stride(0), pos.stride(1)
+        if scores is not None:
+            lay[_S], lay[_SSB], lay[_SSH] = scores.data_ptr(), scores.stride(0), scores.stride(1)
+        else:
+            lay[_S] = lay[_SSB] = lay[_SSH] = 0
+        work = torch.empty(3 * (m + 1), dtype=dtype)
+        lay[_W] = work.data_ptr()
+        lay[_OPT0], lay[_OPT1], lay[_OPT2], lay[_OPT3] = self.options
+        self.fn = self.fn_by_dtype[dtype]
+        self.shapes = (torch.Size((b, h, 1, d)), torch.Size((b, hkv, 1, d)), dtype)
+        self.held = (keys, values, pos, scores, m, work)
+        return True
+
+    def __call__(self, q, k, v, cache):
+        held = self.held
+        if not (held and held[0] is cache._k and held[1] is cache._v and held[2] is cache._pos
+                and held[3] is self._scores(cache) and held[4] == cache._m) and not self._lay_out(cache):
+            self.held = ()
+            return self.fallback(q, k, v, cache)
+        qshape, kvshape, dtype = self.shapes
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        if (q.dtype != dtype or k.dtype != dtype or v.dtype != dtype or q.shape != qshape or k.shape != kvshape
+                or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or q.device.type != "cpu"
+                or k.device.type != "cpu" or v.device.type != "cpu"):
+            return self.fallback(q, k, v, cache)
+        out = torch.empty(qshape, dtype=dtype)  # every element written (the C step first fills it with NaN)
+        self.fn(self.address, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
+                out.data_ptr(), cache._next, self.scale)
+        cache._scrambled = True
+        cache._next += 1
+        cache._last = None
+        cache.evicted += 1
+        return out
+
+
+def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,
+          spare: int = 0):
+    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself when the fused
+    steps are unavailable (:func:`status`) or the cache is not on the CPU in float32/float64."""
+    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
+        return fallback
+    lib = library()
+    if lib is None:
+        return fallback
+    fns = {dtype: getattr(lib, f"attnzoo_{kind}_{suffix}") for dtype, suffix in _SUFFIX.items()}
+    return FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state, spare)

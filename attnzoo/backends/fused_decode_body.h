@@ -1,0 +1,211 @@
+/* The fused decoding steps for one dtype T (included by fused_decode.c with T, EXP and NAME defined).
+ *
+ * Every step takes the layout block, the new token's query q (B, H, 1, D), key k and value v (B, H_kv, 1, D)
+ * (any batch and head strides, rows contiguous), writes the output (B, H, 1, D) contiguous into out, and the
+ * position the new token takes. Query head h reads key/value head h / G. Ties between victims go to the oldest
+ * position and a NaN score makes slot 0 (after any skipped slots) the victim, as in the torch steps
+ * (torch.amax/amin propagate NaN, and no slot is then tied with it).
+ */
+
+static inline T NAME(dot)(const T *restrict a, const T *restrict b, i64 d) {
+    T acc = 0;
+#pragma omp simd reduction(+ : acc)
+    for (i64 i = 0; i < d; i++) acc += a[i] * b[i];
+    return acc;
+}
+
+static inline void NAME(copy_row)(T *restrict dst, const T *restrict src, i64 d) {
+    for (i64 i = 0; i < d; i++) dst[i] = src[i];
+}
+
+/* w[0..m) holds one query's logits. They become its softmax probabilities (as torch.softmax: the row's
+ * maximum, exp, the sum, a division), and o = sum_j p_j V[j]. A NaN or +inf logit makes the whole row NaN. */
+static void NAME(attend)(T *restrict w, i64 m, const T *restrict V, i64 d, T *restrict o) {
+    T mx = -INFINITY;
+    for (i64 j = 0; j < m; j++)
+        if (w[j] > mx) mx = w[j];
+    T sum = 0;
+    for (i64 j = 0; j < m; j++) {
+        T e = EXP(w[j] - mx);
+        w[j] = e;
+        sum += e;
+    }
+    for (i64 i = 0; i < d; i++) o[i] = 0;
+    for (i64 j = 0; j < m; j++) {
+        T p = w[j] / sum;
+        w[j] = p;
+        const T *restrict vj = V + j * d;
+#pragma omp simd
+        for (i64 i = 0; i < d; i++) o[i] += p * vj[i];
+    }
+}
+
+/* Logits of query row qrow over m key rows (scaled), into w. */
+static inline void NAME(logits)(T *restrict w, const T *restrict qrow, const T *restrict K, i64 m, i64 d, T scale) {
+    for (i64 j = 0; j < m; j++) w[j] = NAME(dot)(qrow, K + j * d, d) * scale;
+}
+
+/* The new token (row b) into slot `slot` of every key/value head, at position `next`, with score 0. */
+static inline void NAME(write_slot)(const i64 *lay, i64 b, i64 slot, const T *k, i64 ksb, i64 ksh, const T *v,
+                                    i64 vsb, i64 vsh, i64 next) {
+    const i64 hkv = lay[LAY_HKV], d = lay[LAY_D];
+    T *K = (T *)(intptr_t)lay[LAY_K], *V = (T *)(intptr_t)lay[LAY_V], *S = (T *)(intptr_t)lay[LAY_S];
+    i64 *P = (i64 *)(intptr_t)lay[LAY_P];
+    for (i64 hk = 0; hk < hkv; hk++) {
+        NAME(copy_row)(K + b * lay[LAY_KSB] + hk * lay[LAY_KSH] + slot * d, k + b * ksb + hk * ksh, d);
+        NAME(copy_row)(V + b * lay[LAY_VSB] + hk * lay[LAY_VSH] + slot * d, v + b * vsb + hk * vsh, d);
+        P[b * lay[LAY_PSB] + hk * lay[LAY_PSH] + slot] = next;
+        if (S) S[b * lay[LAY_SSB] + hk * lay[LAY_SSH] + slot] = 0;
+    }
+}
+
+static void NAME(fill_nan)(T *out, i64 n) {
+    for (i64 i = 0; i < n; i++) out[i] = (T)NAN;
+}
+
+/* Selective attention at its budget (selective_mask with the selective evictor). Options: OPT0 the slots
+ * skipped when choosing the victim (1: BOS, held in slot 0 for good), OPT1 the selector's key/value head, OPT2
+ * its index in that head's group, OPT3 bit 0: S = 0 at BOS (protect_bos), bit 1: S = 0 at the query's own key
+ * (no self_mask). The victim is the largest F after the skipped slots (ties to the oldest position); the new
+ * token takes its slot with F = 0; every head's logits minus F, softmax, values; S = ReLU of the selector
+ * head's logits, then F += S in every key/value head (F is the same in all of them). */
+int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
+                            const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+    const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
+    const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
+    const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
+    T *S = (T *)(intptr_t)lay[LAY_S], *w = (T *)(intptr_t)lay[LAY_W], *s = w + (M + 1);
+    const i64 skip = lay[LAY_OPT0], sel_kv = lay[LAY_OPT1], sel_g = lay[LAY_OPT2];
+    const int bos_zero = (int)(lay[LAY_OPT3] & 1), self_zero = (int)((lay[LAY_OPT3] >> 1) & 1);
+    const T sc = (T)scale;
+    NAME(fill_nan)(out, B * HKV * G * D);
+    for (i64 b = 0; b < B; b++) {
+        const i64 *p0 = P + b * lay[LAY_PSB];
+        T *f0 = S + b * lay[LAY_SSB];
+        i64 victim = skip, oldest = p0[skip];
+        T best = f0[skip];
+        int nan = best != best;
+        for (i64 j = skip + 1; j < M; j++) {
+            T f = f0[j];
+            if (f != f) nan = 1;
+            else if (f > best || (f == best && p0[j] < oldest)) { best = f; victim = j; oldest = p0[j]; }
+        }
+        if (nan) victim = skip;
+        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, next);
+        for (i64 hk = 0; hk < HKV; hk++) {
+            const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
+            for (i64 g = 0; g < G; g++) {
+                const i64 h = hk * G + g;
+                NAME(logits)(w, q + b * qsb + h * qsh, Kh, M, D, sc);
+                if (hk == sel_kv && g == sel_g)
+                    for (i64 j = 0; j < M; j++) s[j] = w[j] < 0 ? (T)0 : w[j];  /* ReLU; NaN stays NaN */
+                for (i64 j = 0; j < M; j++) w[j] -= f0[j];
+                NAME(attend)(w, M, Vh, D, out + (b * HKV * G + h) * D);
+            }
+        }
+        if (bos_zero) s[0] = 0;
+        if (self_zero) s[victim] = 0;
+        for (i64 hk = 0; hk < HKV; hk++) {
+            T *fh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
+            for (i64 j = 0; j < M; j++) fh[j] += s[j];
+        }
+    }
+    return 0;
+}
+
+/* Sink + window at its budget (no transforms): the smallest position after the first OPT0 positions (the
+ * sinks) leaves, the new token takes its slot, then plain softmax attention over the held tokens. Positions are
+ * distinct, so there are no ties; if no position is past the sinks, slot 0 (as the torch step's argmin). */
+int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
+                              const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+    const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
+    const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
+    const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
+    T *w = (T *)(intptr_t)lay[LAY_W];
+    const i64 sink = lay[LAY_OPT0];
+    const T sc = (T)scale;
+    NAME(fill_nan)(out, B * HKV * G * D);
+    for (i64 b = 0; b < B; b++) {
+        const i64 *p0 = P + b * lay[LAY_PSB];
+        i64 victim = 0, oldest = INT64_MAX;
+        for (i64 j = 0; j < M; j++)
+            if (p0[j] > sink && p0[j] < oldest) { oldest = p0[j]; victim = j; }
+        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, next);
+        for (i64 hk = 0; hk < HKV; hk++) {
+            const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
+            for (i64 g = 0; g < G; g++) {
+                const i64 h = hk * G + g;
+                NAME(logits)(w, q + b * qsb + h * qsh, Kh, M, D, sc);
+                NAME(attend)(w, M, Vh, D, out + (b * HKV * G + h) * D);
+            }
+        }
+    }
+    return 0;
+}
+
+/* H2O (OPT0 = 0) or TOVA (OPT0 = 1) at the budget, evicting after attention: the new token goes into the spare
+ * slot M (the buffers hold M + 1 slots), the query attends over M + 1 tokens, the scores are updated as the
+ * evictor's update() does (H2O: each key/value head adds the sum of its query heads' probabilities; TOVA: the
+ * mean over all query heads replaces the score, the same in every head), and in each key/value head the smallest
+ * score leaves (H2O: never one of the positions > next - OPT1, its recent window; ties to the oldest position),
+ * the spare slot's token moving into its slot (nothing moves when the new token is the victim). */
+int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
+                          const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+    const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
+    T *K = (T *)(intptr_t)lay[LAY_K], *V = (T *)(intptr_t)lay[LAY_V], *S = (T *)(intptr_t)lay[LAY_S];
+    i64 *P = (i64 *)(intptr_t)lay[LAY_P];
+    T *w = (T *)(intptr_t)lay[LAY_W], *t = w + (M + 1);
+    const int tova = lay[LAY_OPT0] == 1;
+    const i64 newest_unprotected = next - lay[LAY_OPT1], n = M + 1;
+    const T sc = (T)scale;
+    NAME(fill_nan)(out, B * HKV * G * D);
+    for (i64 b = 0; b < B; b++) {
+        NAME(write_slot)(lay, b, M, k, ksb, ksh, v, vsb, vsh, next);
+        if (tova)
+            for (i64 j = 0; j < n; j++) t[j] = 0;
+        for (i64 hk = 0; hk < HKV; hk++) {
+            const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
+            if (!tova)
+                for (i64 j = 0; j < n; j++) t[j] = 0;
+            for (i64 g = 0; g < G; g++) {
+                const i64 h = hk * G + g;
+                NAME(logits)(w, q + b * qsb + h * qsh, Kh, n, D, sc);
+                NAME(attend)(w, n, Vh, D, out + (b * HKV * G + h) * D);
+                for (i64 j = 0; j < n; j++) t[j] += w[j];
+            }
+            if (!tova) {
+                T *sh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
+                for (i64 j = 0; j < n; j++) sh[j] += t[j];
+            }
+        }
+        if (tova) {
+            const T heads = (T)(HKV * G);
+            for (i64 j = 0; j < n; j++) t[j] /= heads;
+            for (i64 hk = 0; hk < HKV; hk++) {
+                T *sh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
+                for (i64 j = 0; j < n; j++) sh[j] = t[j];
+            }
+        }
+        for (i64 hk = 0; hk < HKV; hk++) {
+            T *sh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
+            i64 *ph = P + b * lay[LAY_PSB] + hk * lay[LAY_PSH];
+            i64 victim = 0, oldest = ph[0];
+            T best = (!tova && ph[0] > newest_unprotected) ? (T)INFINITY : sh[0];
+            int nan = best != best;
+            for (i64 j = 1; j < n; j++) {
+                T x = (!tova && ph[j] > newest_unprotected) ? (T)INFINITY : sh[j];
+                if (x != x) nan = 1;
+                else if (x < best || (x == best && ph[j] < oldest)) { best = x; victim = j; oldest = ph[j]; }
+            }
+            if (nan) victim = 0;
+            if (victim != M) {
+                T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
+                NAME(copy_row)(Kh + victim * D, Kh + M * D, D);
+                NAME(copy_row)(Vh + victim * D, Vh + M * D, D);
+                ph[victim] = ph[M];
+                sh[victim] = sh[M];
+            }
+        }
+    }
+    return 0;
+}
