@@ -181,7 +181,7 @@ class KVCache:
         if isinstance(self._next, int):
             device = self._k.device if self._k is not None else None
             return torch.full((self.batch,), self._next, dtype=torch.int64, device=device)
-        return self._next
+        return self._next.clone()  # the cache moves its own on in place (the fused decoding steps)
 
     @next_position.setter
     def next_position(self, value) -> None:
@@ -192,7 +192,7 @@ class KVCache:
                 raise ValueError(f"next_position must have shape ({self.batch},), got {tuple(value.shape)}")
             if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
                 raise ValueError(f"next_position must hold integers, got dtype {value.dtype}")
-            value = value.to(torch.int64)
+            value = value.to(torch.int64, copy=True).contiguous()  # the cache's own: moved on in place
             if bool((value < 1).any()):
                 raise ValueError(f"positions are 1-based: next_position must be >= 1, got {value.tolist()}")
         else:
@@ -488,10 +488,9 @@ class KVCache:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
 
     def _rows_only(self) -> bool:
-        """Nothing per token but rows and positions: no padding, no features, no step's live rows, and one next
-        position for every row (so every row holds the same positions)."""
-        return (self._k is not None and self.valid is None and isinstance(self._next, int) and not self._feat
-                and self._live is None)
+        """Nothing per token but rows and positions: no padding, no features, no step's live rows. Rows may be
+        at different positions (a left-padded batch once its padding is evicted)."""
+        return (self._k is not None and self.valid is None and not self._feat and self._live is None)
 
     @property
     def lean_step_kind(self) -> str | None:
@@ -503,8 +502,9 @@ class KVCache:
 
     def lean_ready(self) -> bool:
         """Whether the next token may take the plain lean step: rows only and no evictor (under a window, the
-        cache then holds only tokens the next query sees)."""
-        return self._rows_only() and not self._state and self.evictor is None
+        cache then holds only tokens the next query sees, and every row is at the same position)."""
+        return (self._rows_only() and not self._state and self.evictor is None
+                and (self.horizon is None or isinstance(self._next, int)))
 
     def lean_ready_selective(self) -> bool:
         """Whether the next token may take selective attention's lean step: rows and F only, at the budget."""
@@ -539,6 +539,12 @@ class KVCache:
         return self._k[:, :, :m], self._v[:, :, :m], self._pos[:, :, :m], {
             name: t if not spare else self._state_buf[name][:, :, :m] for name, t in self._state.items()}
 
+    def _next_column(self) -> torch.Tensor:
+        """The next position of every row, as (B, H_kv) for the slot a lean step writes."""
+        if isinstance(self._next, int):
+            return self._pos.new_full(self._pos.shape[:2], self._next)
+        return self._next.view(-1, 1).expand(self._pos.shape[:2])
+
     def fill_spare(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean step of an evictor that evicts after attention: the new token (B, H_kv, 1, D) goes into the
         spare slot after the held ones (the buffers keep room for budget + 1), at the next position, with every
@@ -547,7 +553,7 @@ class KVCache:
         with torch.no_grad():
             self._k.select(2, m).copy_(key.select(2, 0))
             self._v.select(2, m).copy_(value.select(2, 0))
-            self._pos.select(2, m).fill_(self._next)
+            self._pos.select(2, m).copy_(self._next_column())
             for name in self._state:
                 self._state_buf[name].select(2, m).zero_()
 
@@ -581,7 +587,7 @@ class KVCache:
             self._k[:, :, :m].scatter_(2, rows, key)
             self._v[:, :, :m].scatter_(2, rows, value)
             at = slot.view(b, 1, 1).expand(b, hkv, 1)
-            self._pos[:, :, :m].scatter_(2, at, self._next)
+            self._pos[:, :, :m].scatter_(2, at, self._next_column().unsqueeze(-1))
             for t in self._state.values():
                 t.scatter_(2, at, 0.0)
         self._scrambled = True
@@ -598,7 +604,7 @@ class KVCache:
         with torch.no_grad():
             self._k.select(2, old).copy_(key.select(2, 0))
             self._v.select(2, old).copy_(value.select(2, 0))
-            self._pos.select(2, old).fill_(self._next)
+            self._pos.select(2, old).copy_(self._next_column())
         self._m = old + 1
         self._next += 1
         self._last = None

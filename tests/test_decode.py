@@ -560,3 +560,34 @@ def test_the_fused_steps_say_why_they_are_unavailable(monkeypatch):
     variant.prefill(x[:, :, :3], x[:, :, :3], x[:, :, :3], cache)
     variant.decode(x[:, :, 3:4], x[:, :, 3:4], x[:, :, 3:4], cache)
     assert cache.lean_step_kind == "torch"
+
+
+@pytest.mark.parametrize("spec", ["vanilla", "selective-pruned", "streaming", "h2o", "tova"])
+def test_lean_steps_decode_ragged_rows_once_their_padding_is_evicted(spec, lean_kind):
+    """A left-padded batch of prompts of different lengths: once the padding is evicted (or, with no budget,
+    from the first step), every row decodes at its own positions through the lean step, equal to the float64
+    reference's batch step by step; the next positions a user set or read are copies, never moved under them."""
+    torch.manual_seed(9)
+    b, h, hkv, d, n, lengths = 3, 4, 2, 8, 30, (6, 3, 9)
+    budget = None if spec == "vanilla" else 5
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    real = torch.zeros(b, 9, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        real[row, 9 - length:] = True
+    lean, ref = attnzoo.compile(spec, backend="blocked"), attnzoo.compile(spec, backend="reference")
+    caches = [lean.new_cache(b, budget=budget), ref.new_cache(b, budget=budget)]
+    for variant, cache in zip((lean, ref), caches, strict=True):
+        variant.prefill(q[:, :, :9], k[:, :, :9], v[:, :, :9], cache, key_mask=real)
+    start = caches[0].next_position
+    assert start.tolist() == [7, 4, 10]
+    kinds = []
+    for t in range(9, n):
+        kinds.append(caches[0].lean_step_kind)
+        got = lean.decode(*(x[:, :, t:t + 1] for x in (q, k, v)), caches[0])
+        want = ref.decode(*(x[:, :, t:t + 1] for x in (q, k, v)), caches[1])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"step {t}")
+    assert torch.equal(caches[0].positions, caches[1].positions)
+    assert caches[0].next_position.tolist() == [28, 25, 31] and start.tolist() == [7, 4, 10]
+    expected = "torch" if spec == "vanilla" else lean_kind  # plain attention has no fused step
+    assert kinds.count(expected) >= n - 9 - 3, kinds

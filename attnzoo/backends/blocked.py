@@ -364,7 +364,8 @@ class BlockedBackend(Backend):
             score = state["attention"]
             score.add_(probs.sum(dim=2))
             recent = evictor.recent(cache.budget)
-            protected = pos > int(cache._next) - recent  # the newest position is the new token's, _next still
+            newest = cache._next if isinstance(cache._next, int) else cache._next.view(-1, 1, 1)
+            protected = pos > newest - recent  # the newest position is the new token's, _next still
             masked = score.masked_fill(protected, float("inf"))
         else:
             score = state["last_attention"]
@@ -426,7 +427,8 @@ class BlockedBackend(Backend):
         victim = torch.where(tied, first, _LAST).argmin(-1)
         cache.replace_slot(victim, k, v)  # into the views above
         ks, vs, _, _ = cache.lean_slots()
-        qpos = pos.new_full((q.shape[0], 1), cache._next - 1)
+        qpos = (pos.new_full((q.shape[0], 1), cache._next - 1) if isinstance(cache._next, int)
+                else (cache._next - 1).view(-1, 1))
         out, carry = self.decode_one(plan, q, ks, vs, qpos, pos[:, :1], params, held[:, 0])
         held.copy_(carry.unsqueeze(1).expand_as(held))
         return out

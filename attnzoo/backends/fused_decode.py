@@ -83,7 +83,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     for step in _STEPS:
         for suffix in _SUFFIX.values():
             fn = getattr(lib, f"attnzoo_{step}_{suffix}")
-            fn.argtypes = [p, p, i, i, p, i, i, p, i, i, p, i, ctypes.c_double]
+            fn.argtypes = [p, p, i, i, p, i, i, p, i, i, p, i, p, ctypes.c_double]
             fn.restype = ctypes.c_int
     return lib
 
@@ -130,6 +130,7 @@ class FusedStep:
         self.held: tuple = ()  # the tensors the layout points into, kept alive and compared by identity
         self.fn = None
         self.shapes: tuple = ()
+        self.nexts: torch.Tensor | None = None  # the cache's per-row next positions last checked
 
     def _scores(self, cache):
         if self.state is None:
@@ -185,14 +186,31 @@ class FusedStep:
                 or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or q.device.type != "cpu"
                 or k.device.type != "cpu" or v.device.type != "cpu"):
             return self.fallback(q, k, v, cache)
+        nxt = cache._next
+        if isinstance(nxt, int):
+            scalar, rows = nxt, 0
+        elif nxt is self.nexts or self._rows_fit(nxt, qshape[0]):
+            scalar, rows = 0, nxt.data_ptr()  # one position per row: the C step moves each on in place
+        else:
+            return self.fallback(q, k, v, cache)
         out = torch.empty(qshape, dtype=dtype)  # every element written (the C step first fills it with NaN)
         self.fn(self.address, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
-                out.data_ptr(), cache._next, self.scale)
+                out.data_ptr(), scalar, rows, self.scale)
         cache._scrambled = True
-        cache._next += 1
+        if rows == 0:
+            cache._next += 1
         cache._last = None
         cache.evicted += 1
         return out
+
+    def _rows_fit(self, nxt: torch.Tensor, batch: int) -> bool:
+        """Whether the cache's per-row next positions can be read and moved on by the C step: (B,) int64,
+        contiguous, on the CPU (the cache owns it: ``KVCache.next_position`` copies in and out)."""
+        if (nxt.dtype == torch.int64 and nxt.shape == (batch,) and nxt.is_contiguous()
+                and nxt.device.type == "cpu"):
+            self.nexts = nxt
+            return True
+        return False
 
 
 def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,

@@ -2,7 +2,8 @@
  *
  * Every step takes the layout block, the new token's query q (B, H, 1, D), key k and value v (B, H_kv, 1, D)
  * (any batch and head strides, rows contiguous), writes the output (B, H, 1, D) contiguous into out, and the
- * position the new token takes. Query head h reads key/value head h / G. Ties between victims go to the oldest
+ * position the new token takes: `next` in every row, or, when `nexts` is given, nexts[b] in row b (ragged rows),
+ * each then moved on by one. Query head h reads key/value head h / G. Ties between victims go to the oldest
  * position and a NaN score makes slot 0 (after any skipped slots) the victim, as in the torch steps
  * (torch.amax/amin propagate NaN, and no slot is then tied with it).
  */
@@ -70,7 +71,7 @@ static void NAME(fill_nan)(T *out, i64 n) {
  * token takes its slot with F = 0; every head's logits minus F, softmax, values; S = ReLU of the selector
  * head's logits, then F += S in every key/value head (F is the same in all of them). */
 int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
-                            const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+                            const T *v, i64 vsb, i64 vsh, T *out, i64 next, i64 *nexts, double scale) {
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
     const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
@@ -80,6 +81,7 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
     const T sc = (T)scale;
     NAME(fill_nan)(out, B * HKV * G * D);
     for (i64 b = 0; b < B; b++) {
+        const i64 nb = nexts ? nexts[b] : next;
         const i64 *p0 = P + b * lay[LAY_PSB];
         T *f0 = S + b * lay[LAY_SSB];
         i64 victim = skip, oldest = p0[skip];
@@ -91,7 +93,7 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
             else if (f > best || (f == best && p0[j] < oldest)) { best = f; victim = j; oldest = p0[j]; }
         }
         if (nan) victim = skip;
-        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, next);
+        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, nb);
         for (i64 hk = 0; hk < HKV; hk++) {
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
             for (i64 g = 0; g < G; g++) {
@@ -109,6 +111,7 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
             T *fh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
             for (i64 j = 0; j < M; j++) fh[j] += s[j];
         }
+        if (nexts) nexts[b] += 1;
     }
     return 0;
 }
@@ -117,7 +120,7 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
  * sinks) leaves, the new token takes its slot, then plain softmax attention over the held tokens. Positions are
  * distinct, so there are no ties; if no position is past the sinks, slot 0 (as the torch step's argmin). */
 int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
-                              const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+                              const T *v, i64 vsb, i64 vsh, T *out, i64 next, i64 *nexts, double scale) {
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
     const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
@@ -126,11 +129,12 @@ int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, cons
     const T sc = (T)scale;
     NAME(fill_nan)(out, B * HKV * G * D);
     for (i64 b = 0; b < B; b++) {
+        const i64 nb = nexts ? nexts[b] : next;
         const i64 *p0 = P + b * lay[LAY_PSB];
         i64 victim = 0, oldest = INT64_MAX;
         for (i64 j = 0; j < M; j++)
             if (p0[j] > sink && p0[j] < oldest) { oldest = p0[j]; victim = j; }
-        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, next);
+        NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, nb);
         for (i64 hk = 0; hk < HKV; hk++) {
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
             for (i64 g = 0; g < G; g++) {
@@ -139,6 +143,7 @@ int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, cons
                 NAME(attend)(w, M, Vh, D, out + (b * HKV * G + h) * D);
             }
         }
+        if (nexts) nexts[b] += 1;
     }
     return 0;
 }
@@ -150,17 +155,18 @@ int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, cons
  * score leaves (H2O: never one of the positions > next - OPT1, its recent window; ties to the oldest position),
  * the spare slot's token moving into its slot (nothing moves when the new token is the victim). */
 int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
-                          const T *v, i64 vsb, i64 vsh, T *out, i64 next, double scale) {
+                          const T *v, i64 vsb, i64 vsh, T *out, i64 next, i64 *nexts, double scale) {
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     T *K = (T *)(intptr_t)lay[LAY_K], *V = (T *)(intptr_t)lay[LAY_V], *S = (T *)(intptr_t)lay[LAY_S];
     i64 *P = (i64 *)(intptr_t)lay[LAY_P];
     T *w = (T *)(intptr_t)lay[LAY_W], *t = w + (M + 1);
     const int tova = lay[LAY_OPT0] == 1;
-    const i64 newest_unprotected = next - lay[LAY_OPT1], n = M + 1;
+    const i64 n = M + 1;
     const T sc = (T)scale;
     NAME(fill_nan)(out, B * HKV * G * D);
     for (i64 b = 0; b < B; b++) {
-        NAME(write_slot)(lay, b, M, k, ksb, ksh, v, vsb, vsh, next);
+        const i64 nb = nexts ? nexts[b] : next, newest_unprotected = nb - lay[LAY_OPT1];
+        NAME(write_slot)(lay, b, M, k, ksb, ksh, v, vsb, vsh, nb);
         if (tova)
             for (i64 j = 0; j < n; j++) t[j] = 0;
         for (i64 hk = 0; hk < HKV; hk++) {
@@ -206,6 +212,7 @@ int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T 
                 sh[victim] = sh[M];
             }
         }
+        if (nexts) nexts[b] += 1;
     }
     return 0;
 }
