@@ -279,6 +279,11 @@ class KVCache:
         b, hkv, count, d = key.shape
         if b != self.batch:
             raise ValueError(f"cache was made for batch {self.batch}, got k of batch {b}")
+        if self._k is not None:  # refused before anything moves: a refused step leaves the cache as it was
+            if key.shape[1] != self._k.shape[1] or key.shape[3] != self._k.shape[3]:
+                raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
+            if key.dtype != self._k.dtype:
+                raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
         if self._scrambled:
             self._settle_order()
         if key_mask is not None and bool(key_mask.all()):
@@ -301,10 +306,6 @@ class KVCache:
             wide = accumulator_dtype(key.dtype)
             self.state = {n: torch.zeros(b, hkv, 0, dtype=wide, device=key.device) for n in self.state_names}
             self._state_buf = {}
-        elif key.shape[1] != self._k.shape[1] or key.shape[3] != self._k.shape[3]:
-            raise ValueError(f"k of shape {tuple(key.shape)} does not fit a cache of {tuple(self.keys.shape)}")
-        elif key.dtype != self._k.dtype:
-            raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
         self._grow(old + count)
         with torch.no_grad():
             if count == 1:  # one row per head: select and copy (cheaper than slicing, which decoding feels)
@@ -539,11 +540,12 @@ class KVCache:
         return self._k[:, :, :m], self._v[:, :, :m], self._pos[:, :, :m], {
             name: t if not spare else self._state_buf[name][:, :, :m] for name, t in self._state.items()}
 
-    def _next_column(self) -> torch.Tensor:
-        """The next position of every row, as (B, H_kv) for the slot a lean step writes."""
+    def _write_next(self, slots: torch.Tensor) -> None:
+        """Write the next position of every row into ``slots`` (B, H_kv), a slot of the position buffer."""
         if isinstance(self._next, int):
-            return self._pos.new_full(self._pos.shape[:2], self._next)
-        return self._next.view(-1, 1).expand(self._pos.shape[:2])
+            slots.fill_(self._next)
+        else:
+            slots.copy_(self._next.view(-1, 1).expand(slots.shape))
 
     def fill_spare(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The lean step of an evictor that evicts after attention: the new token (B, H_kv, 1, D) goes into the
@@ -553,7 +555,7 @@ class KVCache:
         with torch.no_grad():
             self._k.select(2, m).copy_(key.select(2, 0))
             self._v.select(2, m).copy_(value.select(2, 0))
-            self._pos.select(2, m).copy_(self._next_column())
+            self._write_next(self._pos.select(2, m))
             for name in self._state:
                 self._state_buf[name].select(2, m).zero_()
 
@@ -587,7 +589,10 @@ class KVCache:
             self._k[:, :, :m].scatter_(2, rows, key)
             self._v[:, :, :m].scatter_(2, rows, value)
             at = slot.view(b, 1, 1).expand(b, hkv, 1)
-            self._pos[:, :, :m].scatter_(2, at, self._next_column().unsqueeze(-1))
+            if isinstance(self._next, int):
+                self._pos[:, :, :m].scatter_(2, at, self._next)
+            else:
+                self._pos[:, :, :m].scatter_(2, at, self._next.view(b, 1, 1).expand(b, hkv, 1))
             for t in self._state.values():
                 t.scatter_(2, at, 0.0)
         self._scrambled = True
@@ -604,7 +609,7 @@ class KVCache:
         with torch.no_grad():
             self._k.select(2, old).copy_(key.select(2, 0))
             self._v.select(2, old).copy_(value.select(2, 0))
-            self._pos.select(2, old).copy_(self._next_column())
+            self._write_next(self._pos.select(2, old))
         self._m = old + 1
         self._next += 1
         self._last = None

@@ -85,6 +85,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
             fn = getattr(lib, f"attnzoo_{step}_{suffix}")
             fn.argtypes = [p, p, i, i, p, i, i, p, i, i, p, i, p, ctypes.c_double]
             fn.restype = ctypes.c_int
+    for suffix in _SUFFIX.values():
+        fn = getattr(lib, f"attnzoo_append_{suffix}")
+        fn.argtypes = [p, i, p, i, i, p, i, i, i, p]
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -137,11 +141,13 @@ class FusedStep:
             return None
         return cache._state_buf.get(self.state) if self.spare else cache._state.get(self.state)
 
-    def _lay_out(self, cache) -> bool:
-        """Fill the layout block for the cache's buffers as they are now; False if the C code cannot take them."""
+    def _lay_out(self, cache, need: int | None = None) -> bool:
+        """Fill the layout block for the cache's buffers as they are now; False if the C code cannot take them.
+        ``need``: the slots the buffers must have (default: the tokens held and the step's spare slot)."""
         keys, values, pos, scores = cache._k, cache._v, cache._pos, self._scores(cache)
         b, hkv, _, d = keys.shape
-        m, need = cache._m, cache._m + self.spare
+        m = cache._m
+        need = m + self.spare if need is None else need
         dtype = keys.dtype
         rows = [keys, values]
         per_token = [pos] + ([scores] if scores is not None else [])
@@ -186,13 +192,10 @@ class FusedStep:
                 or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or q.device.type != "cpu"
                 or k.device.type != "cpu" or v.device.type != "cpu"):
             return self.fallback(q, k, v, cache)
-        nxt = cache._next
-        if isinstance(nxt, int):
-            scalar, rows = nxt, 0
-        elif nxt is self.nexts or self._rows_fit(nxt, qshape[0]):
-            scalar, rows = 0, nxt.data_ptr()  # one position per row: the C step moves each on in place
-        else:
+        found = self._next_rows(cache, qshape[0])  # one position per row: the C step moves each on in place
+        if found is None:
             return self.fallback(q, k, v, cache)
+        scalar, rows = found
         out = torch.empty(qshape, dtype=dtype)  # every element written (the C step first fills it with NaN)
         self.fn(self.address, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
                 out.data_ptr(), scalar, rows, self.scale)
@@ -203,6 +206,16 @@ class FusedStep:
         cache.evicted += 1
         return out
 
+    def _next_rows(self, cache, batch: int) -> tuple[int, int] | None:
+        """(the next position of every row, 0) or (0, the address of the per-row next positions), or None when
+        the C code cannot read them."""
+        nxt = cache._next
+        if isinstance(nxt, int):
+            return nxt, 0
+        if nxt is self.nexts or self._rows_fit(nxt, batch):
+            return 0, nxt.data_ptr()
+        return None
+
     def _rows_fit(self, nxt: torch.Tensor, batch: int) -> bool:
         """Whether the cache's per-row next positions can be read and moved on by the C step: (B,) int64,
         contiguous, on the CPU (the cache owns it: ``KVCache.next_position`` copies in and out)."""
@@ -211,6 +224,50 @@ class FusedStep:
             self.nexts = nxt
             return True
         return False
+
+
+class FusedAppend(FusedStep):
+    """The plain lean step (no evictor, no transforms) with its append fused: the new token's key, value and
+    position written by one C call (three torch copies otherwise), then ``attend(q, keys, values, scale)``."""
+
+    def __init__(self, fn_by_dtype: dict, fallback, attend, scale: float) -> None:
+        super().__init__("append", fn_by_dtype, fallback, scale, (0, 0, 0, 0), None, 1)
+        self.attend = attend
+        self.capacity = 0
+
+    def __call__(self, q, k, v, cache):
+        m = cache._m
+        if m + 1 > cache._k.shape[2]:
+            cache._grow(m + 1)
+        held = self.held
+        if not (held and held[0] is cache._k and held[1] is cache._v and held[2] is cache._pos) or m >= self.capacity:
+            if not self._lay_out(cache, need=m + 1):
+                self.held = ()
+                return self.fallback(q, k, v, cache)
+            self.capacity = min(t.shape[2] for t in self.held[:3])
+        _, kvshape, dtype = self.shapes
+        ks, vs = k.stride(), v.stride()
+        found = self._next_rows(cache, kvshape[0])
+        if (found is None or k.dtype != dtype or v.dtype != dtype or k.shape != kvshape or v.shape != kvshape
+                or ks[3] != 1 or vs[3] != 1 or k.device.type != "cpu" or v.device.type != "cpu"):
+            return self.fallback(q, k, v, cache)
+        self.fn(self.address, m, k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1], *found)
+        cache._m = m + 1
+        if found[1] == 0:
+            cache._next += 1
+        cache._last = None
+        return self.attend(q, cache._k[:, :, :m + 1], cache._v[:, :, :m + 1], self.scale)
+
+
+def offer_append(fallback, attend, cache, scale: float):
+    """The plain lean step ``fallback`` with its append fused (:class:`FusedAppend`), or ``fallback`` itself."""
+    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
+        return fallback
+    lib = library()
+    if lib is None:
+        return fallback
+    return FusedAppend({dtype: getattr(lib, f"attnzoo_append_{suffix}") for dtype, suffix in _SUFFIX.items()},
+                       fallback, attend, scale)
 
 
 def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,

@@ -216,3 +216,15 @@ int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T 
     }
     return 0;
 }
+
+/* The plain lean step's append (no evictor): the new token into slot `slot` (< the buffers' slots) of every
+ * key/value head at its row's next position, each moved on when `nexts` is given; attention is torch's. */
+int NAME(attnzoo_append)(const i64 *lay, i64 slot, const T *k, i64 ksb, i64 ksh, const T *v, i64 vsb, i64 vsh,
+                         i64 next, i64 *nexts) {
+    const i64 B = lay[LAY_B];
+    for (i64 b = 0; b < B; b++) {
+        NAME(write_slot)(lay, b, slot, k, ksb, ksh, v, vsb, vsh, nexts ? nexts[b] : next);
+        if (nexts) nexts[b] += 1;
+    }
+    return 0;
+}
