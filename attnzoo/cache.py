@@ -70,7 +70,10 @@ class KVCache:
         self.evictor = evictor
         self.state_names = tuple(state_names)
         self.state: dict[str, torch.Tensor] = {}
-        self.valid: torch.Tensor | None = None
+        self._valid: torch.Tensor | None = None
+        #: (the valid tensor it was made from, (B, H_kv, slots) additive bias: -inf at padding, 0 past it) for
+        #: the plain lean step, which attends over padded rows without growing ``valid`` (see :attr:`valid`)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
         self.evicted = 0
         #: tokens dropped because no later query can see them (a window mask, :meth:`drop_expired`)
         self.expired = 0
@@ -130,6 +133,33 @@ class KVCache:
         self._pos[:, :, :m] = self._pos[:, :, :m].gather(2, order)
         for t in self._state.values():
             t.copy_(t.gather(2, order))
+
+    @property
+    def valid(self) -> torch.Tensor | None:
+        """(B, H_kv, M) bool, False for padding, or None when every token is real. The plain lean step appends
+        real tokens without growing it; it catches up here, when read."""
+        held = self._valid
+        if held is not None and held.shape[2] < self._m:
+            more = held.new_ones(*held.shape[:2], self._m - held.shape[2])
+            self._valid = held = torch.cat([held, more], dim=2)
+        return held
+
+    @valid.setter
+    def valid(self, value: torch.Tensor | None) -> None:
+        self._valid = value
+
+    def padding_bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """(B, H_kv, M) in ``dtype``: -inf at padding, 0 at real tokens, for attention over padded rows with no
+        evictor (the plain lean step). Kept with room for the buffers' slots (0 past the padding: every token
+        appended after it is real), remade only when :attr:`valid` is replaced or the buffers grow."""
+        made = self._bias
+        if (made is None or made[0] is not self._valid or made[1].shape[2] < self._m
+                or made[1].dtype != dtype):
+            valid = self._valid
+            bias = torch.zeros(*valid.shape[:2], max(self._k.shape[2], self._m), dtype=dtype, device=valid.device)
+            bias[:, :, :valid.shape[2]].masked_fill_(~valid, float("-inf"))
+            self._bias = made = (valid, bias)
+        return made[1][:, :, :self._m]
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -286,6 +316,7 @@ class KVCache:
                 raise ValueError(f"k has dtype {key.dtype} but the cache holds {self._k.dtype}")
         if self._scrambled:
             self._settle_order()
+        previous = self.valid  # caught up with the plain lean step's appends before the slot count changes
         if key_mask is not None and bool(key_mask.all()):
             key_mask = None
         if key_mask is None and isinstance(self._next, int):
@@ -322,12 +353,12 @@ class KVCache:
             buf = self._state_room(name, t, old, count)
             buf[:, :, old:old + count] = 0
             self.state[name] = buf[:, :, :old + count]
-        if key_mask is not None or self.valid is not None:
+        if key_mask is not None or previous is not None:
             new_valid = (key_mask if key_mask is not None else torch.ones(b, count, dtype=torch.bool,
                                                                           device=key.device))
             new_valid = new_valid.to(key.device).unsqueeze(1).expand(b, hkv, count)
-            previous = self.valid if self.valid is not None else torch.ones(b, hkv, old, dtype=torch.bool,
-                                                                            device=key.device)
+            if previous is None:
+                previous = torch.ones(b, hkv, old, dtype=torch.bool, device=key.device)
             self.valid = torch.cat([previous, new_valid], dim=2)
         if key.requires_grad or value.requires_grad:
             self._live = (torch.cat([self._k[:, :, :old], key], dim=2), torch.cat([self._v[:, :, :old], value], dim=2))
@@ -396,6 +427,7 @@ class KVCache:
         self._keep(keep + (keep >= victim.unsqueeze(-1)).long())
 
     def _remove_slot(self, slot: int) -> None:
+        _ = self.valid  # caught up with the plain lean step's appends before the slot count changes
         m = self._m
         self._live = None
         for buf in (self._k, self._v, self._pos):
@@ -417,6 +449,7 @@ class KVCache:
 
     def _keep(self, keep: torch.Tensor) -> None:
         """Keep the slots ``keep`` (B, H_kv, M') (ascending) of every row and head, in place."""
+        _ = self.valid  # caught up with the plain lean step's appends before the slot count changes
         m, kept = self._m, keep.shape[-1]
         self._live = None
         idx = keep.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
@@ -488,23 +521,25 @@ class KVCache:
         if self._k.shape[2] > 2 * room:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))
 
-    def _rows_only(self) -> bool:
-        """Nothing per token but rows and positions: no padding, no features, no step's live rows. Rows may be
-        at different positions (a left-padded batch once its padding is evicted)."""
-        return (self._k is not None and self.valid is None and not self._feat and self._live is None)
+    def _rows_only(self, padding: bool = False) -> bool:
+        """Nothing per token but rows and positions: no padding (unless ``padding``), no features, no step's
+        live rows. Rows may be at different positions (a left-padded batch)."""
+        return (self._k is not None and (padding or self._valid is None) and not self._feat
+                and self._live is None)
 
     @property
     def lean_step_kind(self) -> str | None:
         """Which lean step the next decode may take (docs/decoding.md): "fused" (one C call, on the CPU in
         float32/float64), "torch" (the blocked backend's torch operations), or None (the full path)."""
-        if self._lean is None:
+        if self._lean is None or not self._lean[2](self):
             return None
         return getattr(self._lean[3], "kind_name", "torch")
 
     def lean_ready(self) -> bool:
-        """Whether the next token may take the plain lean step: rows only and no evictor (under a window, the
-        cache then holds only tokens the next query sees, and every row is at the same position)."""
-        return (self._rows_only() and not self._state and self.evictor is None
+        """Whether the next token may take the plain lean step: rows only and no evictor. Padding is masked by
+        :meth:`padding_bias`; under a window (the cache then holds only tokens the next query sees) there is
+        none, and every row is at the same position."""
+        return (self._rows_only(padding=self.horizon is None) and not self._state and self.evictor is None
                 and (self.horizon is None or isinstance(self._next, int)))
 
     def lean_ready_selective(self) -> bool:

@@ -40,16 +40,22 @@ def inputs(batch, heads, kv_heads, head_dim, length, seed=0):
     return q, k, v
 
 
-def baseline(q, k, v, context):
-    """Hand-written: preallocated buffers, one SDPA call per token. Returns (seconds, bytes held)."""
+def baseline(q, k, v, context, real=None):
+    """Hand-written: preallocated buffers, one SDPA call per token (with ``real`` (B, context), the prompt's
+    padding masked out). Returns (seconds, bytes held)."""
     b, hkv, n, d = k.shape
     kbuf, vbuf = k.new_empty(b, hkv, n, d), v.new_empty(b, hkv, n, d)
     kbuf[:, :, :context], vbuf[:, :, :context] = k[:, :, :context], v[:, :, :context]
     gqa = q.shape[1] != hkv
+    mask = None
+    if real is not None:
+        mask = torch.ones(b, 1, 1, n, dtype=torch.bool)
+        mask[:, 0, 0, :context] = real
     start = time.perf_counter()
     for i in range(context, n):
         kbuf[:, :, i:i + 1], vbuf[:, :, i:i + 1] = k[:, :, i:i + 1], v[:, :, i:i + 1]
-        F.scaled_dot_product_attention(q[:, :, i:i + 1], kbuf[:, :, :i + 1], vbuf[:, :, :i + 1], enable_gqa=gqa)
+        F.scaled_dot_product_attention(q[:, :, i:i + 1], kbuf[:, :, :i + 1], vbuf[:, :, :i + 1],
+                                       attn_mask=None if mask is None else mask[..., :i + 1], enable_gqa=gqa)
     return time.perf_counter() - start, 2 * kbuf.numel() * kbuf.element_size()
 
 
@@ -74,15 +80,26 @@ def run_sweep(args) -> dict:
     return {"rows": [row for context in args.sweep for row in _sweep_at(args, context)]}
 
 
+def ragged_mask(batch: int, context: int) -> torch.Tensor | None:
+    """Left padding for ``--ragged``: row i of the prompt holds context - i * context / (2 * batch) real tokens
+    (the last row about half), the rest padding; (B, context) bool, True = real."""
+    lengths = [context - i * context // (2 * batch) for i in range(batch)]
+    real = torch.zeros(batch, context, dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        real[row, context - length:] = True
+    return real
+
+
 def _sweep_at(args, context: int) -> list[dict]:
     evicting = [("selective-pruned", "selective"), ("h2o", "h2o"), ("tova", "tova"), ("streaming", "sink_window")]
     q, k, v = inputs(args.batch, args.heads, args.kv_heads, args.head_dim, context + args.steps)
-    candidates = {"hand loop, full cache": lambda: baseline(q, k, v, context),
+    real = ragged_mask(args.batch, context) if args.ragged else None
+    candidates = {"hand loop, full cache": lambda: baseline(q, k, v, context, real),
                   f"hand loop, {args.budget} keys": lambda: baseline_window(q, k, v, context, args.budget),
-                  "attnzoo vanilla": lambda: attnzoo_decode("vanilla", "blocked", None, q, k, v, context)}
+                  "attnzoo vanilla": lambda: attnzoo_decode("vanilla", "blocked", None, q, k, v, context, real)}
     for spec, evictor in evicting:
         candidates[f"attnzoo {spec} ({evictor}), budget {args.budget}"] = (
-            lambda s=spec: attnzoo_decode(s, "blocked", args.budget, q, k, v, context))
+            lambda s=spec: attnzoo_decode(s, "blocked", args.budget, q, k, v, context, real))
     times: dict[str, list[float]] = {name: [] for name in candidates}
     with torch.no_grad():
         for _ in range(args.repeats):
@@ -96,12 +113,13 @@ def _sweep_at(args, context: int) -> list[dict]:
             for name, t in med.items()]
 
 
-def attnzoo_decode(spec, backend, budget, q, k, v, context):
+def attnzoo_decode(spec, backend, budget, q, k, v, context, real=None):
     variant = attnzoo.compile(spec, backend=backend)
     cache = variant.new_cache(batch=q.shape[0], budget=budget)
     for start in range(0, context, PREFILL_CHUNK):  # chunks: H2O/TOVA's prefill materialises its probabilities
         stop = min(context, start + PREFILL_CHUNK)
-        variant.prefill(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], cache)
+        variant.prefill(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], cache,
+                        key_mask=None if real is None else real[:, start:stop])
     n = q.shape[2]
     start = time.perf_counter()
     for i in range(context, n):
@@ -270,25 +288,37 @@ def main(argv=None) -> None:
     parser.add_argument("--sweep", type=int, nargs="+", metavar="CONTEXT",
                         help="also the context sweep at these contexts (e.g. 1024 8192 32768): both hand loops, "
                         "vanilla and every evictor at --budget")
+    parser.add_argument("--ragged", action="store_true",
+                        help="sweep: left-padded prompts of different lengths (row i has context - i*context/(2B) "
+                        "real tokens); the hand full-cache loop masks the padding")
+    parser.add_argument("--skip-kernels", action="store_true", help="only the sweep and/or --hf")
+    parser.add_argument("--name", default="decode", help="file stem of the results (default: decode)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.hf_one:
         print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps)))
         return
-    result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__,
+    from attnzoo.backends import fused_decode
+
+    steps = fused_decode.status()  # compiles the fused steps now, outside every timed loop
+    result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "lean_steps": steps,
               "config": {k: v for k, v in vars(args).items() if k != "out"}}
-    result["kernels"] = run_kernels(args)
     lines = [f"# Decoding ({result['cpu']}, {args.threads} threads, torch {torch.__version__})", "",
-             f"Context {args.context} + {args.steps} decoded, B{args.batch} H{args.heads}/{args.kv_heads} "
-             f"D{args.head_dim} float32; median of {args.repeats} interleaved rounds "
-             "(`python benchmarks/decode.py`).", "", table(result["kernels"]["rows"])]
+             f"Blocked backend's decode steps at a budget: {steps}."]
+    if not args.skip_kernels:
+        result["kernels"] = run_kernels(args)
+        lines += ["", f"Context {args.context} + {args.steps} decoded, B{args.batch} H{args.heads}/{args.kv_heads} "
+                  f"D{args.head_dim} float32; median of {args.repeats} interleaved rounds "
+                  "(`python benchmarks/decode.py`).", "", table(result["kernels"]["rows"])]
     print("\n".join(lines))
     if args.sweep:
         result["sweep"] = run_sweep(args)
-        sweep = ["", f"Context sweep: B{args.batch} H{args.heads}/{args.kv_heads} D{args.head_dim} float32, "
-                 f"{args.steps} decoded after each context, blocked backend, median of {args.repeats} interleaved "
-                 f"rounds (`--sweep`).", "", table(result["sweep"]["rows"])]
+        ragged = (" with left-padded prompts of different lengths (`--ragged`: row i holds context - "
+                  "i * context / (2B) real tokens)") if args.ragged else ""
+        sweep = ["", f"Context sweep: B{args.batch} H{args.heads}/{args.kv_heads} D{args.head_dim} float32"
+                 f"{ragged}, {args.steps} decoded after each context, blocked backend, median of {args.repeats} "
+                 f"interleaved rounds (`--sweep`).", "", table(result["sweep"]["rows"])]
         print("\n".join(sweep))
         lines += sweep
     if args.hf:
@@ -298,8 +328,8 @@ def main(argv=None) -> None:
         print("\n".join(hf))
         lines += hf
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.json").write_text(json.dumps(result, indent=2, default=str))
-    (args.out / "decode.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=2, default=str))
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -594,3 +594,13 @@ def test_lean_steps_decode_ragged_rows_once_their_padding_is_evicted(spec, lean_
     assert torch.equal(caches[0].positions, caches[1].positions)
     assert caches[0].next_position.tolist() == [28, 25, 31] and start.tolist() == [7, 4, 10]
     assert kinds.count(lean_kind) >= n - 9 - 3, kinds  # vanilla: the append fused, the attention torch's
+    def same_padding():
+        got, want = caches[0].valid, caches[1].valid
+        return (got is None and want is None) or torch.equal(got, want)
+
+    assert same_padding()  # vanilla: the prompts' padding, still held, and the real tokens the lean steps added
+    pad = torch.tensor([[True], [False], [True]])  # then a padding token in row 1, through the full path
+    step = [torch.randn(b, x, 1, d, dtype=torch.float64) for x in (h, hkv, hkv)]
+    torch.testing.assert_close(lean.decode(*step, caches[0], key_mask=pad), ref.decode(*step, caches[1], key_mask=pad),
+                               rtol=1e-10, atol=1e-10)
+    assert torch.equal(caches[0].positions, caches[1].positions) and same_padding()

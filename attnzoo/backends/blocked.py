@@ -446,7 +446,9 @@ class BlockedBackend(Backend):
             cache.drop_expired()
             return out
         cache.append_one(k, v)
-        return _plain_one(q, cache.keys, cache.values, scale)
+        m = cache._m
+        bias = None if cache._valid is None else cache.padding_bias(accumulator_dtype(q.dtype))
+        return _plain_one(q, cache._k[:, :, :m], cache._v[:, :, :m], scale, bias)
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
@@ -485,18 +487,20 @@ _LAST = torch.iinfo(torch.int64).max
 _SDPA_KEYS = 256
 
 
-def _plain_one(q, ks, vs, scale: float):
+def _plain_one(q, ks, vs, scale: float, bias=None):
     """Plain softmax attention of one query (B, H, 1, D) over every key (B, H_kv, M, D). From a few hundred
     keys on, a scaled batched product (the query heads of a key/value head as the rows), a softmax and a second
     product: measured on CPU (benchmarks/decode.py) 1.2x faster than SDPA's flash kernel at 1k keys, 1.8x at 8k
     and 2.2x at 32k, which is built for query blocks. Fewer keys, and half precision (which SDPA accumulates in
-    float32), take SDPA."""
+    float32), take SDPA. ``bias``: (B, H_kv, M), -inf at padding and 0 elsewhere (``KVCache.padding_bias``)."""
     b, h, _, d = q.shape
     hkv, m = ks.shape[1], ks.shape[2]
     if q.dtype not in (torch.float32, torch.float64) or m < _SDPA_KEYS:
-        return F.scaled_dot_product_attention(q, ks, vs, scale=scale, enable_gqa=h != hkv)
+        mask = None if bias is None else bias[:, :1, None, :].to(q.dtype)  # the same in every head: padding
+        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
     rows = q.reshape(b * hkv, h // hkv, d)
-    logits = torch.baddbmm(rows.new_empty(()), rows, ks.reshape(b * hkv, m, d).transpose(1, 2), beta=0.0,
+    base = rows.new_empty(()) if bias is None else bias.reshape(b * hkv, 1, m)
+    logits = torch.baddbmm(base, rows, ks.reshape(b * hkv, m, d).transpose(1, 2), beta=0.0 if bias is None else 1.0,
                            alpha=scale)
     return torch.bmm(torch.softmax(logits, dim=-1), vs.reshape(b * hkv, m, d)).view(b, h, 1, d)
 

@@ -228,11 +228,13 @@ class FusedStep:
 
 class FusedAppend(FusedStep):
     """The plain lean step (no evictor, no transforms) with its append fused: the new token's key, value and
-    position written by one C call (three torch copies otherwise), then ``attend(q, keys, values, scale)``."""
+    position written by one C call (three torch copies otherwise), then ``attend(q, keys, values, scale, bias)``
+    (``bias``: ``KVCache.padding_bias`` of a left-padded batch, or None)."""
 
     def __init__(self, fn_by_dtype: dict, fallback, attend, scale: float) -> None:
         super().__init__("append", fn_by_dtype, fallback, scale, (0, 0, 0, 0), None, 1)
         self.attend = attend
+        self.bias_dtype = None
         self.capacity = 0
 
     def __call__(self, q, k, v, cache):
@@ -245,6 +247,7 @@ class FusedAppend(FusedStep):
                 self.held = ()
                 return self.fallback(q, k, v, cache)
             self.capacity = min(t.shape[2] for t in self.held[:3])
+            self.bias_dtype = self.shapes[2]
         _, kvshape, dtype = self.shapes
         ks, vs = k.stride(), v.stride()
         found = self._next_rows(cache, kvshape[0])
@@ -256,7 +259,8 @@ class FusedAppend(FusedStep):
         if found[1] == 0:
             cache._next += 1
         cache._last = None
-        return self.attend(q, cache._k[:, :, :m + 1], cache._v[:, :, :m + 1], self.scale)
+        bias = None if cache._valid is None else cache.padding_bias(self.bias_dtype)
+        return self.attend(q, cache._k[:, :, :m + 1], cache._v[:, :, :m + 1], self.scale, bias)
 
 
 def offer_append(fallback, attend, cache, scale: float):
