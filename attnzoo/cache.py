@@ -147,6 +147,8 @@ class KVCache:
     @valid.setter
     def valid(self, value: torch.Tensor | None) -> None:
         self._valid = value
+        if value is None:
+            self._bias = None
 
     def padding_bias(self, dtype: torch.dtype) -> torch.Tensor:
         """(B, H_kv, M) in ``dtype``: -inf at padding, 0 at real tokens, for attention over padded rows with no
@@ -279,8 +281,10 @@ class KVCache:
 
     @property
     def capacity_bytes(self) -> int:
-        """Bytes allocated, spare room of the growing buffers included."""
-        tensors = [self._k, self._v, self._pos, self.valid, *self.state.values(), *self._feat.values()]
+        """Bytes allocated, spare room of the growing buffers included (and the padding bias of the plain lean
+        step, while it is kept)."""
+        bias = self._bias[1] if self._bias is not None and self._bias[0] is self._valid else None
+        tensors = [self._k, self._v, self._pos, self.valid, bias, *self.state.values(), *self._feat.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def memory(self) -> dict:

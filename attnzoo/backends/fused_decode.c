@@ -25,7 +25,7 @@ enum {
     LAY_V, LAY_VSB, LAY_VSH,                  /* value buffer */
     LAY_P, LAY_PSB, LAY_PSH,                  /* positions (int64) */
     LAY_S, LAY_SSB, LAY_SSH,                  /* per-token scores: F, H2O's or TOVA's (0 when there are none) */
-    LAY_W,                                    /* scratch: 3 * (M + 1) elements */
+    LAY_W,                                    /* scratch: (G + 1) * (M + 1) elements */
     LAY_OPT0, LAY_OPT1, LAY_OPT2, LAY_OPT3,   /* the step's options (see each step) */
     LAY_SIZE
 };

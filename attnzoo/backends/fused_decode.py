@@ -172,7 +172,7 @@ class FusedStep:
             lay[_S], lay[_SSB], lay[_SSH] = scores.data_ptr(), scores.stride(0), scores.stride(1)
         else:
             lay[_S] = lay[_SSB] = lay[_SSH] = 0
-        work = torch.empty(3 * (m + 1), dtype=dtype)
+        work = torch.empty((h // hkv + 1) * (m + 1), dtype=dtype)  # every head's logits, a row of scores
         lay[_W] = work.data_ptr()
         lay[_OPT0], lay[_OPT1], lay[_OPT2], lay[_OPT3] = self.options
         self.fn = self.fn_by_dtype[dtype]

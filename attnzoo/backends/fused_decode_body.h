@@ -19,9 +19,9 @@ static inline void NAME(copy_row)(T *restrict dst, const T *restrict src, i64 d)
     for (i64 i = 0; i < d; i++) dst[i] = src[i];
 }
 
-/* w[0..m) holds one query's logits. They become its softmax probabilities (as torch.softmax: the row's
- * maximum, exp, the sum, a division), and o = sum_j p_j V[j]. A NaN or +inf logit makes the whole row NaN. */
-static void NAME(attend)(T *restrict w, i64 m, const T *restrict V, i64 d, T *restrict o) {
+/* w[0..m) holds one query's logits. They become its softmax probabilities, as torch.softmax computes them: the
+ * row's maximum, exp, the sum, a division. A NaN or +inf logit makes the whole row NaN. */
+static void NAME(softmax)(T *restrict w, i64 m) {
     T mx = -INFINITY;
     for (i64 j = 0; j < m; j++)
         if (w[j] > mx) mx = w[j];
@@ -31,19 +31,50 @@ static void NAME(attend)(T *restrict w, i64 m, const T *restrict V, i64 d, T *re
         w[j] = e;
         sum += e;
     }
-    for (i64 i = 0; i < d; i++) o[i] = 0;
-    for (i64 j = 0; j < m; j++) {
-        T p = w[j] / sum;
-        w[j] = p;
-        const T *restrict vj = V + j * d;
-#pragma omp simd
-        for (i64 i = 0; i < d; i++) o[i] += p * vj[i];
+    for (i64 j = 0; j < m; j++) w[j] = w[j] / sum;
+}
+
+/* The logits of the G query heads of one key/value head over m keys, scaled: w[g * m + j]. Four keys at a time,
+ * so that four independent sums are in flight (one sum at a time waits on each multiply-add). */
+static void NAME(group_logits)(T *restrict w, const T *restrict q0, i64 qsh, i64 g_count, const T *restrict K, i64 m,
+                               i64 d, T scale) {
+    for (i64 g = 0; g < g_count; g++) {
+        const T *restrict qg = q0 + g * qsh;
+        T *restrict wg = w + g * m;
+        i64 j = 0;
+        for (; j + 4 <= m; j += 4) {
+            const T *restrict k0 = K + j * d, *restrict k1 = k0 + d, *restrict k2 = k1 + d, *restrict k3 = k2 + d;
+            T a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (i64 i = 0; i < d; i++) {
+                const T x = qg[i];
+                a0 += x * k0[i];
+                a1 += x * k1[i];
+                a2 += x * k2[i];
+                a3 += x * k3[i];
+            }
+            wg[j] = a0 * scale;
+            wg[j + 1] = a1 * scale;
+            wg[j + 2] = a2 * scale;
+            wg[j + 3] = a3 * scale;
+        }
+        for (; j < m; j++) wg[j] = NAME(dot)(qg, K + j * d, d) * scale;
     }
 }
 
-/* Logits of query row qrow over m key rows (scaled), into w. */
-static inline void NAME(logits)(T *restrict w, const T *restrict qrow, const T *restrict K, i64 m, i64 d, T scale) {
-    for (i64 j = 0; j < m; j++) w[j] = NAME(dot)(qrow, K + j * d, d) * scale;
+/* The outputs of the G query heads of one key/value head: o[g * d + i] = sum_j p[g * m + j] V[j, i]. Each value
+ * row is read once for the G heads. */
+static void NAME(group_values)(T *restrict o, const T *restrict p, i64 g_count, const T *restrict V, i64 m, i64 d) {
+    for (i64 i = 0; i < g_count * d; i++) o[i] = 0;
+    for (i64 j = 0; j < m; j++) {
+        const T *restrict vj = V + j * d;
+        for (i64 g = 0; g < g_count; g++) {
+            const T pj = p[g * m + j];
+            T *restrict og = o + g * d;
+#pragma omp simd
+            for (i64 i = 0; i < d; i++) og[i] += pj * vj[i];
+        }
+    }
 }
 
 /* The new token (row b) into slot `slot` of every key/value head, at position `next`, with score 0. */
@@ -75,7 +106,7 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
     const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
-    T *S = (T *)(intptr_t)lay[LAY_S], *w = (T *)(intptr_t)lay[LAY_W], *s = w + (M + 1);
+    T *S = (T *)(intptr_t)lay[LAY_S], *w = (T *)(intptr_t)lay[LAY_W], *s = w + G * (M + 1);
     const i64 skip = lay[LAY_OPT0], sel_kv = lay[LAY_OPT1], sel_g = lay[LAY_OPT2];
     const int bos_zero = (int)(lay[LAY_OPT3] & 1), self_zero = (int)((lay[LAY_OPT3] >> 1) & 1);
     const T sc = (T)scale;
@@ -96,14 +127,18 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
         NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, nb);
         for (i64 hk = 0; hk < HKV; hk++) {
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
+            NAME(group_logits)(w, q + b * qsb + hk * G * qsh, qsh, G, Kh, M, D, sc);
+            if (hk == sel_kv)
+                for (i64 j = 0; j < M; j++) {
+                    const T l = w[sel_g * M + j];
+                    s[j] = l < 0 ? (T)0 : l;  /* ReLU; NaN stays NaN */
+                }
             for (i64 g = 0; g < G; g++) {
-                const i64 h = hk * G + g;
-                NAME(logits)(w, q + b * qsb + h * qsh, Kh, M, D, sc);
-                if (hk == sel_kv && g == sel_g)
-                    for (i64 j = 0; j < M; j++) s[j] = w[j] < 0 ? (T)0 : w[j];  /* ReLU; NaN stays NaN */
-                for (i64 j = 0; j < M; j++) w[j] -= f0[j];
-                NAME(attend)(w, M, Vh, D, out + (b * HKV * G + h) * D);
+                T *wg = w + g * M;
+                for (i64 j = 0; j < M; j++) wg[j] -= f0[j];
+                NAME(softmax)(wg, M);
             }
+            NAME(group_values)(out + (b * HKV + hk) * G * D, w, G, Vh, M, D);
         }
         if (bos_zero) s[0] = 0;
         if (self_zero) s[victim] = 0;
@@ -137,11 +172,9 @@ int NAME(attnzoo_sink_window)(const i64 *lay, const T *q, i64 qsb, i64 qsh, cons
         NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, nb);
         for (i64 hk = 0; hk < HKV; hk++) {
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
-            for (i64 g = 0; g < G; g++) {
-                const i64 h = hk * G + g;
-                NAME(logits)(w, q + b * qsb + h * qsh, Kh, M, D, sc);
-                NAME(attend)(w, M, Vh, D, out + (b * HKV * G + h) * D);
-            }
+            NAME(group_logits)(w, q + b * qsb + hk * G * qsh, qsh, G, Kh, M, D, sc);
+            for (i64 g = 0; g < G; g++) NAME(softmax)(w + g * M, M);
+            NAME(group_values)(out + (b * HKV + hk) * G * D, w, G, Vh, M, D);
         }
         if (nexts) nexts[b] += 1;
     }
@@ -159,7 +192,7 @@ int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T 
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     T *K = (T *)(intptr_t)lay[LAY_K], *V = (T *)(intptr_t)lay[LAY_V], *S = (T *)(intptr_t)lay[LAY_S];
     i64 *P = (i64 *)(intptr_t)lay[LAY_P];
-    T *w = (T *)(intptr_t)lay[LAY_W], *t = w + (M + 1);
+    T *w = (T *)(intptr_t)lay[LAY_W], *t = w + G * (M + 1);
     const int tova = lay[LAY_OPT0] == 1;
     const i64 n = M + 1;
     const T sc = (T)scale;
@@ -173,12 +206,12 @@ int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T 
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
             if (!tova)
                 for (i64 j = 0; j < n; j++) t[j] = 0;
+            NAME(group_logits)(w, q + b * qsb + hk * G * qsh, qsh, G, Kh, n, D, sc);
             for (i64 g = 0; g < G; g++) {
-                const i64 h = hk * G + g;
-                NAME(logits)(w, q + b * qsb + h * qsh, Kh, n, D, sc);
-                NAME(attend)(w, n, Vh, D, out + (b * HKV * G + h) * D);
-                for (i64 j = 0; j < n; j++) t[j] += w[j];
+                NAME(softmax)(w + g * n, n);
+                for (i64 j = 0; j < n; j++) t[j] += w[g * n + j];
             }
+            NAME(group_values)(out + (b * HKV + hk) * G * D, w, G, Vh, n, D);
             if (!tova) {
                 T *sh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
                 for (i64 j = 0; j < n; j++) sh[j] += t[j];
