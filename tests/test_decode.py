@@ -549,6 +549,9 @@ def test_fused_steps_take_any_strides_odd_sizes_and_changes_of_buffers(spec, lea
 
 def test_the_fused_steps_say_why_they_are_unavailable(monkeypatch):
     """No compiler, a compiler that fails, or the switch: one line each, and the torch lean steps run."""
+    if fused_decode.library() is not None:
+        assert "decode steps at a budget: fused C steps" in attnzoo.explain("h2o", mode="decode")
+    assert "decode steps" not in attnzoo.explain("h2o", mode="forward")
     monkeypatch.setenv("CC", "/nonexistent/cc")
     lib, why = fused_decode._compile()
     assert lib is None and "/nonexistent/cc could not compile fused_decode.c" in why and "\n" not in why
