@@ -607,3 +607,28 @@ def test_lean_steps_decode_ragged_rows_once_their_padding_is_evicted(spec, lean_
     torch.testing.assert_close(lean.decode(*step, caches[0], key_mask=pad), ref.decode(*step, caches[1], key_mask=pad),
                                rtol=1e-10, atol=1e-10)
     assert torch.equal(caches[0].positions, caches[1].positions) and same_padding()
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.float16, 1e-2), (torch.bfloat16, 5e-2)])
+def test_the_plain_lean_step_masks_padding_in_every_float_dtype(dtype, tol):
+    """A left-padded batch with no budget keeps its padding: the plain lean step masks it (an additive bias in
+    the accumulator dtype, SDPA's mask below 256 keys) and decodes what the float64 reference does; half precision
+    takes the torch step, float32 the fused append."""
+    torch.manual_seed(10)
+    b, h, hkv, d, n = 2, 4, 2, 8, 20
+    q = torch.randn(b, h, n, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, n, d, dtype=torch.float64) for _ in range(2))
+    real = torch.ones(b, 6, dtype=torch.bool)
+    real[1, :4] = False
+    lean, ref = attnzoo.compile("vanilla", backend="blocked"), attnzoo.compile("vanilla", backend="reference")
+    caches = [lean.new_cache(b), ref.new_cache(b)]
+    lean.prefill(*(x[:, :, :6].to(dtype) for x in (q, k, v)), caches[0], key_mask=real)
+    ref.prefill(q[:, :, :6], k[:, :, :6], v[:, :, :6], caches[1], key_mask=real)
+    kinds = []
+    for t in range(6, n):
+        kinds.append(caches[0].lean_step_kind)
+        got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
+        want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
+    fused = dtype == torch.float32 and fused_decode.library() is not None
+    assert kinds[1:] == ["fused" if fused else "torch"] * (n - 7) and torch.equal(caches[0].valid, caches[1].valid)
