@@ -1,0 +1,230 @@
+"""What crosses between ranks: the communication accounting (:func:`counting`), the collectives and
+point-to-point exchanges (every send counted), and the blocks of keys moving around the ring or all-gathered
+(:class:`_Blocks`)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .layout import _Config
+
+
+@dataclass
+class CommCounter:
+    """Bytes this rank hands to the network: point-to-point sends as sent, collectives as their ring algorithm
+    sends them (all-gather: (R-1) x the local piece; all-reduce: 2 (R-1) / R x the buffer)."""
+
+    bytes_sent: int = 0
+    messages: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes_sent += nbytes
+        self.messages += 1
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+
+
+_COUNTERS: list[CommCounter] = []
+
+
+@contextmanager
+def counting():
+    """Count what the context-parallel calls inside send from this rank: ``with counting() as c: ...``."""
+    counter = CommCounter()
+    _COUNTERS.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTERS.remove(counter)
+
+
+def _count(kind: str, nbytes: int) -> None:
+    for counter in _COUNTERS:
+        counter.add(kind, int(nbytes))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# -- collectives ---------------------------------------------------------------------------------------------------
+def _all_gather(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
+    """(world, *t.shape): every rank's ``t`` (the same shape everywhere)."""
+    t = t.contiguous()
+    if world == 1:
+        return t.unsqueeze(0)
+    out = [torch.empty_like(t) for _ in range(world)]
+    _count(kind, (world - 1) * _nbytes(t))
+    dist.all_gather(out, t, group=group)
+    return torch.stack(out)
+
+
+def _allreduce_bytes(t: torch.Tensor, world: int) -> int:
+    return 2 * (world - 1) * _nbytes(t) // max(world, 1)
+
+
+def _all_reduce(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
+    if world > 1:
+        _count(kind, _allreduce_bytes(t, world))
+        dist.all_reduce(t, group=group)
+    return t
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather with a gradient: backward sums the gradient over the ranks and keeps this rank's piece."""
+
+    @staticmethod
+    def forward(ctx, t, group, world, rank):
+        ctx.group, ctx.world, ctx.rank = group, world, rank
+        return _all_gather(t, group, world, "features")
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _all_reduce(grad.contiguous().clone(), ctx.group, ctx.world, "features")
+        return grad[ctx.rank], None, None, None
+
+
+def _global_rank(group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, kind: str,
+              tag: int = 0):
+    """Post sends (tensor, group rank) and receives together (batched: NCCL needs it for a ring), the i-th of
+    each tagged ``tag + i``; returns the requests to wait on."""
+    ops = []
+    for i, (t, peer) in enumerate(sends):
+        _count(kind, _nbytes(t))
+        ops.append(dist.P2POp(dist.isend, t, _global_rank(group, peer), group, tag + i))
+    for i, (t, peer) in enumerate(recvs):
+        ops.append(dist.P2POp(dist.irecv, t, _global_rank(group, peer), group, tag + i))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(requests) -> None:
+    for req in requests:
+        req.wait()
+
+
+# -- blocks of keys moving between ranks ---------------------------------------------------------------------------
+#: token dimension of each kind of tensor in a block: keys/values (B, H_kv, n, D) -> 2, positions (B, n) and
+#: features/carries (B, H, n) -> the last
+def _token_dim(name: str) -> int:
+    return 2 if name in ("k", "v") else -1
+
+
+def _like(mine: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
+    """Empty tensors shaped like ``mine`` with ``size`` tokens."""
+    out = {}
+    for name, t in mine.items():
+        shape = list(t.shape)
+        shape[_token_dim(name)] = size
+        out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
+    return out
+
+
+class _Blocks:
+    """Every rank's block of keys, one at a time, in ring order (this rank's own first): passed around the ring
+    (the next block is received while the current one is attended) or all-gathered once."""
+
+    def __init__(self, cfg: _Config, kind: str) -> None:
+        self.cfg, self.kind = cfg, kind
+        self.returned: dict[str, torch.Tensor] | None = None
+
+    def sources(self) -> list[int]:
+        return [(self.cfg.rank - step) % self.cfg.world for step in range(self.cfg.world)]
+
+    def __call__(self, mine: dict[str, torch.Tensor]):
+        cfg = self.cfg
+        if cfg.world == 1:
+            yield cfg.rank, mine
+            return
+        if not cfg.ring:
+            gathered = self._gather(mine)
+            for src in self.sources():
+                yield src, gathered[src]
+            return
+        current = {name: t.contiguous() for name, t in mine.items()}
+        for step, src in enumerate(self.sources()):
+            requests, incoming = self._pass_on(mine, current, step, src)
+            yield src, current
+            _wait(requests)
+            current = incoming
+
+    def _pass_on(self, mine, current, step: int, src: int):
+        """Start sending ``current`` (the block of rank ``src``) to the next rank and receiving the previous rank's
+        block, unless this is the last step: (the requests to wait for, the incoming block or None)."""
+        cfg = self.cfg
+        if step >= cfg.world - 1:
+            return [], None
+        nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
+        incoming = _like(mine, cfg.layout.local_size((src - 1) % cfg.world))
+        requests = _exchange([(t, nxt) for t in current.values()], [(t, prev) for t in incoming.values()],
+                             cfg.group, self.kind)
+        return requests, incoming
+
+    def with_grads(self, mine: dict[str, torch.Tensor], grad_names: list[str]):
+        """Like iterating, with a zeroed gradient dict per block (``grad_names`` of the block's tensors) to add
+        into; the gradients of this rank's own block are in ``self.returned`` afterwards."""
+        cfg = self.cfg
+        if cfg.world == 1:
+            grads = {name: torch.zeros_like(mine[name]) for name in grad_names}
+            yield cfg.rank, mine, grads
+            self.returned = grads
+            return
+        if not cfg.ring:
+            gathered = self._gather(mine)
+            every = {src: {name: torch.zeros_like(gathered[src][name]) for name in grad_names}
+                     for src in range(cfg.world)}
+            for src in self.sources():
+                yield src, gathered[src], every[src]
+            self.returned = {name: self._reduce([every[s][name] for s in range(cfg.world)], name)
+                             for name in grad_names}
+            return
+        nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
+        current = {name: t.contiguous() for name, t in mine.items()}
+        grads = {name: torch.zeros_like(mine[name]) for name in grad_names}
+        for step, src in enumerate(self.sources()):
+            requests, incoming = self._pass_on(mine, current, step, src)
+            yield src, current, grads
+            # the gradients follow their block: after the last step they reach its owner, the next rank
+            size = cfg.layout.local_size((src - 1) % cfg.world) if step < cfg.world - 1 else \
+                cfg.layout.local_size(cfg.rank)
+            arriving = _like({name: mine[name] for name in grad_names}, size)
+            _wait(requests)
+            _wait(_exchange([(grads[name].contiguous(), nxt) for name in grad_names],
+                            [(arriving[name], prev) for name in grad_names], cfg.group, self.kind + "-grad",
+                            tag=1000))
+            current, grads = incoming, arriving
+        self.returned = grads
+
+    def _gather(self, mine):
+        cfg = self.cfg
+        most = max(cfg.layout.local_size(r) for r in range(cfg.world))
+        out: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.world)]
+        for name, t in mine.items():
+            dim = _token_dim(name) % t.dim()
+            padded = F.pad(t, _pad_spec(t.dim(), dim, most - t.shape[dim]))
+            every = _all_gather(padded, cfg.group, cfg.world, self.kind)
+            for r in range(cfg.world):
+                out[r][name] = every[r].narrow(dim, 0, cfg.layout.local_size(r))
+        return out
+
+    def _reduce(self, pieces: list[torch.Tensor], name: str) -> torch.Tensor:
+        cfg = self.cfg
+        most = max(cfg.layout.local_size(r) for r in range(cfg.world))
+        dim = _token_dim(name) % pieces[0].dim()
+        stacked = torch.stack([F.pad(p, _pad_spec(p.dim(), dim, most - p.shape[dim])) for p in pieces])
+        _all_reduce(stacked, cfg.group, cfg.world, self.kind + "-grad")
+        return stacked[cfg.rank].narrow(dim, 0, cfg.layout.local_size(cfg.rank))
+
+
+def _pad_spec(ndim: int, dim: int, extra: int) -> tuple[int, ...]:
+    spec = [0] * (2 * (ndim - dim))
+    spec[-1] = extra
+    return tuple(spec)

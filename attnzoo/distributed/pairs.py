@@ -1,0 +1,130 @@
+"""The maths of one (query block, key range) pair: logits with the logits transforms, the selection S, F from
+the incoming carry, the merge by log-sum-exp, and the walk over a rank's query blocks and a block's chunks."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backends.composition import checked_logits
+from ..cache import accumulator_dtype
+from ..transforms.base import Dims, Slot
+from .layout import _Config
+
+
+def _key_range(plan, qpos: torch.Tensor, kpos: torch.Tensor) -> tuple[int, int] | None:
+    """The keys (a slice of kpos, ascending) some query at qpos may see under causality and the masks' bounds, or
+    None when there is none. The same rule in every pass, so forward and backward visit the same pairs."""
+    nk = kpos.shape[-1]
+    stop = int((kpos <= qpos.max()).sum(-1).max()) if plan.causal else nk
+    earliest = plan.earliest_key(int(qpos.min()))
+    start = int((kpos < earliest).sum(-1).min()) if earliest is not None else 0
+    return (start, stop) if start < stop else None
+
+
+def _selection(plan, acc, qs, ksel, qpos, kpos, dims, qfeat, kfeat, params, scale):
+    """S (B, 1, nq, nk) from the queries (B, H, nq, D) and the selector's key rows ksel (B, len(heads), nk, D),
+    the logits of the selector heads alone through the logits slot (as ``Composition.selection``)."""
+    ctx = plan.context(qpos, kpos.unsqueeze(1), dims, None, qfeat, kfeat)
+    allowed = plan.allowed(ctx, None)
+    index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
+    logits = (qs.index_select(1, index) @ ksel.transpose(-1, -2)) * scale
+    for t in plan.many(Slot.LOGITS):
+        logits = checked_logits(t, t.apply(logits, sel_ctx, params[t.kind]), logits)
+    return acc.selection(logits, sel_allowed, sel_ctx, params[acc.kind])
+
+
+def _selector_kv(plan, acc, dims: Dims, device) -> torch.Tensor:
+    group = dims.num_heads // dims.num_kv_heads
+    return torch.tensor([i // group for i in acc.heads()], device=device)
+
+
+def _pair(plan, params, q, k, v, qpos, kpos, qfeat, kfeat, carry, scale):
+    """Queries (B, H, nq, D) at qpos (B, nq) against keys and values (B, H_kv, nk, D) at kpos (B, nk), with the
+    features of each and the accumulator's carry (B, nk) into this query block (None without one). Returns (the
+    output normalised over these keys (B, H, nq, D), its log-sum-exp (B, H, nq), -inf for a row with no key here,
+    the column sums of S (B, nk) or None)."""
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    group = h // hkv
+    dims = Dims(h, d, hkv)
+    ctx = plan.context(qpos, kpos.unsqueeze(1), dims, None, qfeat, kfeat)
+    allowed = plan.allowed(ctx, None).expand(b, -1, nq, nk)
+    logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, nk) * scale
+    for t in plan.many(Slot.LOGITS):
+        logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
+    colsum = None
+    acc = plan.one(Slot.ACCUMULATOR)
+    if acc is not None:
+        ksel = k.index_select(1, _selector_kv(plan, acc, dims, k.device))
+        s = _selection(plan, acc, q, ksel, qpos, kpos, dims, qfeat, kfeat, params, scale)
+        s = s.to(accumulator_dtype(s.dtype))
+        f = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0)) + carry[:, None, None, :]
+        colsum = s.sum(dim=2)[:, 0]
+        logits = (logits.to(f.dtype) - f).to(logits.dtype)  # subtract in F's (wider) dtype, round once
+    has = allowed.any(-1, keepdim=True)
+    masked = logits.masked_fill(~allowed, float("-inf")).masked_fill(~has, 0.0)
+    lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+    p = torch.exp(masked - lse).masked_fill(~allowed, 0.0)
+    out = (p.reshape(b, hkv, group * nq, nk) @ v).reshape(b, h, nq, d)
+    return out, lse[..., 0].masked_fill(~has[..., 0], float("-inf")), colsum
+
+
+def _merge(out, lse, o, l) -> None:
+    """Flash-style merge of a partial result (o, l) into (out, lse), in place."""
+    new = torch.logaddexp(lse, l)
+    finite = torch.isfinite(new)
+    old_w = torch.where(finite, torch.exp(lse - new), 0.0)
+    new_w = torch.where(finite, torch.exp(l - new), 0.0)
+    out.mul_(old_w.unsqueeze(-1).to(out.dtype)).add_(o * new_w.unsqueeze(-1).to(out.dtype))
+    lse.copy_(new)
+
+
+def _weight(l: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """exp(l - total), 0 where the partial row had no key."""
+    return torch.where(torch.isfinite(l), torch.exp(l - total), 0.0)
+
+
+class _Walk:
+    """The work of one rank: every (local query block, key range of a source chunk) pair the masks leave."""
+
+    def __init__(self, cfg: _Config, pos: torch.Tensor) -> None:
+        self.cfg, self.pos = cfg, pos
+
+    def query_blocks(self, start: int, stop: int) -> list[slice]:
+        step = self.cfg.block_size
+        return [slice(s, min(s + step, stop)) for s in range(start, stop, step)]
+
+    def pairs(self, src: int, kpos: torch.Tensor):
+        """(query chunk, source chunk, its global start, its local slice in the block, [(query block, key
+        slice within the chunk)]) for the pairs with at least one visible key."""
+        layout = self.cfg.layout
+        for c, qstart, qstop, _ in layout.local_chunks(self.cfg.rank):
+            for cb, kstart, kstop, gstart in layout.local_chunks(src):
+                if self.cfg.plan.causal and cb > c:
+                    continue  # positions increase along the sequence (checked): every key is after every query
+                chunk_pos = kpos[:, kstart:kstop]
+                blocks = []
+                for qb in self.query_blocks(qstart, qstop):
+                    keys = _key_range(self.cfg.plan, self.pos[:, qb], chunk_pos)
+                    if keys is not None:
+                        blocks.append((qb, slice(*keys)))
+                if blocks:
+                    yield c, cb, gstart, slice(kstart, kstop), blocks
+
+
+def _unpack(cfg: _Config, rest):
+    nf = len(cfg.feature_keys)
+    features = dict(zip(cfg.feature_keys, rest[:nf], strict=True))
+    params: dict[str, dict[str, torch.Tensor]] = {t.kind: {} for t in cfg.plan.transforms}
+    for (kind, short), t in zip(cfg.param_keys, rest[nf:], strict=True):
+        params[kind][short] = t
+    return features, params
+
+
+def _block(ks, vs, pos, features) -> dict[str, torch.Tensor]:
+    return {"k": ks, "v": vs, "pos": pos, **{f"f:{name}": t for name, t in features.items()}}
+
+
+def _key_features(block, keys: slice, chunk: slice) -> dict[str, torch.Tensor]:
+    return {name[2:]: t[..., chunk][..., keys] for name, t in block.items() if name.startswith("f:")}
