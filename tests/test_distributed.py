@@ -104,6 +104,13 @@ def _check_spec(spec, case, rank, world):
     bad = []
     if cp.last_method != case["method"]:
         bad.append(f"method {cp.last_method}")
+    plan = reference.plan  # row maps and the sink only: the pairs are the CPU flash kernel's
+    plain = plan.causal and not plan.many(attnzoo.Slot.LOGITS) and not plan.many(attnzoo.Slot.MASK) and \
+        plan.one(attnzoo.Slot.ACCUMULATOR) is None
+    if cp.last_pairs != ("flash" if plain else "eager"):
+        bad.append(f"pairs {cp.last_pairs}")
+    if name in ("vanilla", "ssa", "sink", "qk-norm") and not plain:
+        bad.append("a plain spec's pairs are not plain")
     if not _close(got.detach(), layout.shard(out.detach(), rank)):
         bad.append("out")
     for label, x, g in zip("qkv", (ql, kl, vl), truth[:3], strict=True):

@@ -11,7 +11,21 @@ from ..transforms.base import Dims, Slot
 from .carry import _colsums, _scan
 from .exchange import _Blocks
 from .layout import _Config
-from .pairs import _block, _key_features, _merge, _pair, _selection, _selector_kv, _unpack, _Walk, _weight
+from .pairs import (
+    _block,
+    _key_features,
+    _merge,
+    _pair,
+    _selection,
+    _selector_kv,
+    _unpack,
+    _Walk,
+    _weight,
+    flash_pair,
+    flash_pair_grads,
+    flash_pairs,
+    pair_queries,
+)
 
 
 def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
@@ -22,9 +36,15 @@ def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
     walk = _Walk(cfg, pos)
+    flash = flash_pairs(cfg, qs)
     for src, blk in _Blocks(cfg, "kv")(_block(ks, vs, pos, features)):
-        for c, _, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
+            if flash:  # the whole pair of chunks in one kernel call
+                rows = pair_queries(blocks)
+                o, l = flash_pair(qs[:, :, rows], kchunk, vchunk, cb == c, cfg.scale)
+                _merge(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
+                continue
             carry = carries[c][:, gstart:gstart + pchunk.shape[-1]].clone() if acc is not None else None
             for qb, keys in blocks:
                 o, l, colsum = _pair(plan, params, qs[:, :, qb], kchunk[:, :, keys], vchunk[:, :, keys], pos[:, qb],
@@ -140,9 +160,18 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
     # Pass C: every pair's gradients; key-side gradients travel with their block
     kv_names = ["k", "v"] + [f"f:{name}" for name in cfg.feature_keys]
     blocks_of = _Blocks(cfg, "kv")
+    flash = flash_pairs(cfg, qs)
     for src, blk, g_blk in blocks_of.with_grads(_block(ks, vs, pos, features), kv_names):
-        for c, _, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
+            if flash:  # the pair's share of the gradients from the final output and log-sum-exp
+                rows = pair_queries(blocks)
+                g_q, g_k, g_v = flash_pair_grads(d_out[:, :, rows], qs[:, :, rows], kchunk, vchunk, out[:, :, rows],
+                                                 lse[:, :, rows], cb == c, cfg.scale)
+                _add(d_q[:, :, rows], g_q)
+                _add(g_blk["k"][:, :, chunk], g_k)
+                _add(g_blk["v"][:, :, chunk], g_v)
+                continue
             width = pchunk.shape[-1]
             carry_in = []
             if acc is not None:  # the carry into each query block, from a selector-only sweep

@@ -16,6 +16,7 @@ from .attend import _ShardedAttend
 from .carry import _features
 from .exchange import _all_gather, _allreduce_bytes, _count
 from .layout import Layout, _Config
+from .pairs import flash_pairs
 
 #: slots whose transforms act inside the (query, key) pairs, so their parameters enter the sharded kernel
 _PAIR_SLOTS = (Slot.LOGITS, Slot.MASK, Slot.ACCUMULATOR, Slot.NORMALISER)
@@ -63,6 +64,9 @@ class ContextParallel:
         self.group, self.balanced, self.method = group, balanced, method
         self.block_size, self.gather_limit = block_size, gather_limit
         self.last_method: str | None = None
+        #: how the last call computed each pair of chunks: "flash" (torch's CPU flash-attention kernel, forward and
+        #: backward: plain attention in float32/float64 on the CPU) or "eager" (the pair's maths with autograd)
+        self.last_pairs: str | None = None
 
     def __repr__(self) -> str:
         return f"ContextParallel(spec='{self.variant.spec.name}', method='{self.method}')"
@@ -99,6 +103,7 @@ class ContextParallel:
                       if f"{kind}.{short}" not in token_keys]
         cfg = _Config(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
                       plan.logit_scale(d))
+        self.last_pairs = "flash" if flash_pairs(cfg, qs) else "eager"
         out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(),
                                    *(grouped[kind][short] for kind, short in param_keys))
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)

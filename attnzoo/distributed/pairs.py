@@ -70,6 +70,40 @@ def _pair(plan, params, q, k, v, qpos, kpos, qfeat, kfeat, carry, scale):
     return out, lse[..., 0].masked_fill(~has[..., 0], float("-inf")), colsum
 
 
+def flash_pairs(cfg: _Config, qs: torch.Tensor) -> bool:
+    """Whether every pair of this call is plain softmax attention (causal, no logits, mask, accumulator or
+    per-token feature inside the pairs; row maps and the sink are applied outside them) in float32/float64 on the
+    CPU: then a pair is torch's CPU flash-attention kernel, forward and backward (:func:`flash_pair`,
+    :func:`flash_pair_grads`), instead of the eager pair (:func:`_pair`) and its autograd."""
+    plan = cfg.plan
+    return (plan.causal and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
+            and plan.one(Slot.ACCUMULATOR) is None and not cfg.feature_keys and qs.device.type == "cpu"
+            and qs.dtype in (torch.float32, torch.float64))
+
+
+def pair_queries(blocks) -> slice:
+    """The query rows of a pair's blocks, as one slice (they are consecutive)."""
+    return slice(blocks[0][0].start, blocks[-1][0].stop)
+
+
+def flash_pair(q, k, v, diagonal: bool, scale: float):
+    """A pair of chunks by torch's CPU flash-attention kernel: queries (B, H, nq, D) against keys and values
+    (B, H_kv, nk, D) of an earlier chunk (every key visible) or of the same chunk (``diagonal``: causal by
+    index, which is causal by position since positions increase along the sequence). Returns (output, its
+    log-sum-exp (B, H, nq))."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q.contiguous(), k.contiguous(), v.contiguous(),
+                                                                      0.0, diagonal, scale=scale)
+
+
+def flash_pair_grads(d_out, q, k, v, out, lse, diagonal: bool, scale: float):
+    """The gradients (dq, dk, dv) of a :func:`flash_pair`'s share of the attention, from the gradient of the
+    final output ``d_out`` and the final output and log-sum-exp over every key (and the sink): the pair's
+    probabilities are exp(logits - lse), so its share of every gradient is exact (ring attention's backward)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
+        diagonal, scale=scale)
+
+
 def _merge(out, lse, o, l) -> None:
     """Flash-style merge of a partial result (o, l) into (out, lse), in place."""
     new = torch.logaddexp(lse, l)
