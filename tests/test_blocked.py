@@ -7,8 +7,11 @@ import torch
 
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
+from attnzoo.builtin_specs import shipped_spec_files
 from attnzoo.conformance import runner
 from attnzoo.registry import new_registry
+
+SHIPPED = sorted(p.stem for p in shipped_spec_files())
 
 
 @pytest.fixture(scope="module")
@@ -18,11 +21,17 @@ def registry():
     return new_registry(entry_points=False, extra_plugins=[("small_blocks", module)])
 
 
-def test_conformance_with_16_query_blocks(registry):
+def test_every_shipped_spec_is_checked_with_16_query_blocks(registry):
+    assert sorted(registry.specs) == sorted(SHIPPED)  # the test below covers them all, one item per spec
+
+
+@pytest.mark.parametrize("spec", SHIPPED)
+def test_conformance_with_16_query_blocks(registry, spec):
     """Many blocks (and forward spans) at the suite's small sizes: every check in float64, the outputs and
-    gradients (the numerics) in float32 too."""
-    cases = [c for c in runner.build_cases(registry, None, ["blocked16"], (torch.float64, torch.float32))
+    gradients (the numerics) in float32 too. One item per spec, so that workers share them."""
+    cases = [c for c in runner.build_cases(registry, [spec], ["blocked16"], (torch.float64, torch.float32))
              if c.dtype == "float64" or c.check.startswith(("outputs/", "gradients/", "packed/"))]
+    assert cases
     results = runner.run_suite(cases)
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
     assert not failures, failures[:5]
