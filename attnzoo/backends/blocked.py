@@ -317,7 +317,7 @@ class BlockedBackend(Backend):
                 and (not kinds or cache.horizon is not None)):
             step = functools.partial(self._lean_plain, scale, bool(kinds))
             if not kinds:  # no window: the append fused, the attention torch's
-                step = fused_decode.offer_append(step, _plain_one, cache, scale)
+                step = fused_decode.offer_append(step, _attend_held, cache, scale)
             return type(cache).lean_ready, step
         if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
             acc = plan.one(Slot.ACCUMULATOR)
@@ -446,9 +446,7 @@ class BlockedBackend(Backend):
             cache.drop_expired()
             return out
         cache.append_one(k, v)
-        m = cache._m
-        bias = None if cache._valid is None else cache.padding_bias(accumulator_dtype(q.dtype))
-        return _plain_one(q, cache._k[:, :, :m], cache._v[:, :, :m], scale, bias)
+        return _attend_held(q, cache, scale)
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
@@ -503,6 +501,14 @@ def _plain_one(q, ks, vs, scale: float, bias=None):
     logits = torch.baddbmm(base, rows, ks.reshape(b * hkv, m, d).transpose(1, 2), beta=0.0 if bias is None else 1.0,
                            alpha=scale)
     return torch.bmm(torch.softmax(logits, dim=-1), vs.reshape(b * hkv, m, d)).view(b, h, 1, d)
+
+
+def _attend_held(q, cache, scale: float):
+    """The plain lean step's attention: one query (B, H, 1, D) over every token the cache holds, a left-padded
+    batch's padding masked (``KVCache.padding_bias``)."""
+    m = cache._m
+    bias = None if cache._valid is None else cache.padding_bias(accumulator_dtype(q.dtype))
+    return _plain_one(q, cache._k[:, :, :m], cache._v[:, :, :m], scale, bias)
 
 
 def _flat(params):

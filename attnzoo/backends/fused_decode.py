@@ -228,13 +228,12 @@ class FusedStep:
 
 class FusedAppend(FusedStep):
     """The plain lean step (no evictor, no transforms) with its append fused: the new token's key, value and
-    position written by one C call (three torch copies otherwise), then ``attend(q, keys, values, scale, bias)``
-    (``bias``: ``KVCache.padding_bias`` of a left-padded batch, or None)."""
+    position written by one C call (three torch copies otherwise), then ``attend(q, cache, scale)`` over the
+    tokens held (the blocked backend's, which masks a left-padded batch's padding)."""
 
     def __init__(self, fn_by_dtype: dict, fallback, attend, scale: float) -> None:
         super().__init__("append", fn_by_dtype, fallback, scale, (0, 0, 0, 0), None, 1)
         self.attend = attend
-        self.bias_dtype = None
         self.capacity = 0
 
     def __call__(self, q, k, v, cache):
@@ -247,7 +246,6 @@ class FusedAppend(FusedStep):
                 self.held = ()
                 return self.fallback(q, k, v, cache)
             self.capacity = min(t.shape[2] for t in self.held[:3])
-            self.bias_dtype = self.shapes[2]
         _, kvshape, dtype = self.shapes
         ks, vs = k.stride(), v.stride()
         found = self._next_rows(cache, kvshape[0])
@@ -259,29 +257,30 @@ class FusedAppend(FusedStep):
         if found[1] == 0:
             cache._next += 1
         cache._last = None
-        bias = None if cache._valid is None else cache.padding_bias(self.bias_dtype)
-        return self.attend(q, cache._k[:, :, :m + 1], cache._v[:, :, :m + 1], self.scale, bias)
+        return self.attend(q, cache, self.scale)
+
+
+def _functions(kind: str, cache) -> dict | None:
+    """The compiled ``attnzoo_<kind>_*`` functions by dtype, or None when the fused steps are unavailable
+    (:func:`status`) or the cache is not on the CPU in float32/float64."""
+    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    return {dtype: getattr(lib, f"attnzoo_{kind}_{suffix}") for dtype, suffix in _SUFFIX.items()}
 
 
 def offer_append(fallback, attend, cache, scale: float):
     """The plain lean step ``fallback`` with its append fused (:class:`FusedAppend`), or ``fallback`` itself."""
-    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
-        return fallback
-    lib = library()
-    if lib is None:
-        return fallback
-    return FusedAppend({dtype: getattr(lib, f"attnzoo_append_{suffix}") for dtype, suffix in _SUFFIX.items()},
-                       fallback, attend, scale)
+    fns = _functions("append", cache)
+    return fallback if fns is None else FusedAppend(fns, fallback, attend, scale)
 
 
 def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,
           spare: int = 0):
-    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself when the fused
-    steps are unavailable (:func:`status`) or the cache is not on the CPU in float32/float64."""
-    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
-        return fallback
-    lib = library()
-    if lib is None:
-        return fallback
-    fns = {dtype: getattr(lib, f"attnzoo_{kind}_{suffix}") for dtype, suffix in _SUFFIX.items()}
-    return FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state, spare)
+    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself (see
+    :func:`_functions`)."""
+    fns = _functions(kind, cache)
+    return fallback if fns is None else FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state,
+                                                  spare)
