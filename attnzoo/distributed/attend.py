@@ -23,7 +23,6 @@ from .pairs import (
     _weight,
     flash_pair,
     flash_pair_grads,
-    flash_pairs,
     pair_queries,
 )
 
@@ -36,11 +35,10 @@ def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
     walk = _Walk(cfg, pos)
-    flash = flash_pairs(cfg, qs)
     for src, blk in _Blocks(cfg, "kv")(_block(ks, vs, pos, features)):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
-            if flash:  # the whole pair of chunks in one kernel call
+            if cfg.flash:  # the whole pair of chunks in one kernel call
                 rows = pair_queries(blocks)
                 o, l = flash_pair(qs[:, :, rows], kchunk, vchunk, cb == c, cfg.scale)
                 _merge(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
@@ -160,11 +158,10 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
     # Pass C: every pair's gradients; key-side gradients travel with their block
     kv_names = ["k", "v"] + [f"f:{name}" for name in cfg.feature_keys]
     blocks_of = _Blocks(cfg, "kv")
-    flash = flash_pairs(cfg, qs)
     for src, blk, g_blk in blocks_of.with_grads(_block(ks, vs, pos, features), kv_names):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
-            if flash:  # the pair's share of the gradients from the final output and log-sum-exp
+            if cfg.flash:  # the pair's share of the gradients from the final output and log-sum-exp
                 rows = pair_queries(blocks)
                 g_q, g_k, g_v = flash_pair_grads(d_out[:, :, rows], qs[:, :, rows], kchunk, vchunk, out[:, :, rows],
                                                  lse[:, :, rows], cb == c, cfg.scale)

@@ -120,3 +120,5 @@ class _Config:
     feature_keys: list[str]
     param_keys: list[tuple[str, str]]
     scale: float
+    #: every pair is plain attention on torch's CPU flash kernel (``pairs.flash_pairs``), decided once per call
+    flash: bool = False

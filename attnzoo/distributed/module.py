@@ -103,7 +103,8 @@ class ContextParallel:
                       if f"{kind}.{short}" not in token_keys]
         cfg = _Config(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
                       plan.logit_scale(d))
-        self.last_pairs = "flash" if flash_pairs(cfg, qs) else "eager"
+        cfg.flash = flash_pairs(cfg, qs)
+        self.last_pairs = "flash" if cfg.flash else "eager"
         out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(),
                                    *(grouped[kind][short] for kind, short in param_keys))
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
