@@ -40,9 +40,9 @@ CASES = {
     2: [dict(name="balanced-ring-gqa", n=37, batch=2, heads=4, kv_heads=2, head_dim=8, method="ring",
              balanced=True, block_size=4, gaps=False),
         dict(name="contiguous-allgather-gaps", n=21, batch=2, heads=2, kv_heads=1, head_dim=8, method="allgather",
-             balanced=False, block_size=256, gaps=True)],
+             balanced=False, block_size=256, gaps="mixed")],
     4: [dict(name="balanced-ring-gaps", n=45, batch=2, heads=4, kv_heads=1, head_dim=4, method="ring",
-             balanced=True, block_size=3, gaps=True),
+             balanced=True, block_size=3, gaps="past"),
         dict(name="balanced-allgather", n=19, batch=1, heads=2, kv_heads=2, head_dim=8, method="allgather",
              balanced=True, block_size=2, gaps=False)],
 }
@@ -50,11 +50,13 @@ TOL = dict(rtol=1e-9, atol=1e-11)
 
 
 def _positions(gen, batch, n, gaps):
+    """None (1..N), or positions with gaps: ``mixed``, the last row starts past the BOS position (the rows
+    disagree on BOS: the fused selective pairs decline, the eager ones run); ``past``, every row does."""
     if not gaps:
         return None
     steps = torch.randint(1, 3, (batch, n), generator=gen)
     steps[:, 0] = 1
-    steps[-1, 0] = 3  # the last row starts past the BOS position
+    steps[-1 if gaps == "mixed" else slice(None), 0] = 3
     return steps.cumsum(-1)
 
 
@@ -105,9 +107,14 @@ def _check_spec(spec, case, rank, world):
     if cp.last_method != case["method"]:
         bad.append(f"method {cp.last_method}")
     plan = reference.plan  # row maps and the sink only: the pairs are the CPU flash kernel's
-    plain = plan.causal and not plan.many(attnzoo.Slot.LOGITS) and not plan.many(attnzoo.Slot.MASK) and \
-        plan.one(attnzoo.Slot.ACCUMULATOR) is None
-    if cp.last_pairs != ("flash" if plain else "eager"):
+    inside = plan.many(attnzoo.Slot.LOGITS) or plan.many(attnzoo.Slot.MASK)
+    acc = plan.one(attnzoo.Slot.ACCUMULATOR)
+    plain = plan.causal and not inside and acc is None
+    # a one-head, parameter-free pointwise selection, nothing else inside the pairs, rows agreeing on BOS: the
+    # blocked backend's fused selective kernel
+    fused = (plan.causal and not inside and acc is not None and acc.pointwise() is not None
+             and len(acc.heads()) == 1 and not acc.parameters() and not inputs and case["gaps"] != "mixed")
+    if cp.last_pairs != ("flash" if plain else "fused" if fused else "eager"):
         bad.append(f"pairs {cp.last_pairs}")
     if name in ("vanilla", "ssa", "sink", "qk-norm") and not plain:
         bad.append("a plain spec's pairs are not plain")

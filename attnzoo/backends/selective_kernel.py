@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..cache import accumulator_dtype
+from ..transforms.base import PointwiseSelection
 
 #: names the phases for torch's profiler (benchmarks/selective_phases.py); next to nothing when it is off
 _phase = torch.profiler.record_function
@@ -109,7 +111,8 @@ class SelectiveCausal(torch.autograd.Function):
     attention's ReLU).
 
     Inputs are the already row-scaled q (B, H, N, D) and k, v (B, H_kv, N, D); positions are 1..N shifted by
-    ``first_position - 1`` (BOS is column 0 only when ``first_position == 1``).
+    ``first_position - 1`` (BOS is column 0 only when ``first_position == 1``). It is one diagonal
+    :class:`Pair` with no carry: :func:`pair_forward`, then :func:`pair_backward`.
     """
 
     @staticmethod
@@ -118,85 +121,203 @@ class SelectiveCausal(torch.autograd.Function):
         group = h // k.shape[1]
         ke = k.repeat_interleave(group, dim=1) if group > 1 else k
         ve = v.repeat_interleave(group, dim=1) if group > 1 else v
-        bos = pointwise.exclude_first and first_position == 1
+        pair = Pair(scale, sel, pointwise, block, negligible_f(q, ke, scale), diagonal=True,
+                    bos=pointwise.exclude_first and first_position == 1)
         out = torch.full_like(q, float("nan"))
-        wide = accumulator_dtype(q.dtype)  # the carry (a running sum) and lse in at least float32
-        lse = torch.full((b, h, n), float("nan"), dtype=wide, device=q.device)
-        carry = torch.zeros(b, n, dtype=wide, device=q.device)
-        carries = []
-        limit = negligible_f(q, ke, scale)
-        span = forward_span(block, b, n)
-        buffer = torch.empty(b * min(span, n) * n, dtype=q.dtype, device=q.device)  # one mask for every span
-        for start in range(0, n, span):
-            stop = min(start + span, n)
-            with _phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
-                keys = Keys.live(carry, start, stop, limit)
-            # -F for the span's queries against those keys; each block of ``block`` queries computes its part
-            # from its own carry, exactly as the backward pass recomputes it
-            mask = buffer[:b * (stop - start) * keys.count].view(b, stop - start, keys.count)
-            for lo in range(start, stop, block):
-                hi = min(lo + block, stop)
-                carries.append(carry[:, :hi].clone())
-                upto = keys.upto(hi)
-                with _phase("forward: selection"):
-                    s = _selection(q[:, sel, lo:hi], upto.take(ke[:, sel], 1), hi - lo, scale, pointwise,
-                                   bos and upto.has_first)[0]
-                with _phase("forward: -F and carry"):
-                    _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), limit)
-                    upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
-            _span_attention(q, ke, ve, keys, mask.unsqueeze(1), scale, start, stop, out, lse)
+        lse = torch.full((b, h, n), float("nan"), dtype=accumulator_dtype(q.dtype), device=q.device)
+        carries: list[torch.Tensor] = []
+        pair_forward(pair, q, ke, ve, q.new_zeros(b, n, dtype=lse.dtype), out, lse, carries)
         ctx.save_for_backward(q, ke, ve, out, lse, *carries)
-        ctx.meta = (scale, sel, pointwise, bos, block, group, limit)
+        ctx.meta = (pair, group)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, ke, ve, out, lse, *carries = ctx.saved_tensors
-        scale, sel, pointwise, bos, block, group, limit = ctx.meta
+        pair, group = ctx.meta
         dtype = q.dtype
         if dtype in (torch.float16, torch.bfloat16):  # recompute and accumulate in float32
             q, ke, ve, out, lse, grad_out = (t.float() for t in (q, ke, ve, out, lse, grad_out))
             carries = [c.float() for c in carries]
         b, h, n, d = q.shape
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(ke), torch.zeros_like(ve)
-        dcarry = q.new_zeros(b, n)
         neg_delta = -(grad_out * out).sum(-1, keepdim=True)  # (B, H, N, 1)
-        starts = list(range(0, n, block))
-        for index in reversed(range(len(starts))):
-            start = starts[index]
-            stop = min(start + block, n)
-            carry = carries[index]
-            with _phase("backward: live keys"):
-                keys = Keys.live(carry, start, stop, limit)
-            with _phase("backward: selection"):
-                s, l_sel = _selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, scale,
-                                      pointwise, bos and keys.has_first)
-            with _phase("backward: -F"):
-                neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
-                _neg_f_into(neg_f, s, keys.take(carry, 1), limit)
-            with _phase("backward: softmax tiles"):
-                k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
-                dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
-                # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
-                d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop],
-                                      lse[:, :, start:stop], neg_delta[:, :, start:stop], neg_f, scale,
-                                      dq[:, :, start:stop], dk_c, dv_c)
-                keys.add_into(dk, dk_c, 2, buffer=True)
-                keys.add_into(dv, dv_c, 2, buffer=True)
-            with _phase("backward: reverse carry and selector"):
-                # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
-                d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
-                total = d_f.sum(dim=2, keepdim=True)
-                d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None]
-                keys.add_into(dcarry, total[:, :, 0], 1)
-                d_sel = d_s.mul_(_exclude(pointwise.derivative(l_sel), stop - start, pointwise,
-                                          bos and keys.has_first))
-                keys.add_into(dk[:, sel], (d_sel @ q[:, sel, start:stop]) * scale, 1)
-                dq[:, sel, start:stop] += (d_sel.transpose(-1, -2) @ keys.take(ke[:, sel], 1)) * scale
+        pair_backward(pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, dk, dv, q.new_zeros(b, n))
         if group > 1:
             dk = dk.view(b, h // group, group, n, d).sum(2)
             dv = dv.view(b, h // group, group, n, d).sum(2)
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A block of queries against a block of keys, the unit of selective attention in this kernel: the whole
+    sequence (:class:`SelectiveCausal`) or, under context parallelism, one chunk of queries against one chunk of
+    keys (``attnzoo.distributed``). ``diagonal``: the keys are the queries' own tokens (as many, causal);
+    otherwise every key precedes every query. ``bos``: the first key is the protected BOS (never selected).
+    ``limit``: the negligible bound on F (:func:`negligible_f`) for these queries and keys. ``sel``: the selector
+    query head (queries and keys are given with H heads: GQA keys already repeated)."""
+
+    scale: float
+    sel: int
+    pointwise: PointwiseSelection
+    block: int
+    limit: float
+    diagonal: bool
+    bos: bool
+
+    def own(self, nq: int, nk: int) -> tuple[int, int]:
+        """(the keys before the queries' own, the queries' own keys): (nk - nq, nq) on the diagonal, (nk, 0) off
+        it."""
+        return (nk - nq, nq) if self.diagonal else (nk, 0)
+
+    def keys(self, carry, nq: int, nk: int, start: int, stop: int) -> Keys:
+        """The keys queries [start, stop) of the pair visit: the earlier keys still live, then their own."""
+        first, own = self.own(nq, nk)
+        if not own:
+            return Keys.live(carry, first, first, self.limit)
+        return Keys.live(carry, first + start, first + stop, self.limit)
+
+    def upto(self, keys: Keys, nq: int, nk: int, hi: int) -> Keys:
+        """The keys of ``keys`` that a block of the span ending before query ``hi`` may select."""
+        first, own = self.own(nq, nk)
+        return keys.upto(first + hi) if own else keys
+
+    def selection(self, q_sel, k_sel, bq, has_first):
+        return _selection(q_sel, k_sel, bq, self.scale, self.pointwise, self.bos and has_first, self.diagonal)
+
+
+def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = None) -> None:
+    """The pair's attention: queries q (B, H, nq, D) against keys and values ke, ve (B, H, nk, D) with -F from
+    ``carry`` (B, nk; the column sums of S over every earlier query, not changed) plus the pair's own S; writes
+    the output (normalised over these keys) into ``out`` and its log-sum-exp into ``lse`` ((B, H, nq), -inf where
+    a query has no live key). ``carries``: the running carry before each block of ``pair.block`` queries is
+    appended (what :func:`pair_backward` needs)."""
+    b, h, nq, d = q.shape
+    nk = ke.shape[2]
+    wide = carry.dtype
+    carry = carry.clone()
+    span = forward_span(pair.block, b, nk)
+    buffer = torch.empty(b * min(span, nq) * nk, dtype=q.dtype, device=q.device)  # one mask for every span
+    for start in range(0, nq, span):
+        stop = min(start + span, nq)
+        with _phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
+            keys = pair.keys(carry, nq, nk, start, stop)
+        # -F for the span's queries against those keys; each block of ``block`` queries computes its part
+        # from its own carry, exactly as the backward pass recomputes it
+        mask = buffer[:b * (stop - start) * keys.count].view(b, stop - start, keys.count)
+        for lo in range(start, stop, pair.block):
+            hi = min(lo + pair.block, stop)
+            upto = pair.upto(keys, nq, nk, hi)
+            if carries is not None:
+                carries.append(carry[:, :upto.stop].clone())
+            if upto.count == 0:
+                continue
+            with _phase("forward: selection"):
+                s = pair.selection(q[:, pair.sel, lo:hi], upto.take(ke[:, pair.sel], 1), hi - lo, upto.has_first)[0]
+            with _phase("forward: -F and carry"):
+                _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), pair.limit)
+                upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
+        _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
+
+
+def pair_backward(pair: Pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, dk, dv, dcarry) -> None:
+    """The pair's share of the gradients, from the gradient of the final output ``grad_out`` and the final
+    output's log-sum-exp ``lse`` and -(grad_out · out) ``neg_delta`` (B, H, nq, 1) (final: over every key, so the
+    pair's probabilities are exp(logits - F - lse), as ring attention's backward). Adds into dq (B, H, nq, D), dk
+    and dv (B, H, nk, D), and into ``dcarry`` (B, nk), which comes in holding the gradient of the pair's column
+    sums of S (from later queries' F) and leaves holding that plus the gradient of the incoming carry."""
+    b, h, nq, d = q.shape
+    nk = ke.shape[2]
+    sel = pair.sel
+    starts = list(range(0, nq, pair.block))
+    for index in reversed(range(len(starts))):
+        start = starts[index]
+        stop = min(start + pair.block, nq)
+        carry = carries[index]
+        with _phase("backward: live keys"):
+            keys = pair.keys(carry, nq, nk, start, stop)
+        if keys.count == 0:
+            continue
+        with _phase("backward: selection"):
+            s, l_sel = pair.selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, keys.has_first)
+        with _phase("backward: -F"):
+            neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
+            _neg_f_into(neg_f, s, keys.take(carry, 1), pair.limit)
+        with _phase("backward: softmax tiles"):
+            k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
+            dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
+            # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
+            d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop], lse[:, :, start:stop],
+                                  neg_delta[:, :, start:stop], neg_f, pair.scale, dq[:, :, start:stop], dk_c, dv_c,
+                                  pair.diagonal)
+            keys.add_into(dk, dk_c, 2, buffer=True)
+            keys.add_into(dv, dv_c, 2, buffer=True)
+        with _phase("backward: reverse carry and selector"):
+            # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
+            d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
+            total = d_f.sum(dim=2, keepdim=True)
+            d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None].to(d_f.dtype)
+            keys.add_into(dcarry, total[:, :, 0].to(dcarry.dtype), 1)
+            d_sel = d_s.mul_(_exclude(pair.pointwise.derivative(l_sel), stop - start, pair.pointwise,
+                                      pair.bos and keys.has_first, pair.diagonal))
+            _selector_grads(pair, d_sel, q[:, sel, start:stop], keys, ke[:, sel], dq[:, sel, start:stop],
+                            dk[:, sel])
+
+
+def _selector_grads(pair: Pair, d_sel, q_sel, keys: Keys, k_sel, dq_sel, dk_sel) -> None:
+    """dq_sel (B, Bq, D) and dk_sel (B, nk, D) from d_sel = dL/d(selector logits)^T (B, keys.count, Bq)."""
+    keys.add_into(dk_sel, (d_sel @ q_sel) * pair.scale, 1)
+    dq_sel += (d_sel.transpose(-1, -2) @ keys.take(k_sel, 1)) * pair.scale
+
+
+def pair_colsums(pair: Pair, q_sel, k_sel, colsum) -> None:
+    """Add into ``colsum`` (B, nk) the column sums of the pair's S: selector queries q_sel (B, nq, D), keys k_sel
+    (B, nk, D)."""
+    nq, nk = q_sel.shape[1], k_sel.shape[1]
+    for lo in range(0, nq, pair.block):
+        hi = min(lo + pair.block, nq)
+        upto = pair.upto(Keys(*((nk - nq, nk - nq) if pair.diagonal else (nk, nk))), nq, nk, hi)
+        s = pair.selection(q_sel[:, lo:hi], upto.take(k_sel, 1), hi - lo, upto.has_first)[0]
+        upto.add_into(colsum, s.sum(dim=2, dtype=colsum.dtype), 1)
+
+
+def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:
+    """The gradient of the pair's S through later queries' F: ``later`` (B, nk) is dL/d(the pair's column sums
+    of S); adds into dq_sel (B, nq, D) and dk_sel (B, nk, D). Keys whose ``later`` is 0 in every row (past the
+    negligible bound, or with no later query) are skipped."""
+    nq, nk = q_sel.shape[1], k_sel.shape[1]
+    first, own = pair.own(nq, nk)
+    live = (later != 0).any(dim=0)
+    for lo in range(0, nq, pair.block):
+        hi = min(lo + pair.block, nq)
+        stop = first + (hi if own else 0)
+        index = live[:stop].nonzero().squeeze(1)
+        if index.numel() == 0:
+            continue
+        dense = index.numel() > 0.8 * stop
+        keys = Keys(stop, stop) if dense else Keys(stop, stop, index, index.numel())
+        l_sel = (keys.take(k_sel, 1) @ q_sel[:, lo:hi].transpose(-1, -2)) * pair.scale
+        # the diagonal block's exclusions apply to the last (hi - lo) keys only when every key is kept
+        d_sel = pair.pointwise.derivative(l_sel)
+        if dense:
+            d_sel = _exclude(d_sel, hi - lo, pair.pointwise, pair.bos, pair.diagonal)
+        else:
+            _exclude_indexed(d_sel, index, first + lo, pair, own)
+        d_sel.mul_(keys.take(later, 1)[:, :, None].to(d_sel.dtype))
+        _selector_grads(pair, d_sel, q_sel[:, lo:hi], keys, k_sel, dq_sel[:, lo:hi], dk_sel)
+
+
+def _exclude_indexed(t, index, first_query_key: int, pair: Pair, own: int) -> None:
+    """:func:`_exclude` for the keys ``index`` (ascending) of a block whose first query's own key is
+    ``first_query_key``: key j is excluded for query i (0-based in the block) when j > first_query_key + i
+    (j >= unless self-selection is allowed), and BOS."""
+    if own:
+        query = torch.arange(t.shape[2], device=t.device)
+        limit = first_query_key + query - (1 if pair.pointwise.exclude_self else 0)
+        t.masked_fill_(index[:, None] > limit[None, :], 0.0)
+    if pair.bos and int(index[0]) == 0:
+        t[:, 0] = 0
 
 
 class Keys:
@@ -269,17 +390,18 @@ TILE_HEADS = 4
 TILE_KEYS = 1024
 
 
-def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv):
+def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv, diagonal=True):
     """The softmax backward of a block of queries (q, grad_out, lse, neg_delta, dq: (B, H, Bq, ·)) against its
     keys (k, v, dk, dv: (B, H, Nk, ·), the block's own keys last), in tiles of heads and keys: adds into dq, dk,
     dv and returns -sum over heads of dL/dlogits, i.e. dL/dF (B, Bq, Nk).
 
     ``neg_f`` is -F (B, Bq, Nk). The tile's probabilities are exp(logits - F - lse), with the exponent clamped
     above the subnormal range (exp of a large F would otherwise run through subnormals, slow on CPU; such
-    probabilities are below 1e-34 either way) and exactly 0 for future keys."""
+    probabilities are below 1e-34 either way) and exactly 0 for future keys. Off the ``diagonal`` every key
+    precedes every query (no own keys)."""
     b, h, bq, d = q.shape
     nk = k.shape[2]
-    diagonal = nk - bq  # where the block's own keys start
+    diagonal = nk - bq if diagonal else nk  # where the block's own keys start
     floor = math.log(torch.finfo(q.dtype).tiny) + 7.0
     # key tiles: the last one holds the whole diagonal block
     firsts = list(range(0, max(diagonal, 1), TILE_KEYS))
@@ -317,22 +439,23 @@ def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv)
     return d_f
 
 
-def _selection(q_sel, k_sel, bq, scale, pointwise, bos):
+def _selection(q_sel, k_sel, bq, scale, pointwise, bos, diagonal=True):
     """A block's selection, transposed: S^T (B, Nk, Bq) = the pointwise selection of the selector logits where
     a query may select a key (strictly earlier, or itself unless ``exclude_self``; never BOS, the first key,
     when ``bos``), and those logits l^T. ``q_sel`` (B, Bq, D) are the block's selector queries, ``k_sel``
-    (B, Nk, D) its keys, the block's own keys last.
+    (B, Nk, D) its keys, the block's own keys last (none off the ``diagonal``).
 
     Keys run along rows so that the cumulative sum over queries is along the contiguous last dim (much faster
     on CPU than a cumulative sum across rows)."""
     l_sel = (k_sel @ q_sel.transpose(-1, -2)) * scale
-    return _exclude(pointwise.value(l_sel), bq, pointwise, bos), l_sel
+    return _exclude(pointwise.value(l_sel), bq, pointwise, bos, diagonal), l_sel
 
 
-def _exclude(t, bq, pointwise, bos):
-    """Zero, in place, the pairs no query may select: on the diagonal block (the last ``bq`` keys) key j needs
-    j < i (j <= i unless ``exclude_self``), and BOS (the first key) when ``bos``."""
-    t[:, t.shape[1] - bq:].triu_(1 if pointwise.exclude_self else 0)
+def _exclude(t, bq, pointwise, bos, diagonal=True):
+    """Zero, in place, the pairs no query may select: on the diagonal block (the last ``bq`` keys, when
+    ``diagonal``) key j needs j < i (j <= i unless ``exclude_self``), and BOS (the first key) when ``bos``."""
+    if diagonal:
+        t[:, t.shape[1] - bq:].triu_(1 if pointwise.exclude_self else 0)
     if bos:
         t[:, 0] = 0
     return t
@@ -382,16 +505,26 @@ def _neg_f_into(out, s, carry, limit=math.inf):
     out[:, :, nk:] = 0
 
 
-def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse):
+def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse, diagonal=True):
     """Attention of queries [start, stop) against ``keys`` with the additive mask (B, 1, Bq, keys.count): the
     keys before the span in one call without a causal mask, the span's own keys (a square, the last columns) in
     one call with the op's causal flag (which skips the tiles above the diagonal), merged by their
-    log-sum-exps."""
+    log-sum-exps. Off the ``diagonal`` there are no own keys: the earlier ones only (output 0 and log-sum-exp
+    -inf when none is live)."""
     q_blk = q[:, :, start:stop]
     before = keys.before
+    if not diagonal:
+        if before == 0:
+            out[:, :, start:stop] = 0.0
+            lse[:, :, start:stop] = float("-inf")
+            return
+        with _phase("forward: flash, earlier keys"):
+            out[:, :, start:stop], lse[:, :, start:stop] = flash_block(
+                q_blk, keys.take(ke, 2), keys.take(ve, 2), mask, scale)
+        return
+    own = slice(keys.start, keys.stop)
     with _phase("forward: flash, the span's keys"):
-        out_d, lse_d = flash_block(q_blk, ke[:, :, start:stop], ve[:, :, start:stop], mask[..., before:], scale,
-                                   causal=True)
+        out_d, lse_d = flash_block(q_blk, ke[:, :, own], ve[:, :, own], mask[..., before:], scale, causal=True)
     if before == 0:
         out[:, :, start:stop], lse[:, :, start:stop] = out_d, lse_d
         return

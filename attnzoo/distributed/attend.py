@@ -10,6 +10,7 @@ from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
 from .carry import _colsums, _scan
 from .exchange import _Blocks
+from .fused import fused_backward, fused_forward
 from .layout import _Config
 from .pairs import (
     _block,
@@ -28,6 +29,24 @@ from .pairs import (
 
 
 def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
+    """(out, lse, the carries into each local chunk, what the fused pairs keep for the backward)."""
+    plan = cfg.plan
+    b, h, n, d = qs.shape
+    kept = None
+    if cfg.fused:
+        out, lse, carries, kept = fused_forward(cfg, qs, ks, vs, pos, cfg.bos, cfg.keep)
+    else:
+        out, lse, carries = _pairs_forward(cfg, qs, ks, vs, pos, features, params)
+    sink = plan.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), params, qs)
+    if sink is not None:
+        total = torch.logaddexp(lse, sink[..., 0].expand_as(lse))
+        out.mul_(_weight(lse, total).unsqueeze(-1))
+        lse = total
+    return out, lse, carries, kept
+
+
+def _pairs_forward(cfg: _Config, qs, ks, vs, pos, features, params):
+    """The flash or eager pairs: (out, lse, the carries into each local chunk)."""
     plan = cfg.plan
     acc = plan.one(Slot.ACCUMULATOR)
     b, h, n, d = qs.shape
@@ -52,11 +71,6 @@ def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
                 _merge(out[:, :, qb], lse[:, :, qb], o, l)
                 if colsum is not None:
                     carry[:, keys] += colsum
-    sink = plan.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), params, qs)
-    if sink is not None:
-        total = torch.logaddexp(lse, sink[..., 0].expand_as(lse))
-        out.mul_(_weight(lse, total).unsqueeze(-1))
-        lse = total
     return out, lse, carries
 
 
@@ -67,8 +81,9 @@ class _ShardedAttend(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg, qs, ks, vs, pos, *rest):
         features, params = _unpack(cfg, rest)
-        out, lse, carries = _forward(cfg, qs, ks, vs, pos, features, params)
+        out, lse, carries, kept = _forward(cfg, qs, ks, vs, pos, features, params)
         ctx.cfg = cfg
+        ctx.kept = kept
         ctx.chunks = list(carries)
         ctx.save_for_backward(qs, ks, vs, pos, out, lse, *rest, *carries.values())
         return out
@@ -81,7 +96,7 @@ class _ShardedAttend(torch.autograd.Function):
         count = len(cfg.feature_keys) + len(cfg.param_keys)
         rest = saved[6:6 + count]
         carries = dict(zip(ctx.chunks, saved[6 + count:], strict=True))
-        grads = _backward(cfg, qs, ks, vs, pos, out, lse, rest, carries, d_out, ctx.needs_input_grad[5:])
+        grads = _backward(cfg, qs, ks, vs, pos, out, lse, rest, carries, d_out, ctx.needs_input_grad[5:], ctx.kept)
         return (None, *grads[:3], None, *grads[3:])
 
 
@@ -89,7 +104,7 @@ def _leaf(t: torch.Tensor, wanted: bool) -> torch.Tensor:
     return t.detach().requires_grad_(wanted)
 
 
-def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, rest_wanted):
+def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, rest_wanted, kept=None):
     """Gradients of qs, ks, vs, then of each feature and parameter (None where not wanted)."""
     plan = cfg.plan
     acc = plan.one(Slot.ACCUMULATOR)
@@ -131,6 +146,12 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
                 g_i = next(it)
                 if g_i is not None:
                     d_params[i] += g_i
+
+    if cfg.fused:  # no feature, and the only pair-slot parameters are the sink's
+        if kept is None:
+            raise RuntimeError("context-parallel backward: the forward ran without gradients (it kept nothing)")
+        d_q, d_k, d_v = fused_backward(cfg, qs, ks, vs, pos, out, lse, carries, kept, d_out, cfg.bos)
+        return [d_q, d_k, d_v, *(g if wanted else None for g, wanted in zip(d_params, param_wanted, strict=True))]
 
     # the reverse carry: the gradient reaching each chunk's carries (Pass A), scanned back over the chunks
     later: dict[int, torch.Tensor] = {}

@@ -122,3 +122,9 @@ class _Config:
     scale: float
     #: every pair is plain attention on torch's CPU flash kernel (``pairs.flash_pairs``), decided once per call
     flash: bool = False
+    #: every pair is the blocked backend's fused selective kernel (``fused.fused_pairs``), decided once per call
+    fused: bool = False
+    #: the first token is the protected BOS (position 1) in every batch row (for ``fused``)
+    bos: bool = False
+    #: the forward keeps what the fused backward needs (a gradient may be asked for)
+    keep: bool = True

@@ -16,6 +16,7 @@ from .attend import _ShardedAttend
 from .carry import _features
 from .exchange import _all_gather, _allreduce_bytes, _count
 from .layout import Layout, _Config
+from .fused import fused_pairs
 from .pairs import flash_pairs
 
 #: slots whose transforms act inside the (query, key) pairs, so their parameters enter the sharded kernel
@@ -65,7 +66,9 @@ class ContextParallel:
         self.block_size, self.gather_limit = block_size, gather_limit
         self.last_method: str | None = None
         #: how the last call computed each pair of chunks: "flash" (torch's CPU flash-attention kernel, forward and
-        #: backward: plain attention in float32/float64 on the CPU) or "eager" (the pair's maths with autograd)
+        #: backward: plain attention in float32/float64 on the CPU), "fused" (the blocked backend's fused
+        #: selective kernel, forward and backward: selective-style specs on the CPU) or "eager" (the pair's maths
+        #: with autograd)
         self.last_pairs: str | None = None
 
     def __repr__(self) -> str:
@@ -86,7 +89,7 @@ class ContextParallel:
                              "(torch.distributed.init_process_group, e.g. under torchrun)")
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        dims, layout, pos = self._agree(q, k, v, positions, world, rank, group)
+        dims, layout, pos, firsts = self._agree(q, k, v, positions, world, rank, group)
         b, h, n, d = q.shape
         grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, h, n, q)
         plan = self.plan
@@ -104,7 +107,11 @@ class ContextParallel:
         cfg = _Config(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
                       plan.logit_scale(d))
         cfg.flash = flash_pairs(cfg, qs)
-        self.last_pairs = "flash" if cfg.flash else "eager"
+        bos_rows = firsts == 1
+        cfg.fused = not cfg.flash and fused_pairs(cfg, qs, bos_rows)
+        cfg.bos = bool(bos_rows.all())
+        cfg.keep = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs))
+        self.last_pairs = "flash" if cfg.flash else "fused" if cfg.fused else "eager"
         out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(),
                                    *(grouped[kind][short] for kind, short in param_keys))
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
@@ -146,7 +153,7 @@ class ContextParallel:
                                  f" layout of {layout.seq_len} tokens over {world} ranks gives it "
                                  f"{layout.local_size(r)} (shard with attnzoo.distributed.shard)")
         if pos is None:
-            return dims, layout, layout.positions(rank, b, device=q.device)
+            return dims, layout, layout.positions(rank, b, device=q.device), torch.ones(b, dtype=torch.int64)
         # positions must increase along the whole sequence: compare the chunks' first and last positions
         ends = torch.stack([torch.stack([pos[:, start], pos[:, stop - 1]], dim=-1)
                             for _, start, stop, _ in layout.local_chunks(rank)])  # (chunks, B, 2)
@@ -159,7 +166,7 @@ class ContextParallel:
                 raise ValueError(f"positions must increase strictly along the whole sequence: in row {row}, chunk "
                                  f"{c} (rank {layout.owner(c)}) starts at {int(by_chunk[c][row, 0])} but chunk "
                                  f"{c - 1} (rank {layout.owner(c - 1)}) ends at {int(by_chunk[c - 1][row, 1])}")
-        return dims, layout, pos
+        return dims, layout, pos, by_chunk[0][:, 0].cpu()
 
 
 def sum_gradients(parameters, group=None) -> None:
