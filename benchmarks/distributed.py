@@ -9,6 +9,9 @@ barrier: ``wall`` is the slowest rank's, ``cpu`` the mean of the ranks' own CPU 
 which does not count waiting for another rank or for a core (with more ranks than cores, wall time includes
 queueing for a core). Bytes are what each rank hands to gloo (``attnzoo.distributed.counting``).
 
+The inputs (a rank's shard; the whole sequence for ``blocked``), with ``requires_grad`` set for a backward, exist
+before any timing or measurement, for both.
+
 Memory per rank: the peak resident set above what the process held before the call (Linux: the peak is reset
 through ``/proc/self/clear_refs`` once the inputs exist and a small warm-up call has set up gloo's buffers), with
 glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so that every tensor of 128 KiB or more is its
@@ -52,25 +55,25 @@ def _inputs(n, heads, head_dim, seed=0):
     return [torch.randn(1, heads, n, head_dim, generator=gen) for _ in range(4)]  # q, k, v, output cotangent
 
 
-def _call(cp, layout, rank, tensors, grad):
+def _shards(layout, rank, tensors, grad):
+    """The rank's inputs (q, k, v requiring grad when ``grad``, the output cotangent), made before any measurement:
+    both the sharded call and the baseline are measured on inputs that already exist."""
     q, k, v, cot = (layout.shard(t, rank).contiguous() for t in tensors)
     if grad:
         q, k, v = (t.requires_grad_() for t in (q, k, v))
-        out = cp(q, k, v)
-        out.backward(cot)
-    else:
-        with torch.no_grad():
-            cp(q, k, v)
+    return q, k, v, cot
 
 
-def _blocked(variant, tensors, grad):
-    q, k, v, cot = tensors
+def _call(fn, inputs, grad):
+    """One call of ``fn`` (a ContextParallel or a compiled variant) on prepared inputs; with ``grad``, forward and
+    backward (the inputs' gradients are dropped first, so they do not accumulate over rounds)."""
+    q, k, v, cot = inputs
     if grad:
-        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-        variant(q, k, v).backward(cot)
+        q.grad = k.grad = v.grad = None
+        fn(q, k, v).backward(cot)
     else:
         with torch.no_grad():
-            variant(q, k, v)
+            fn(q, k, v)
 
 
 def _timed(fn, repeats, world):
@@ -111,7 +114,7 @@ def _worker(rank, world, store, args, out_dir):
         cp = ContextParallel(spec, method=args.method, block_size=args.block_size)
         blocked = attnzoo.compile(spec, backend="blocked")
         warm = _inputs(8 * world, args.heads, args.head_dim)
-        _call(cp, Layout(8 * world, world), rank, warm, grad=True)
+        _call(cp, _shards(Layout(8 * world, world), rank, warm, True), grad=True)
         for n in sorted({*args.lengths, args.memory_length}):
             layout = Layout(n, world)
             row = {"spec": spec, "world": world, "n": n}
@@ -119,15 +122,19 @@ def _worker(rank, world, store, args, out_dir):
                 tensors = _inputs(n, args.heads, args.head_dim)
                 for grad in (False, True):
                     label = "fwd_bwd" if grad else "fwd"
+                    inputs = _shards(layout, rank, tensors, grad)
                     with counting() as counter:
-                        _call(cp, layout, rank, tensors, grad)
+                        _call(cp, inputs, grad)
                     row[f"{label}_bytes_per_rank"] = counter.bytes_sent
                     row[f"{label}_bytes_by_kind"] = counter.by_kind
                     row[f"{label}_wall_s"], row[f"{label}_cpu_s"] = _timed(
-                        partial(_call, cp, layout, rank, tensors, grad), args.repeats, world)
+                        partial(_call, cp, inputs, grad), args.repeats, world)
                     if world == 1:
+                        whole = _shards(Layout(n, 1), 0, tensors, grad)  # the whole sequence, as it is
                         row[f"blocked_{label}_wall_s"], row[f"blocked_{label}_cpu_s"] = _timed(
-                            partial(_blocked, blocked, tensors, grad), args.repeats, 1)
+                            partial(_call, blocked, whole, grad), args.repeats, 1)
+                        del whole
+                    del inputs
                 del tensors
             if n == args.memory_length:
                 small = _inputs(8 * world, args.heads, args.head_dim)
@@ -136,22 +143,22 @@ def _worker(rank, world, store, args, out_dir):
                 grads = (False, True) if world > 1 or args.full_baseline else (False,)
                 for grad in grads:
                     label = "fwd_bwd" if grad else "fwd"
-                    tensors = _inputs(n, args.heads, args.head_dim)
-                    _call(cp, Layout(8 * world, world), rank, small, grad)  # warm: gloo buffers, threads
-                    peak = _peak_mib(partial(_call, cp, layout, rank, tensors, grad))
+                    inputs = _shards(layout, rank, _inputs(n, args.heads, args.head_dim), grad)
+                    _call(cp, _shards(Layout(8 * world, world), rank, small, grad), grad)  # warm: gloo, threads
+                    peak = _peak_mib(partial(_call, cp, inputs, grad))
                     every = [peak]
                     if world > 1:
                         every = [None] * world
                         dist.all_gather_object(every, peak)
                     row[f"{label}_peak_mib_per_rank"] = every
-                    del tensors
+                    del inputs
                 if world == 1:
                     for grad in (False, True):
                         label = "fwd_bwd" if grad else "fwd"
-                        tensors = _inputs(n, args.heads, args.head_dim)
-                        _blocked(blocked, small, grad)
-                        row[f"blocked_{label}_peak_mib"] = _peak_mib(partial(_blocked, blocked, tensors, grad))
-                        del tensors
+                        whole = _shards(Layout(n, 1), 0, _inputs(n, args.heads, args.head_dim), grad)
+                        _call(blocked, _shards(Layout(8, 1), 0, small, grad), grad)
+                        row[f"blocked_{label}_peak_mib"] = _peak_mib(partial(_call, blocked, whole, grad))
+                        del whole
             rows.append(row)
             if rank == 0:
                 print(json.dumps({k: v for k, v in row.items() if "by_kind" not in k}), flush=True)

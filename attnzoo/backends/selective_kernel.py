@@ -271,15 +271,21 @@ def _selector_grads(pair: Pair, d_sel, q_sel, keys: Keys, k_sel, dq_sel, dk_sel)
     dq_sel += (d_sel.transpose(-1, -2) @ keys.take(k_sel, 1)) * pair.scale
 
 
-def pair_colsums(pair: Pair, q_sel, k_sel, colsum) -> None:
+def pair_colsums(pair: Pair, q_sel, k_sel, colsum, base=None) -> None:
     """Add into ``colsum`` (B, nk) the column sums of the pair's S: selector queries q_sel (B, nq, D), keys k_sel
-    (B, nk, D)."""
+    (B, nk, D). ``base`` (B, nk): a lower bound on the carry into these queries (None: 0); a key whose bound plus
+    its column sum so far reaches ``pair.limit`` is left out from then on, as :func:`pair_forward` leaves it out
+    (its F is negligible for every later query, and its carry stays past the bound)."""
     nq, nk = q_sel.shape[1], k_sel.shape[1]
+    first, own = pair.own(nq, nk)
     for lo in range(0, nq, pair.block):
         hi = min(lo + pair.block, nq)
-        upto = pair.upto(Keys(*((nk - nq, nk - nq) if pair.diagonal else (nk, nk))), nq, nk, hi)
-        s = pair.selection(q_sel[:, lo:hi], upto.take(k_sel, 1), hi - lo, upto.has_first)[0]
-        upto.add_into(colsum, s.sum(dim=2, dtype=colsum.dtype), 1)
+        carry = colsum if base is None else colsum + base
+        keys = Keys.live(carry, first + (lo if own else 0), first + (hi if own else 0), pair.limit)
+        if keys.count == 0:
+            continue
+        s = pair.selection(q_sel[:, lo:hi], keys.take(k_sel, 1), hi - lo, keys.has_first)[0]
+        keys.add_into(colsum, s.sum(dim=2, dtype=colsum.dtype), 1)
 
 
 def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:

@@ -16,7 +16,7 @@ from ..backends.selective_kernel import Pair, flash_available, pair_backward, pa
 from ..cache import accumulator_dtype
 from ..transforms.base import Slot
 from .carry import _scan
-from .exchange import _Blocks
+from .exchange import _all_gather, _Blocks
 from .layout import _Config
 from .pairs import _block, _merge, _Walk, pair_queries
 
@@ -35,31 +35,34 @@ def fused_pairs(cfg: _Config, qs: torch.Tensor, bos_rows: torch.Tensor) -> bool:
             and bool((bos_rows == bos_rows[0]).all()))
 
 
-class _Pairs:
-    """The fixed parts of every pair of one call: the selector head, its key head, the pointwise selection, the
-    largest query and local key norms (for each pair's negligible bound on F)."""
+def negligible_bound(cfg: _Config, qs, ks) -> float:
+    """The whole sequence's bound on F past which a key is negligible (``selective_kernel.negligible_f``, with the
+    largest query and key norms of every rank: one all-gather of two numbers), the same on every rank: a key
+    whose F reaches it is left out of every later query's attention, on whichever rank, so its carry may stop
+    growing there (the selector pass leaves it out too)."""
+    mine = torch.tensor([float(qs.norm(dim=-1).amax()) if qs.numel() else 0.0,
+                         float(ks.norm(dim=-1).amax()) if ks.numel() else 0.0], dtype=torch.float64)
+    q_max, k_max = (float(x) for x in _all_gather(mine, cfg.group, cfg.world, "meta").amax(dim=0))
+    bound = 2.0 * cfg.scale * q_max * k_max + 104.0
+    return bound if math.isfinite(bound) else math.inf
 
-    def __init__(self, cfg: _Config, qs, ks, bos: bool) -> None:
+
+class _Pairs:
+    """The fixed parts of every pair of one call: the selector head, its key head, the pointwise selection and
+    the negligible bound on F (:func:`negligible_bound`)."""
+
+    def __init__(self, cfg: _Config, qs, ks, bos: bool, limit: float) -> None:
         acc = cfg.plan.one(Slot.ACCUMULATOR)
-        self.cfg = cfg
+        self.cfg, self.limit = cfg, limit
         self.group = qs.shape[1] // ks.shape[1]
         self.sel = acc.heads()[0]
         self.sel_kv = self.sel // self.group
         self.pointwise = _pointwise(acc)
         self.bos = bos and self.pointwise.exclude_first
-        self.q_max = float(qs.norm(dim=-1).amax()) if qs.numel() else 0.0
-        self.k_max = float(ks.norm(dim=-1).amax()) if ks.numel() else 0.0
 
-    def pair(self, c: int, cb: int, keys: torch.Tensor | None) -> Pair:
-        """The pair of query chunk ``c`` and key chunk ``cb`` (keys (B, H_kv, nk, D) for the bound; None: no
-        bound, the selector pass). The bound on F: a query's largest exponent is at least its own key's logit
-        (F = 0 there, and its own key is local), so with L = scale · max|q| · max(max|k| local, in the chunk),
-        an F over 2L + 104 leaves a probability under e^-104 of the row's largest (``negligible_f``)."""
-        limit = math.inf
-        if keys is not None and keys.numel():
-            bound = 2.0 * self.cfg.scale * self.q_max * max(self.k_max, float(keys.norm(dim=-1).amax())) + 104.0
-            limit = bound if math.isfinite(bound) else math.inf
-        return Pair(self.cfg.scale, self.sel, self.pointwise, self.cfg.block_size, limit, diagonal=c == cb,
+    def pair(self, c: int, cb: int) -> Pair:
+        """The pair of query chunk ``c`` and key chunk ``cb``."""
+        return Pair(self.cfg.scale, self.sel, self.pointwise, self.cfg.block_size, self.limit, diagonal=c == cb,
                     bos=self.bos and cb == 0)
 
     def expand(self, t: torch.Tensor) -> torch.Tensor:
@@ -77,18 +80,23 @@ class _Pairs:
 
 def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     """(out, lse, the carries into each local chunk (B, N), the carries before each block of each pair (kept for
-    the backward when ``keep``)); the sink is joined by the caller."""
+    the backward when ``keep``), the negligible bound); the sink is joined by the caller."""
     b, h, n, d = qs.shape
-    pairs = _Pairs(cfg, qs, ks, bos)
+    limit = negligible_bound(cfg, qs, ks)
+    pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
     walk = _Walk(cfg, pos)
     # the selector pass: every local chunk's column sums of S over the whole sequence's keys, then the scan
-    table = {c: qs.new_zeros(b, cfg.layout.seq_len, dtype=wide) for c in cfg.layout.owned(cfg.rank)}
+    # (a key whose F is past the bound is left out: the sums of this rank's earlier chunks bound its carry from
+    # below; pairs come with the earlier query chunk first)
+    owned = cfg.layout.owned(cfg.rank)
+    table = {c: qs.new_zeros(b, cfg.layout.seq_len, dtype=wide) for c in owned}
     for src, blk in _Blocks(cfg, "selector")(pairs.selector_block(ks, pos)):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
-            width = chunk.stop - chunk.start
-            pair_colsums(pairs.pair(c, cb, None), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
-                         table[c][:, gstart:gstart + width])
+            keys = slice(gstart, gstart + chunk.stop - chunk.start)
+            earlier = [table[e][:, keys] for e in owned if e < c]
+            pair_colsums(pairs.pair(c, cb), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
+                         table[c][:, keys], sum(earlier) if earlier else None)
     carries = _scan(cfg, table, reverse=False)
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
@@ -97,7 +105,7 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
-            pair = pairs.pair(c, cb, blk["k"][:, :, chunk])
+            pair = pairs.pair(c, cb)
             q = qs[:, :, rows]
             o = torch.full_like(q, float("nan"))
             l = torch.full(q.shape[:3], float("nan"), dtype=wide, device=q.device)
@@ -107,7 +115,7 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
             _merge(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
             if block_carries is not None:
                 kept[(c, cb)] = block_carries
-    return out, lse, carries, kept
+    return out, lse, carries, (kept, limit)
 
 
 def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
@@ -115,7 +123,8 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
     gradients and the reverse carry inside it (:func:`pair_backward`), the reverse scan of what reaches each
     chunk's carries, then the selector-only ring that carries it into the earlier chunks' S
     (:func:`pair_later`)."""
-    pairs = _Pairs(cfg, qs, ks, bos)
+    kept, limit = kept
+    pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
     walk = _Walk(cfg, pos)
     d_out = d_out.contiguous()
@@ -127,7 +136,7 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
-            pair = pairs.pair(c, cb, blk["k"][:, :, chunk])
+            pair = pairs.pair(c, cb)
             ke, ve = pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk])
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             dcarry = qs.new_zeros(qs.shape[0], width, dtype=wide)
@@ -142,7 +151,7 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             width = chunk.stop - chunk.start
             rows = pair_queries(blocks)
-            pair_later(pairs.pair(c, cb, None), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
+            pair_later(pairs.pair(c, cb), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
                        later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
     d_k = kv.returned["k"]
     d_k[:, pairs.sel_kv] += selector.returned["k"][:, 0]

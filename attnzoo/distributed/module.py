@@ -204,6 +204,7 @@ class ShardedAttention(Attention):
         new.variant, new.num_heads, new.head_dim, new.num_kv_heads = (layer.variant, layer.num_heads,
                                                                       layer.head_dim, layer.num_kv_heads)
         new.transform_params, new.token_projections = layer.transform_params, layer.token_projections
+        new._bound = dict(layer.bound_parameters)  # parameters the host model owns (gpt-oss's sinks)
         new._recording = None
         new.parallel = ContextParallel(layer.variant, group, **options)
         return new

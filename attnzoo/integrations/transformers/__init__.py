@@ -14,7 +14,8 @@ Decoding goes through :class:`AttnzooCache`, a transformers ``Cache`` whose laye
 the keys and values. After ``apply``, ``model.generate()`` uses it unless it is given another cache.
 
 The parts: :mod:`.interface` (the probe and the attention function), :mod:`.native` (native specs and the
-composition rules), :mod:`.cache` (the cache), :mod:`.core` (``apply``), :mod:`.checkpoints` (save and load).
+composition rules), :mod:`.cache` (the cache), :mod:`.core` (``apply``), :mod:`.checkpoints` (save and load),
+:mod:`.sharding` (``shard_sequence``: the model trained context-parallel, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ from .checkpoints import (
 from .core import apply, is_applied, layer_specs, native_layers, native_spec
 from .interface import LayerCall, attention_forward, attention_mask, probe
 from .native import CONFLICTS, NativeLayer, compose
+from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequence
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_NAME",
     "CheckpointSpecMismatchError", "IntegrationError", "LayerCall", "METADATA_HASH", "METADATA_NAME",
     "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "apply", "attention_forward", "attention_mask", "compose",
     "from_pretrained", "is_applied", "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe",
-    "stamp_safetensors",
+    "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence", "unshard_sequence",
 ]

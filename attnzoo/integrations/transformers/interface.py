@@ -31,7 +31,8 @@ SEMANTIC_KWARGS = ("scaling", "dropout", "sliding_window", "softcap", "s_aux", "
 PASSIVE_KWARGS = frozenset({
     "position_ids", "cache_position", "use_cache", "output_attentions", "output_hidden_states",
     "output_router_logits", "return_dict", "past_key_values", "cache", "position_embeddings", "layer_idx",
-    "head_mask", "token_type_ids", "logits_to_keep", "labels", "attention_mask",
+    "head_mask", "token_type_ids", "logits_to_keep", "labels", "attention_mask", "shift_labels",
+    "num_items_in_batch",
 })
 
 
@@ -281,6 +282,11 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     cache = getattr(module, "_attnzoo_cache", None)
     x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
     position_ids = kwargs.get("position_ids")
+    decoding = isinstance(cache, AttnzooCache)
+    if getattr(core, "parallel", None) is not None and (decoding or kwargs.get("output_attentions")):
+        what = "decoding (an AttnzooCache)" if decoding else "output_attentions"
+        raise IntegrationError(f"{here}: {what} with a sequence-sharded model (shard_sequence): run "
+                               f"unshard_sequence(model) first")
     if isinstance(cache, AttnzooCache):
         if kwargs.get("output_attentions"):
             raise IntegrationError(f"{here}: output_attentions with a cache: attnzoo materialises attention weights "
