@@ -15,8 +15,8 @@ from ..transforms.base import Slot
 from .attend import _ShardedAttend
 from .carry import _features
 from .exchange import _all_gather, _allreduce_bytes, _count
-from .layout import Layout, _Config
 from .fused import fused_pairs
+from .layout import Layout, _Config
 from .pairs import flash_pairs
 
 #: slots whose transforms act inside the (query, key) pairs, so their parameters enter the sharded kernel
