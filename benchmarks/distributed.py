@@ -184,8 +184,8 @@ def to_markdown(result) -> str:
         "rank (median of interleaved rounds); cpu: the ranks' mean own CPU time. Ratios are to world size 1.", "",
         "## Bytes and time per rank against the sequence length", "",
         "| spec | N | ranks | fwd MiB sent/rank | fwd+bwd MiB sent/rank | fwd wall s | fwd cpu s | fwd+bwd wall s "
-        "| fwd+bwd cpu s | cpu/rank vs 1 rank (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd cpu s | cpu/rank vs 1 rank (fwd+bwd) | wall vs `blocked` (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "fwd_wall_s" not in r:
@@ -195,7 +195,8 @@ def to_markdown(result) -> str:
             f"| {r['spec']} | {r['n']} | {r['world']} | {r['fwd_bytes_per_rank'] / 2**20:.2f} | "
             f"{r['fwd_bwd_bytes_per_rank'] / 2**20:.2f} | {r['fwd_wall_s']:.2f} | {r['fwd_cpu_s']:.2f} | "
             f"{r['fwd_bwd_wall_s']:.2f} | {r['fwd_bwd_cpu_s']:.2f} | "
-            f"{_ratio(r['fwd_bwd_cpu_s'], b.get('fwd_bwd_cpu_s'))} |")
+            f"{_ratio(r['fwd_bwd_cpu_s'], b.get('fwd_bwd_cpu_s'))} | "
+            f"{_ratio(r['fwd_bwd_wall_s'], b.get('blocked_fwd_bwd_wall_s'))} |")
     lines += ["", "Single-process `blocked` backend, same inputs (one thread):", "",
               "| spec | N | fwd s | fwd+bwd s | sharded code on 1 rank / blocked (fwd+bwd) |", "|---|---|---|---|---|"]
     for (spec, n), b in sorted(base.items()):
