@@ -227,6 +227,48 @@ def _check_bytes(rank, world):
     return [] if counter.by_kind.get("kv") == want else [f"ring bytes {counter.by_kind} != kv {want}"]
 
 
+def _check_pruned(rank, world):
+    """Selective attention whose F passes the negligible bound within a few queries (keys and the selector
+    head's queries all alike): the fused pairs leave the dead keys out (the selector pass, forward and backward)
+    and still give the reference's outputs and gradients."""
+    from attnzoo.backends import selective_kernel
+
+    n, d = 64, 8
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, cot = (torch.randn(2, x, n, d, generator=gen, dtype=torch.float64) for x in (2, 2, 2, 2))
+    with torch.no_grad():
+        q[:, 0] = 2.0 + 0.1 * q[:, 0]
+        k[:, 0] = 2.0 + 0.1 * k[:, 0]
+    reference = attnzoo.compile("selective", backend="reference")
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out = reference(qr, kr, vr)
+    truth = torch.autograd.grad(out, (qr, kr, vr), cot)
+    layout = Layout(n, world)
+    ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
+    left_out = []
+    live = selective_kernel.Keys.live
+
+    def recording(*args, **kwargs):
+        keys = live(*args, **kwargs)
+        left_out.append(keys.index is not None)
+        return keys
+
+    selective_kernel.Keys.live = recording
+    try:
+        cp = ContextParallel("selective", block_size=8)
+        got = cp(ql, kl, vl)
+        got.backward(layout.shard(cot, rank))
+    finally:
+        selective_kernel.Keys.live = live
+    bad = [] if cp.last_pairs == "fused" and any(left_out) else [f"pruned: no key left out ({cp.last_pairs})"]
+    if not _close(got.detach(), layout.shard(out.detach(), rank)):
+        bad.append("pruned: out")
+    for label, x, g in zip("qkv", (ql, kl, vl), truth, strict=True):
+        if not _close(x.grad, layout.shard(g, rank)):
+            bad.append(f"pruned: grad.{label}")
+    return bad
+
+
 def _worker(rank, world, store, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -238,6 +280,7 @@ def _worker(rank, world, store, out_dir):
                 failures += [f"{case['name']} {name}: {m}" for m in _check_spec(spec, case, rank, world)]
                 checked.append(f"{case['name']} {name}")
         failures += _check_errors(rank, world) + _check_nn(rank, world) + _check_bytes(rank, world)
+        failures += _check_pruned(rank, world)
     finally:
         dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"checked": checked, "failures": failures}))
