@@ -1,0 +1,24 @@
+"""attnzoo in vLLM (docs/vllm.md): a plugin (entry point group ``vllm.general_plugins``) that serves a checkpoint
+saved by ``zt.save_pretrained`` with its attnzoo spec, over vLLM's paged KV cache.
+
+:func:`register` (run by vLLM in every process it starts) puts :class:`~.backend.AttnzooCPUBackend` in the place
+of vLLM's CPU attention backend and has vLLM's weight loading leave attnzoo's own tensors to it. A checkpoint
+without an attnzoo record (``config.attnzoo``) runs vLLM's own CPU attention unchanged: the backend defers to it,
+layer by layer. What vLLM's cache cannot hold (the selective accumulator's F, per-token evictor state, eviction,
+per-token features) is declined when the engine builds its layers, with one line naming the spec, the transform
+and the reason (:func:`~.spec.declined`)."""
+
+from __future__ import annotations
+
+#: the vLLM release this integration was written and tested against (``pip install 'attnzoo[vllm]'``)
+TESTED_VLLM = "0.32.0"
+
+
+def register() -> None:
+    """vLLM's plugin hook: register the attention backend and the weight filter. Idempotent."""
+    from .backend import install
+
+    install()
+
+
+__all__ = ["TESTED_VLLM", "register"]

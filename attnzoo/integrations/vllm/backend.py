@@ -1,0 +1,246 @@
+"""The vLLM attention backend: vLLM's CPU attention backend, whose layers run the checkpoint's attnzoo spec.
+
+The paged KV cache, its layout (blocks of ``block_size`` tokens, keys and values side by side), the writes of new
+keys and values (``do_kv_cache_update``) and the metadata are vLLM's CPU backend's, unchanged: the cache holds the
+model's keys and values as the model computed them (after RoPE), and the spec's row maps are applied when they are
+read, at their positions. Each step, every request's keys and values are gathered from its pages through the block
+table and its new queries attend over them with the blocked backend (``blocks``: queries at their positions
+against keys at theirs): decoding requests together, as one batch padded after their last key (causality hides
+the padding), prefills one by one. A layer of a checkpoint without an attnzoo record is vLLM's own."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...backends.blocked import BlockedBackend
+from ...nn import Attention
+from ...transforms.base import Dims, Slot
+from ..transformers.base import PARAM_MARK, IntegrationError
+from .spec import layer_index, layer_parameters, layer_spec, native_call, record_of
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Register :class:`AttnzooCPUBackend` in place of vLLM's CPU attention and filter attnzoo's tensors out of
+    vLLM's weight loading (they are read by the backend). Refuses, in one line, a vLLM whose hooks moved."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    except ImportError as exc:
+        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {exc.name} (written for vLLM "
+                               f"{_tested()}): pip install 'attnzoo[vllm]'") from None
+    if not hasattr(DefaultModelLoader, "get_all_weights"):
+        raise IntegrationError(f"attnzoo's vLLM plugin: DefaultModelLoader.get_all_weights is gone from this vLLM "
+                               f"(written for vLLM {_tested()})")
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.AttnzooCPUBackend")
+    original = DefaultModelLoader.get_all_weights
+
+    def get_all_weights(self, model_config, model):
+        ours = record_of(model_config.hf_config) is not None
+        for name, tensor in original(self, model_config, model):
+            if not (ours and PARAM_MARK in name):  # attnzoo's transform parameters: read by the backend
+                yield name, tensor
+
+    get_all_weights.__wrapped__ = original
+    DefaultModelLoader.get_all_weights = get_all_weights
+    _INSTALLED = True
+
+
+def _tested() -> str:
+    from . import TESTED_VLLM
+
+    return TESTED_VLLM
+
+
+def _backend_classes():
+    from vllm.config import get_current_vllm_config
+    from vllm.v1.attention.backend import AttentionType
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+    class AttnzooCPUImpl(CPUAttentionBackendImpl):
+        """vLLM's CPU attention impl; with an attnzoo record, its forward runs the layer's spec (module doc)."""
+
+        def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                     logits_soft_cap=None, attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                     sinks=None, **extra):
+            super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                             logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **extra)
+            config = get_current_vllm_config()
+            self.record = record_of(config.model_config.hf_config)
+            self.zoo: _Layer | None = None
+            if self.record is None:
+                return
+            self.model_dir = str(config.model_config.model)
+            self.model_type = str(getattr(config.model_config.hf_config, "model_type", "model"))
+            self.dtype = config.model_config.dtype
+            self.native = dict(scale=scale, sliding_window=sliding_window, softcap=logits_soft_cap,
+                               has_sinks=sinks is not None)
+            where = f"{self.model_dir}: attnzoo spec '{self.record.get('name')}'"
+            if attn_type != AttentionType.DECODER:
+                raise IntegrationError(f"{where}: a {attn_type} attention layer (attnzoo serves decoder layers)")
+            if alibi_slopes is not None:
+                raise IntegrationError(f"{where}: the model's own ALiBi slopes (alibi_slopes) are not composed "
+                                       f"with attnzoo specs; put ALiBi in the spec instead")
+            if kv_sharing_target_layer_name is not None:
+                raise IntegrationError(f"{where}: layers sharing another layer's keys and values are not supported")
+            if str(kv_cache_dtype) not in ("auto", "float32", "bfloat16", "float16"):
+                raise IntegrationError(f"{where}: a quantized KV cache ({kv_cache_dtype}) is not supported")
+            # the spec with this layer's native attention, checked now: declined specs fail at engine start
+            layer_spec(self.record, native_call(-1, num_heads, num_kv_heads, head_size, **self.native),
+                       self.model_type, where)
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            if self.record is None:
+                return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+            _write(key, value, kv_cache, slot_mapping)
+            return None
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if self.record is None:
+                return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                       output_block_scale)
+            if output_scale is not None or output_block_scale is not None:
+                raise IntegrationError("attnzoo's vLLM backend: fused output quantization is not supported")
+            if attn_metadata is None:  # a warm-up or profiling run
+                return output
+            if self.zoo is None:
+                self.zoo = _Layer(self, layer.layer_name)
+            self.zoo.attend(query, kv_cache, attn_metadata, output)
+            return output
+
+    class AttnzooCPUBackend(CPUAttentionBackend):
+        """vLLM's CPU attention backend with :class:`AttnzooCPUImpl` (same cache, same metadata)."""
+
+        @staticmethod
+        def get_impl_cls():
+            return AttnzooCPUImpl
+
+    return AttnzooCPUBackend, AttnzooCPUImpl
+
+
+class _Layer:
+    """One vLLM attention layer's attnzoo core: the composed spec, its parameters from the checkpoint, and the
+    attention over the paged cache."""
+
+    def __init__(self, impl, layer_name: str) -> None:
+        index = layer_index(layer_name)
+        where = f"{impl.model_dir}: attnzoo spec '{impl.record.get('name')}', layer {index}"
+        call = native_call(index, impl.num_heads, impl.num_kv_heads, impl.head_size, **impl.native)
+        spec, bound = layer_spec(impl.record, call, impl.model_type, where)
+        core = Attention(spec, impl.num_heads, impl.head_size, impl.num_kv_heads, backend="blocked",
+                         dtype=impl.dtype)
+        for key, attribute in bound.items():
+            core.bind_parameter(key, impl, attribute)
+        found = layer_parameters(impl.model_dir, index)
+        wanted = dict(core.transform_params.items())
+        missing = sorted(set(wanted) - set(found))
+        extra = sorted(set(found) - set(wanted))
+        if missing or extra:
+            raise IntegrationError(f"{where}: the checkpoint's attnzoo parameters do not match the spec ("
+                                   f"{'missing ' + missing[0] if missing else 'unexpected ' + extra[0]})")
+        with torch.no_grad():
+            for name, value in found.items():
+                if tuple(value.shape) != tuple(wanted[name].shape):
+                    raise IntegrationError(f"{where}: parameter {name} has shape {tuple(value.shape)} in the "
+                                           f"checkpoint, the spec needs {tuple(wanted[name].shape)}")
+                wanted[name].copy_(value)
+        core.requires_grad_(False)
+        self.core, self.plan = core, core.variant.plan
+        self.blocked = BlockedBackend()
+        self.heads, self.kv_heads, self.head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+        self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
+
+    def attend(self, query, kv_cache, meta, output) -> None:
+        n = meta.num_actual_tokens
+        key_pages, value_pages = _pages(kv_cache)
+        starts = meta.query_start_loc.tolist()
+        lengths = meta.seq_lens.tolist()
+        out = output[:n].view(n, self.heads, self.head_dim)
+        decoding = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
+        if decoding:
+            self._decode(query, key_pages, value_pages, meta.block_table, starts, lengths, decoding, out)
+        for i in range(len(lengths)):
+            if starts[i + 1] - starts[i] > 1:
+                rows = slice(starts[i], starts[i + 1])
+                k, v = _gather(key_pages, value_pages, meta.block_table[i:i + 1], lengths[i], lengths[i])
+                q = query[rows].transpose(0, 1).unsqueeze(0)
+                kpos = torch.arange(1, lengths[i] + 1, device=q.device).unsqueeze(0)
+                out[rows] = self._attend(q, k, v, kpos[:, lengths[i] - q.shape[2]:], kpos)[0].transpose(0, 1)
+
+    def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:
+        """One new token of each request in ``rows``: one batch, keys padded after each row's last (causality
+        hides them: the padding's positions come after the query's)."""
+        index = torch.tensor([starts[i] for i in rows], device=query.device)
+        lens = [lengths[i] for i in rows]
+        longest = max(lens)
+        k, v = _gather(key_pages, value_pages, block_table[rows], longest, longest)
+        q = query.index_select(0, index).unsqueeze(2)  # (B, H, 1, D)
+        kpos = torch.arange(1, longest + 1, device=q.device).expand(len(rows), -1)
+        qpos = torch.tensor(lens, device=q.device).unsqueeze(1)
+        out.index_copy_(0, index, self._attend(q, k, v, qpos, kpos)[:, :, 0])
+
+    def _attend(self, q, k, v, qpos, kpos):
+        """q (B, H, T, D) at qpos (B, T), over k, v (B, H_kv, L, D) at kpos (B, L): the spec's row maps at those
+        positions, the blocked backend's attention, the output row map."""
+        plan = self.plan
+        b, h, t, _ = q.shape
+        grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
+        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
+        ks = plan.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
+        vs = plan.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
+        out = self.blocked.blocks(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped, None, None)[0]
+        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+
+def _pages(kv_cache):
+    """(key pages, value pages), each (blocks, H_kv, block_size, D), of vLLM's CPU cache tensor (blocks, H_kv,
+    block_size, 2 D): a page's keys, then its values, each token's row contiguous (attnzoo's layers write and read
+    this layout themselves, whatever layout vLLM's kernels pick for the CPU's instruction set)."""
+    blocks, kv_heads, block_size, two_d = kv_cache.shape
+    pages = kv_cache.view(blocks, kv_heads, 2 * block_size, two_d // 2)
+    return pages[:, :, :block_size], pages[:, :, block_size:]
+
+
+def _write(key, value, kv_cache, slot_mapping) -> None:
+    """The new tokens' keys and values (T, H_kv, D) into their slots (``slot_mapping`` (T,): page * block_size +
+    offset; negative: a padding token, not written)."""
+    key_pages, value_pages = _pages(kv_cache)
+    block_size = key_pages.shape[2]
+    n = slot_mapping.shape[0]
+    slots = slot_mapping.to(torch.int64)
+    keep = slots >= 0
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[:n][keep], value[:n][keep]
+    page, offset = slots // block_size, slots % block_size
+    key_pages[page, :, offset] = key[:slots.shape[0]].to(key_pages.dtype)
+    value_pages[page, :, offset] = value[:slots.shape[0]].to(value_pages.dtype)
+
+
+def _gather(key_pages, value_pages, block_table, length: int, width: int):
+    """Keys and values (B, H_kv, width, D) of the requests whose block-table rows are ``block_table`` (B, blocks),
+    their first ``length`` tokens (the rest of the last page: whatever it holds, hidden by causality)."""
+    block_size = key_pages.shape[2]
+    count = math.ceil(width / block_size)
+    ids = block_table[:, :count].to(torch.int64)
+    b = ids.shape[0]
+
+    def pages(p):
+        got = p.index_select(0, ids.reshape(-1))  # (B * count, H_kv, block_size, D)
+        got = got.view(b, count, p.shape[1], block_size, p.shape[3]).permute(0, 2, 1, 3, 4)
+        return got.reshape(b, p.shape[1], count * block_size, p.shape[3])[:, :, :width]
+
+    return pages(key_pages), pages(value_pages)
+
+
+def __getattr__(name):  # the classes subclass vLLM's: made on first use, so this module imports without vLLM
+    if name in ("AttnzooCPUBackend", "AttnzooCPUImpl"):
+        backend, impl = _backend_classes()
+        globals().update(AttnzooCPUBackend=backend, AttnzooCPUImpl=impl)
+        return globals()[name]
+    raise AttributeError(name)

@@ -1,0 +1,108 @@
+"""Which spec a vLLM attention layer runs, and what is declined: the checkpoint's attnzoo record (``config.attnzoo``,
+as ``zt.save_pretrained`` writes it) composed with the layer's native attention (what vLLM hands its attention
+backend: scale, sliding window, soft-capping, learned sinks), by the transformers integration's rules; the
+transforms' parameters read from the checkpoint's safetensors files. Needs no vLLM import (tested without it)."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import os
+import re
+
+import torch
+
+from ...spec import load_spec
+from ...transforms.base import Slot
+from ..transformers.base import PARAM_MARK, IntegrationError
+from ..transformers.checkpoints import recorded_spec
+from ..transformers.interface import LayerCall
+from ..transformers.native import NativeLayer, compose
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def record_of(hf_config) -> dict | None:
+    """The attnzoo record of a model configuration, or None (the checkpoint was not saved by attnzoo)."""
+    record = getattr(hf_config, "attnzoo", None)
+    return record if isinstance(record, dict) and "spec" in record else None
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer of a vLLM attention layer's name (``model.layers.3.self_attn.attn`` -> 3)."""
+    found = _LAYER.search(layer_name)
+    if found is None:
+        raise IntegrationError(f"vLLM attention layer '{layer_name}': its name gives no decoder layer index "
+                               f"(model.layers.<i>....), so attnzoo cannot find its parameters")
+    return int(found.group(1))
+
+
+def native_call(layer: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                sliding_window: int | None, softcap: float | None, has_sinks: bool) -> LayerCall:
+    """A layer's native attention as the transformers integration describes it (vLLM gives the same facts)."""
+    window = sliding_window if sliding_window is not None and sliding_window > 0 else None
+    return LayerCall(layer=layer, module="vLLM Attention", num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, scaling=float(scale), sliding_window=window,
+                     softcap=float(softcap) if softcap else None, sinks="sinks" if has_sinks else None)
+
+
+def layer_spec(record: dict, call: LayerCall, model_type: str, where: str):
+    """(the composed spec, the native parameters it binds) of one layer, refused with one line when declined."""
+    user = load_spec(recorded_spec(record, where))
+    spec, bound = compose(NativeLayer(call, model_type), user, record.get("prefer", "error"))
+    reason = declined(spec)
+    if reason:
+        raise IntegrationError(f"{where}: spec '{user.name}' cannot be served by vLLM: {reason}")
+    return spec, bound
+
+
+def declined(spec) -> str | None:
+    """Why vLLM's paged KV cache cannot run ``spec`` exactly (one reason naming the transform), or None."""
+    from ...dispatch import Variant
+
+    if not spec.attention.causal:
+        return "attention.causal is false: vLLM serves causal decoders"
+    plan = Variant(spec, "reference").plan
+    acc = plan.one(Slot.ACCUMULATOR)
+    if acc is not None:
+        return (f"transform '{acc.kind}' (accumulator): its F, a running sum per (query, key), is state vLLM's "
+                f"paged KV cache does not hold")
+    if spec.cache is not None:
+        kind = getattr(spec.cache, "evictor", None) or "cache"
+        return (f"the cache evictor ('{kind}'): vLLM's paged cache keeps every token and cannot evict one from "
+                f"the middle of a page")
+    for t in plan.transforms:
+        if t.token_inputs():
+            return f"transform '{t.kind}' reads per-token inputs (the layer input), which vLLM's attention is not given"
+    for t in plan.feature_transforms():
+        return f"transform '{t.kind}' needs per-token features kept beside the keys, which vLLM's cache does not hold"
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _parameter_index(model_dir: str) -> dict[str, str]:
+    """{tensor name: file} of every attnzoo parameter in the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
+        with safe_open(file, framework="pt") as fh:
+            for key in fh.keys():
+                if PARAM_MARK in key:
+                    found[key] = file
+    return found
+
+
+def layer_parameters(model_dir: str, layer: int) -> dict[str, torch.Tensor]:
+    """The transform parameters of decoder layer ``layer`` in the checkpoint ``model_dir``, by their name in the
+    layer's ``attnzoo`` core (``transform_params``' keys)."""
+    from safetensors import safe_open
+
+    out = {}
+    for key, file in _parameter_index(model_dir).items():
+        found = _LAYER.search(key)
+        if found is None or int(found.group(1)) != layer:
+            continue
+        with safe_open(file, framework="pt") as fh:
+            out[key.split(PARAM_MARK, 1)[1]] = fh.get_tensor(key)
+    return out
