@@ -7,7 +7,15 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs experiments
+.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
+	bench-vllm
+
+# serving through vLLM (docs/vllm.md) in its own environment: vLLM's CPU build pins torch 2.13.0+cpu and
+# transformers < 5.20; pip pulls torchvision/torchaudio/torchcodec wheels built for another torch, which break
+# importing vllm, so they are removed
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.attnzoo-installed
 
 $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,12 +30,31 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 
 install: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q --upgrade pip
+	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN) numpy
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm]' 'transformers==5.19.0' 'pytest>=8'
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-env: $(VLLM_STAMP)
+
+# the vLLM tests (tests/test_vllm.py; skipped in .venv, which has no vLLM)
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/test_vllm.py
+
+# tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python benchmarks/vllm_throughput.py --out benchmarks/results
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n auto
+	$(MAKE) test-vllm
 
 demo: $(STAMP)
 	$(BIN)/python -m attnzoo.demo $(if $(DETAILS),--details,)

@@ -21,4 +21,12 @@ def register() -> None:
     install()
 
 
-__all__ = ["TESTED_VLLM", "register"]
+def __getattr__(name):
+    if name == "ServeDeclined":
+        from .backend import ServeDeclined
+
+        return ServeDeclined
+    raise AttributeError(name)
+
+
+__all__ = ["TESTED_VLLM", "ServeDeclined", "register"]

@@ -15,12 +15,20 @@ import math
 import torch
 
 from ...backends.blocked import BlockedBackend
+from ...errors import AttnzooError
 from ...nn import Attention
+from ...spec import load_spec
 from ...transforms.base import Dims, Slot
 from ..transformers.base import PARAM_MARK, IntegrationError
-from .spec import layer_index, layer_parameters, layer_spec, native_call, record_of
+from ..transformers.checkpoints import recorded_spec
+from .spec import declined, layer_index, layer_parameters, layer_spec, native_call, record_of
 
 _INSTALLED = False
+
+
+class ServeDeclined(AttnzooError):
+    """A checkpoint's spec vLLM cannot serve exactly, refused when vLLM checks its configuration (not a
+    ``ValueError``: vLLM's configuration model would wrap it in a validation report; this stays one line)."""
 
 
 def install() -> None:
@@ -49,7 +57,44 @@ def install() -> None:
 
     get_all_weights.__wrapped__ = original
     DefaultModelLoader.get_all_weights = get_all_weights
+    _check_at_start()
     _INSTALLED = True
+
+
+def _check_at_start() -> None:
+    """Check a checkpoint's spec where vLLM checks its configuration, in the process that starts the engine (the
+    user's): a declined spec, another platform than the CPU, or tensor/pipeline parallelism is refused there with
+    one line, before any worker starts."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    original = platform.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config):
+        original(cls, vllm_config)
+        check_config(vllm_config, current_platform.is_cpu())
+
+    platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def check_config(vllm_config, on_cpu: bool) -> None:
+    """Refuse, in one line, what attnzoo's vLLM backend cannot serve exactly (nothing for a checkpoint without an
+    attnzoo record)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    record = record_of(getattr(model_config, "hf_config", None)) if model_config is not None else None
+    if record is None:
+        return
+    where = f"{model_config.model}: attnzoo spec '{record.get('name')}'"
+    if not on_cpu:
+        raise ServeDeclined(f"{where}: attnzoo's vLLM backend runs on the CPU in this release; on this platform "
+                               f"vLLM would run its own attention, not the spec")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
+                               f"per-head parameters are not split over ranks)")
+    reason = declined(load_spec(recorded_spec(record, where)))
+    if reason:
+        raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
 
 
 def _tested() -> str:

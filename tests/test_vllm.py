@@ -1,0 +1,148 @@
+"""Serving through vLLM (attnzoo.integrations.vllm, docs/vllm.md): a tiny Llama (head_dim 64) saved by
+``zt.save_pretrained`` with a spec generates, under vLLM's engine and its OpenAI-compatible server, exactly the
+greedy tokens transformers + attnzoo generate; a declined spec fails at engine start with one line.
+
+These tests need vLLM (its CPU build pins torch and transformers < 5.20): ``make test`` runs them in their own
+environment (``.venv-vllm``, ``make vllm-env``); elsewhere they are skipped. Engine start-ups are few: one engine,
+one server, each serving several prompts of different lengths at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+#: every transform the vLLM backend serves, in one spec (so one engine checks them all): QK-norm, SSA's query
+#: and value temperatures, learnable ALiBi, soft-capping, a sliding window shorter than the longest prompt, a sink
+SERVED = {"name": "served-composite", "summary": "the transforms vLLM serves", "attention": {"causal": True},
+          "transforms": [{"kind": "query_norm", "gain": "shared"}, {"kind": "key_norm", "gain": "shared"},
+                         {"kind": "query_temperature", "token_aware": True, "position_aware": True},
+                         {"kind": "value_temperature", "token_aware": True, "position_aware": True},
+                         {"kind": "alibi_learnable", "max_bias": 8.0}, {"kind": "softcap", "cap": 20.0},
+                         {"kind": "sliding_window", "window": 24}, {"kind": "attention_sink", "value": 0.0}]}
+PROMPT_LENGTHS = (5, 17, 40)
+NEW_TOKENS = 8
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+              gpu_memory_utilization=0.2)
+
+
+def _checkpoint(path, spec):
+    """A tiny Llama with ``spec`` applied (its transform parameters moved off their initial values, as training
+    would), saved by zt.save_pretrained; returns (prompts, transformers' greedy tokens for each)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.integrations import transformers as zt
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config)
+    if spec is not None:
+        zt.apply(model, spec)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if ".attnzoo." in name:
+                    p.add_(0.3 * torch.randn_like(p))
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [[1] + torch.randint(2, 256, (n - 1,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    expected = []
+    with torch.no_grad():
+        for prompt in prompts:  # greedy, the whole sequence each step (the batch form)
+            ids = torch.tensor([prompt])
+            for _ in range(NEW_TOKENS):
+                ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            expected.append(ids[0, len(prompt):].tolist())
+    return prompts, expected
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    out = {}
+    for name, spec in (("served", SERVED), ("vanilla", "vanilla"), ("selective", "selective"), ("plain", None)):
+        out[name] = (str(root / name), *_checkpoint(root / name, spec))
+    return out
+
+
+def test_the_engine_generates_transformers_greedy_tokens(checkpoints):
+    from vllm import LLM, SamplingParams
+
+    path, prompts, expected = checkpoints["served"]
+    llm = LLM(model=path, **ENGINE)
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=NEW_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == expected
+    _, _, plain = checkpoints["plain"]
+    assert expected != plain, "the spec does not change the tokens: the test would not see vLLM's own attention"
+
+
+def test_a_declined_spec_fails_at_start_in_one_line(checkpoints):
+    from vllm import LLM
+
+    from attnzoo.integrations.vllm import ServeDeclined
+
+    path = checkpoints["selective"][0]
+    with pytest.raises(ServeDeclined) as caught:
+        LLM(model=path, **ENGINE)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "'selective'" in message and "selective_mask" in message and "accumulator" in message
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url, body, timeout=120):
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def test_the_openai_server_answers_with_the_same_tokens(checkpoints, tmp_path):
+    """vLLM's OpenAI-compatible server (what ``vllm serve`` runs) on 127.0.0.1, started and stopped here."""
+    path, prompts, expected = checkpoints["vanilla"]
+    port = _free_port()
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
+    args = ["--model", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+            "--skip-tokenizer-init", "--max-model-len", "1024", "--gpu-memory-utilization", "0.2"]
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args], stdout=log,
+                              stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(1)
+        got = []
+        for prompt in prompts:
+            answer = _post(f"http://127.0.0.1:{port}/v1/completions",
+                           {"model": path, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                            "ignore_eos": True, "return_token_ids": True})
+            got.append(answer["choices"][0]["token_ids"])
+        assert got == expected
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
