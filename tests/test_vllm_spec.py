@@ -1,0 +1,67 @@
+"""The vLLM plugin's spec side without vLLM (attnzoo.integrations.vllm.spec, docs/vllm.md): what is declined and
+why, the record of a configuration, a layer's index, and a layer's parameters read from a saved checkpoint."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from attnzoo.integrations.transformers.base import IntegrationError
+from attnzoo.integrations.vllm.spec import declined, layer_index, record_of
+from attnzoo.spec import load_spec
+
+
+@pytest.mark.parametrize("name, words", [
+    ("selective", ["selective_mask", "accumulator"]),
+    ("selective-pruned", ["selective_mask", "accumulator"]),
+    ("h2o", ["evictor", "h2o"]),
+    ("streaming", ["evictor"]),
+    ("forgetting", ["forgetting_gate", "features"]),
+])
+def test_what_the_paged_cache_cannot_hold_is_declined_naming_the_transform(name, words):
+    reason = declined(load_spec(name))
+    assert reason is not None and "\n" not in reason
+    for word in words:
+        assert word in reason
+
+
+@pytest.mark.parametrize("name", ["vanilla", "ssa", "alibi", "alibi-learnable", "softcap", "sink", "qk-norm", "local"])
+def test_the_specs_in_scope_are_served(name):
+    assert declined(load_spec(name)) is None
+
+
+def test_a_configuration_without_a_record_runs_vllms_own_attention():
+    assert record_of(types.SimpleNamespace()) is None
+    assert record_of(types.SimpleNamespace(attnzoo={"name": "x"})) is None  # no spec: not attnzoo's record
+    assert record_of(types.SimpleNamespace(attnzoo={"spec": "ssa"})) == {"spec": "ssa"}
+
+
+def test_layer_index_from_vllms_layer_name():
+    assert layer_index("model.layers.12.self_attn.attn") == 12
+    with pytest.raises(IntegrationError, match="no decoder layer index"):
+        layer_index("encoder.attn")
+
+
+def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
+    pytest.importorskip("transformers")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.vllm.spec import layer_parameters
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    zt.apply(model, "ssa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    for index, layer in enumerate(model.model.layers):
+        got = layer_parameters(str(tmp_path), index)
+        want = dict(layer.self_attn.attnzoo.transform_params.items())
+        assert got.keys() == want.keys() and want
+        for name, value in want.items():
+            assert torch.equal(got[name], value.detach())
