@@ -38,7 +38,8 @@ ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max
 
 def _checkpoint(path, spec):
     """A tiny Llama with ``spec`` applied (its transform parameters moved off their initial values, as training
-    would), saved by zt.save_pretrained; returns (prompts, transformers' greedy tokens for each)."""
+    would), saved by zt.save_pretrained; returns (prompts, transformers' greedy tokens for each (the whole sequence
+    each step), ``generate``'s with attnzoo's cache, or None without a spec)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from attnzoo.integrations import transformers as zt
@@ -63,7 +64,10 @@ def _checkpoint(path, spec):
             for _ in range(NEW_TOKENS):
                 ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             expected.append(ids[0, len(prompt):].tolist())
-    return prompts, expected
+        generated = None if spec is None else [
+            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(p):]
+            .tolist() for p in prompts]
+    return prompts, expected, generated
 
 
 @pytest.fixture(scope="module")
@@ -78,14 +82,23 @@ def checkpoints(tmp_path_factory):
 def test_the_engine_generates_transformers_greedy_tokens(checkpoints):
     from vllm import LLM, SamplingParams
 
-    path, prompts, expected = checkpoints["served"]
+    path, prompts, expected, _ = checkpoints["served"]
     llm = LLM(model=path, **ENGINE)
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == expected
-    _, _, plain = checkpoints["plain"]
+    _, _, plain, _ = checkpoints["plain"]
     assert expected != plain, "the spec does not change the tokens: the test would not see vLLM's own attention"
+
+
+def test_transformers_generate_decodes_with_attnzoos_cache_under_vllms_transformers(checkpoints):
+    """vLLM pins transformers < 5.20, which passes the cache as ``past_key_values`` (``cache`` from 5.20 on):
+    ``generate`` on an applied model still decodes through AttnzooCache, giving the whole-sequence tokens."""
+    for name in ("served", "vanilla"):
+        _, _, expected, generated = checkpoints[name]
+        for want, got in zip(expected, generated, strict=True):  # generate stops at EOS (2), the loop does not
+            assert got == want[:len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), name
 
 
 def test_a_declined_spec_fails_at_start_in_one_line(checkpoints):
@@ -115,7 +128,7 @@ def _post(url, body, timeout=120):
 
 def test_the_openai_server_answers_with_the_same_tokens(checkpoints, tmp_path):
     """vLLM's OpenAI-compatible server (what ``vllm serve`` runs) on 127.0.0.1, started and stopped here."""
-    path, prompts, expected = checkpoints["vanilla"]
+    path, prompts, expected, _ = checkpoints["vanilla"]
     port = _free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
     args = ["--model", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",

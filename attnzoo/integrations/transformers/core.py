@@ -184,11 +184,24 @@ class _PrepareCacheWithAttnzoo:
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         model = self.model
-        if (model_kwargs.get("cache") is None and generation_config.use_cache is not False
+        name = _cache_argument(model)
+        if (model_kwargs.get(name) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation in (None, "dynamic") and is_applied(model)):
-            model_kwargs["cache"] = AttnzooCache(model)
+            model_kwargs[name] = AttnzooCache(model)
             return None
         return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+
+
+def _cache_argument(model) -> str:
+    """The name under which the installed transformers passes the cache to the model: ``cache`` (transformers
+    5.20 on), ``past_key_values`` before (5.19, which vLLM's CPU build pins)."""
+    import inspect
+
+    try:
+        names = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "past_key_values" if "past_key_values" in names and "cache" not in names else "cache"
 
 
 def _install_generate_default(model) -> None:
