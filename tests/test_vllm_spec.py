@@ -65,3 +65,26 @@ def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
         assert got.keys() == want.keys() and want
         for name, value in want.items():
             assert torch.equal(got[name], value.detach())
+
+
+def _config(record, tp=1, pp=1):
+    hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}))
+    return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt"),
+                                 parallel_config=types.SimpleNamespace(tensor_parallel_size=tp,
+                                                                       pipeline_parallel_size=pp))
+
+
+def test_the_engine_start_check_refuses_in_one_line():
+    from attnzoo.integrations.vllm import ServeDeclined
+    from attnzoo.integrations.vllm.backend import check_config
+
+    check_config(_config(None), on_cpu=False)  # no record: vLLM's own attention, anywhere
+    check_config(_config({"spec": "ssa", "name": "ssa"}), on_cpu=True)
+    for config, on_cpu, words in [
+        (_config({"spec": "ssa", "name": "ssa"}), False, ["/ckpt", "'ssa'", "CPU"]),
+        (_config({"spec": "ssa", "name": "ssa"}, tp=2), True, ["tensor or pipeline parallelism"]),
+        (_config({"spec": "selective", "name": "selective"}), True, ["'selective'", "selective_mask"]),
+    ]:
+        with pytest.raises(ServeDeclined) as caught:
+            check_config(config, on_cpu)
+        assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words)
