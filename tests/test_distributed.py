@@ -120,6 +120,13 @@ def _check_spec(spec, case, rank, world):
         bad.append("a plain spec's pairs are not plain")
     if not _close(got.detach(), layout.shard(out.detach(), rank)):
         bad.append("out")
+    # without gradients, other ranks' keys arrive in pieces (of 2 tokens here: pieces cut chunks, BOS included)
+    pieces = ContextParallel(spec, method=case["method"], balanced=case["balanced"], block_size=case["block_size"],
+                             piece_size=2)
+    with torch.no_grad():
+        lean = pieces(ql, kl, vl, params=pl, positions=pos_l, inputs=il or None)
+    if not _close(lean, layout.shard(out.detach(), rank)):
+        bad.append("out without gradients, in pieces")
     for label, x, g in zip("qkv", (ql, kl, vl), truth[:3], strict=True):
         if not _close(x.grad, layout.shard(g, rank)):
             bad.append(f"grad.{label}")

@@ -187,17 +187,20 @@ class Pair:
         return _selection(q_sel, k_sel, bq, self.scale, self.pointwise, self.bos and has_first, self.diagonal)
 
 
-def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = None) -> None:
+def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = None, accumulate: bool = False,
+                 span: int | None = None) -> None:
     """The pair's attention: queries q (B, H, nq, D) against keys and values ke, ve (B, H, nk, D) with -F from
     ``carry`` (B, nk; the column sums of S over every earlier query, not changed) plus the pair's own S; writes
     the output (normalised over these keys) into ``out`` and its log-sum-exp into ``lse`` ((B, H, nq), -inf where
-    a query has no live key). ``carries``: the running carry before each block of ``pair.block`` queries is
-    appended (what :func:`pair_backward` needs)."""
+    a query has no live key), or with ``accumulate`` merges them, span by span, into what ``out`` and ``lse``
+    hold (the attention over other keys: no output of the whole pair is held). ``carries``: the running carry
+    before each block of ``pair.block`` queries is appended (what :func:`pair_backward` needs). ``span``: queries
+    per flash call (default :func:`forward_span`)."""
     b, h, nq, d = q.shape
     nk = ke.shape[2]
     wide = carry.dtype
     carry = carry.clone()
-    span = forward_span(pair.block, b, nk)
+    span = span or forward_span(pair.block, b, nk)
     buffer = torch.empty(b * min(span, nq) * nk, dtype=q.dtype, device=q.device)  # one mask for every span
     for start in range(0, nq, span):
         stop = min(start + span, nq)
@@ -218,7 +221,24 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
             with _phase("forward: -F and carry"):
                 _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), pair.limit)
                 upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
-        _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
+        if accumulate:  # this span's attention, then merged into what out and lse hold
+            o = torch.empty(b, h, stop - start, d, dtype=q.dtype, device=q.device)
+            l = torch.empty(b, h, stop - start, dtype=wide, device=q.device)
+            _span_attention(q[:, :, start:stop], ke, ve, keys, mask.unsqueeze(1), pair.scale, 0, stop - start, o,
+                            l, pair.diagonal)
+            _accumulate(out[:, :, start:stop], lse[:, :, start:stop], o, l)
+        else:
+            _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
+
+
+def _accumulate(out, lse, o, l) -> None:
+    """Merge attention (o, l) over more keys into (out, lse), in place, by log-sum-exp (-inf: no key)."""
+    total = torch.logaddexp(lse, l.to(lse.dtype))
+    finite = torch.isfinite(total)
+    old = torch.where(finite, torch.exp(lse - total), 0.0).unsqueeze(-1).to(out.dtype)
+    new = torch.where(finite, torch.exp(l.to(lse.dtype) - total), 0.0).unsqueeze(-1).to(out.dtype)
+    out.mul_(old).add_(o * new)
+    lse.copy_(total)
 
 
 def pair_backward(pair: Pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, dk, dv, dcarry) -> None:

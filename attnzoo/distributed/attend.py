@@ -54,8 +54,9 @@ def _pairs_forward(cfg: _Config, qs, ks, vs, pos, features, params):
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
     walk = _Walk(cfg, pos)
-    for src, blk in _Blocks(cfg, "kv")(_block(ks, vs, pos, features)):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+    piece = None if cfg.keep else cfg.piece  # without a backward: other ranks' keys in pieces
+    for src, blk, start in _Blocks(cfg, "kv").pieces(_block(ks, vs, pos, features), piece):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
             if cfg.flash:  # the whole pair of chunks in one kernel call
                 rows = pair_queries(blocks)

@@ -156,6 +156,43 @@ class _Blocks:
             _wait(requests)
             current = incoming
 
+    def pieces(self, mine: dict[str, torch.Tensor], piece: int | None):
+        """Like iterating, but another rank's block arrives in pieces of about ``piece`` tokens, each straight from
+        its owner (at step s, rank r receives from r - s and sends its own pieces to r + s, two pieces in flight),
+        yielding (source rank, block piece, the piece's first token in the source's local order): a rank holds
+        one piece of another's keys and values at a time, plus the one arriving. For a forward without gradients
+        (the backward's gradients travel with whole blocks). ``piece`` None, one rank or the all-gather: whole
+        blocks (first token 0)."""
+        cfg = self.cfg
+        if piece is None or cfg.world == 1 or not cfg.ring:
+            for src, blk in self(mine):
+                yield src, blk, 0
+            return
+        yield cfg.rank, mine, 0
+        layout = cfg.layout
+        count = max(1, -(-max(layout.local_size(r) for r in range(cfg.world)) // piece))  # the same on every rank
+        own = _cuts(layout.local_size(cfg.rank), count)
+        for step in range(1, cfg.world):
+            src, dst = (cfg.rank - step) % cfg.world, (cfg.rank + step) % cfg.world
+            theirs = _cuts(layout.local_size(src), count)
+
+            def post(i, _src=src, _dst=dst, _theirs=theirs):
+                lo, hi = own[i]
+                sends = [(_narrow(name, t, lo, hi).contiguous(), _dst) for name, t in mine.items()]
+                incoming = _like(mine, _theirs[i][1] - _theirs[i][0])
+                requests = _exchange(sends, [(t, _src) for t in incoming.values()], cfg.group, self.kind,
+                                     tag=2000 + (len(mine) + 1) * i)
+                return requests, incoming, sends
+
+            pending = post(0)
+            for i in range(count):
+                requests, incoming, sends = pending
+                _wait(requests)
+                del sends
+                pending = post(i + 1) if i + 1 < count else None
+                yield src, incoming, theirs[i][0]
+                del incoming
+
     def _pass_on(self, mine, current, step: int, src: int):
         """Start sending ``current`` (the block of rank ``src``) to the next rank and receiving the previous rank's
         block, unless this is the last step: (the requests to wait for, the incoming block or None)."""
@@ -222,6 +259,22 @@ class _Blocks:
         stacked = torch.stack([F.pad(p, _pad_spec(p.dim(), dim, most - p.shape[dim])) for p in pieces])
         _all_reduce(stacked, cfg.group, cfg.world, self.kind + "-grad")
         return stacked[cfg.rank].narrow(dim, 0, cfg.layout.local_size(cfg.rank))
+
+
+def _cuts(size: int, count: int) -> list[tuple[int, int]]:
+    """``count`` near-equal (start, stop) ranges covering ``size`` tokens (empty ones when size < count)."""
+    base, extra = divmod(size, count)
+    out, at = [], 0
+    for i in range(count):
+        n = base + (1 if i < extra else 0)
+        out.append((at, at + n))
+        at += n
+    return out
+
+
+def _narrow(name: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    dim = _token_dim(name) % t.dim()
+    return t.narrow(dim, lo, hi - lo)
 
 
 def _pad_spec(ndim: int, dim: int, extra: int) -> tuple[int, ...]:

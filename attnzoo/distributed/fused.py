@@ -18,7 +18,7 @@ from ..transforms.base import Slot
 from .carry import _scan
 from .exchange import _all_gather, _Blocks
 from .layout import _Config
-from .pairs import _block, _merge, _Walk, pair_queries
+from .pairs import _block, _Walk, pair_queries
 
 
 def fused_pairs(cfg: _Config, qs: torch.Tensor, bos_rows: torch.Tensor) -> bool:
@@ -60,10 +60,10 @@ class _Pairs:
         self.pointwise = _pointwise(acc)
         self.bos = bos and self.pointwise.exclude_first
 
-    def pair(self, c: int, cb: int) -> Pair:
-        """The pair of query chunk ``c`` and key chunk ``cb``."""
+    def pair(self, c: int, cb: int, gstart: int) -> Pair:
+        """The pair of query chunk ``c`` and key chunk ``cb`` (or the part of it from global token ``gstart``)."""
         return Pair(self.cfg.scale, self.sel, self.pointwise, self.cfg.block_size, self.limit, diagonal=c == cb,
-                    bos=self.bos and cb == 0)
+                    bos=self.bos and gstart == 0)
 
     def expand(self, t: torch.Tensor) -> torch.Tensor:
         return t.repeat_interleave(self.group, dim=1) if self.group > 1 else t
@@ -91,28 +91,27 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     # below; pairs come with the earlier query chunk first)
     owned = cfg.layout.owned(cfg.rank)
     table = {c: qs.new_zeros(b, cfg.layout.seq_len, dtype=wide) for c in owned}
-    for src, blk in _Blocks(cfg, "selector")(pairs.selector_block(ks, pos)):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+    piece = None if keep else cfg.piece  # without a backward: other ranks' keys in pieces
+    for src, blk, start in _Blocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             keys = slice(gstart, gstart + chunk.stop - chunk.start)
             earlier = [table[e][:, keys] for e in owned if e < c]
-            pair_colsums(pairs.pair(c, cb), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
+            pair_colsums(pairs.pair(c, cb, gstart), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
                          table[c][:, keys], sum(earlier) if earlier else None)
     carries = _scan(cfg, table, reverse=False)
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
     kept: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for src, blk in _Blocks(cfg, "kv")(_block(ks, vs, pos, {})):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+    for src, blk, start in _Blocks(cfg, "kv").pieces(_block(ks, vs, pos, {}), piece):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
-            pair = pairs.pair(c, cb)
-            q = qs[:, :, rows]
-            o = torch.full_like(q, float("nan"))
-            l = torch.full(q.shape[:3], float("nan"), dtype=wide, device=q.device)
             block_carries: list[torch.Tensor] | None = [] if keep else None
-            pair_forward(pair, q, pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk]),
-                         carries[c][:, gstart:gstart + width], o, l, block_carries)
-            _merge(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
+            # merged into out and lse span by span; without a backward, one block of queries per flash call (the
+            # span's -F mask is the largest transient)
+            pair_forward(pairs.pair(c, cb, gstart), qs[:, :, rows], pairs.expand(blk["k"][:, :, chunk]),
+                         pairs.expand(blk["v"][:, :, chunk]), carries[c][:, gstart:gstart + width], out[:, :, rows],
+                         lse[:, :, rows], block_carries, accumulate=True, span=None if keep else cfg.block_size)
             if block_carries is not None:
                 kept[(c, cb)] = block_carries
     return out, lse, carries, (kept, limit)
@@ -136,7 +135,7 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
-            pair = pairs.pair(c, cb)
+            pair = pairs.pair(c, cb, gstart)
             ke, ve = pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk])
             dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
             dcarry = qs.new_zeros(qs.shape[0], width, dtype=wide)
@@ -151,7 +150,7 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             width = chunk.stop - chunk.start
             rows = pair_queries(blocks)
-            pair_later(pairs.pair(c, cb), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
+            pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
                        later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
     d_k = kv.returned["k"]
     d_k[:, pairs.sel_kv] += selector.returned["k"][:, 0]

@@ -128,3 +128,5 @@ class _Config:
     bos: bool = False
     #: the forward keeps what the fused backward needs (a gradient may be asked for)
     keep: bool = True
+    #: tokens per piece of another rank's keys and values in a forward without gradients (``_Blocks.pieces``)
+    piece: int | None = None

@@ -49,10 +49,12 @@ class ContextParallel:
     (B, n); default: the layout's, 1..N), ``inputs`` their per-token inputs (B, H, n). Returns the rank's outputs
     (B, H, n, D). ``balanced``: the layout; ``method``: ``"ring"``, ``"allgather"`` or ``"auto"`` (all-gather when
     the whole sequence's keys and values take at most ``gather_limit`` bytes); ``block_size``: queries per block
-    inside a pair (the attention state per rank is O(block_size x N / R + N / R x H x D))."""
+    inside a pair (the attention state per rank is O(block_size x N / R + N / R x H x D)); ``piece_size``: in a
+    forward without gradients on the ring, another rank's keys and values arrive in pieces of about this many
+    tokens, straight from their owner, so a rank holds one piece of them at a time (None: whole blocks)."""
 
     def __init__(self, spec, group=None, *, balanced: bool = True, method: str = "auto", block_size: int = 256,
-                 gather_limit: int = 64 * 2**20, registry=None) -> None:
+                 gather_limit: int = 64 * 2**20, piece_size: int | None = 1024, registry=None) -> None:
         self.variant = spec if isinstance(spec, Variant) else Variant(spec, "auto", registry)
         self.plan = self.variant.plan
         reasons = unsupported(self.plan)
@@ -62,6 +64,10 @@ class ContextParallel:
             raise ValueError(f"method must be one of {', '.join(_METHODS)}, got {method!r}")
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if piece_size is not None and (isinstance(piece_size, bool) or not isinstance(piece_size, int)
+                                       or piece_size < 1):
+            raise ValueError(f"piece_size must be a positive int or None, got {piece_size!r}")
+        self.piece_size = piece_size
         self.group, self.balanced, self.method = group, balanced, method
         self.block_size, self.gather_limit = block_size, gather_limit
         self.last_method: str | None = None
@@ -110,10 +116,12 @@ class ContextParallel:
         bos_rows = firsts == 1
         cfg.fused = not cfg.flash and fused_pairs(cfg, qs, bos_rows)
         cfg.bos = bool(bos_rows.all())
-        cfg.keep = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs))
+        pair_params = [grouped[kind][short] for kind, short in param_keys]
+        cfg.keep = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *features.values(),
+                                                                             *pair_params))
+        cfg.piece = self.piece_size
         self.last_pairs = "flash" if cfg.flash else "fused" if cfg.fused else "eager"
-        out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(),
-                                   *(grouped[kind][short] for kind, short in param_keys))
+        out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(), *pair_params)
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
 
     def _agree(self, q, k, v, positions, world, rank, group):
@@ -190,10 +198,10 @@ class ShardedAttention(Attention):
     def __init__(self, spec, num_heads: int, head_dim: int, num_kv_heads: int | None = None, backend: str = "auto",
                  dtype: torch.dtype = torch.float32, device=None, registry=None, input_dim: int | None = None, *,
                  group=None, balanced: bool = True, method: str = "auto", block_size: int = 256,
-                 gather_limit: int = 64 * 2**20) -> None:
+                 gather_limit: int = 64 * 2**20, piece_size: int | None = 1024) -> None:
         super().__init__(spec, num_heads, head_dim, num_kv_heads, backend, dtype, device, registry, input_dim)
         self.parallel = ContextParallel(self.variant, group, balanced=balanced, method=method,
-                                        block_size=block_size, gather_limit=gather_limit)
+                                        block_size=block_size, gather_limit=gather_limit, piece_size=piece_size)
 
     @classmethod
     def from_attention(cls, layer: Attention, group=None, **options) -> ShardedAttention:

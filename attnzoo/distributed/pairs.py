@@ -129,14 +129,21 @@ class _Walk:
         step = self.cfg.block_size
         return [slice(s, min(s + step, stop)) for s in range(start, stop, step)]
 
-    def pairs(self, src: int, kpos: torch.Tensor):
+    def pairs(self, src: int, kpos: torch.Tensor, start: int = 0):
         """(query chunk, source chunk, its global start, its local slice in the block, [(query block, key
-        slice within the chunk)]) for the pairs with at least one visible key."""
+        slice within the chunk)]) for the pairs with at least one visible key. The block holds the source's
+        tokens from ``start`` on (a piece, ``_Blocks.pieces``): a chunk it holds part of is that part (its
+        global start and slice are the part's)."""
         layout = self.cfg.layout
+        end = start + kpos.shape[-1]
         for c, qstart, qstop, _ in layout.local_chunks(self.cfg.rank):
             for cb, kstart, kstop, gstart in layout.local_chunks(src):
                 if self.cfg.plan.causal and cb > c:
                     continue  # positions increase along the sequence (checked): every key is after every query
+                lo, hi = max(kstart, start), min(kstop, end)
+                if lo >= hi:
+                    continue
+                kstart, kstop, gstart = lo - start, hi - start, gstart + lo - kstart
                 chunk_pos = kpos[:, kstart:kstop]
                 blocks = []
                 for qb in self.query_blocks(qstart, qstop):
