@@ -86,16 +86,24 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
     walk = _Walk(cfg, pos)
-    # the selector pass: every local chunk's column sums of S over the whole sequence's keys, then the scan
-    # (a key whose F is past the bound is left out: the sums of this rank's earlier chunks bound its carry from
-    # below; pairs come with the earlier query chunk first)
+    # the selector pass: every local chunk's column sums of S over the whole sequence's keys, then the scan.
+    # A key whose F is past the bound is left out: any column sums of chunks between the key's and the queries'
+    # bound its carry from below. Those of this rank's earlier chunks (pairs come with the earlier query chunk
+    # first), and, for other ranks' keys, the sums every rank computed over its own keys (its first step),
+    # all-gathered once that step is done (B x N per chunk)
     owned = cfg.layout.owned(cfg.rank)
     table = {c: qs.new_zeros(b, cfg.layout.seq_len, dtype=wide) for c in owned}
+    theirs: dict[int, torch.Tensor] = {}
     piece = None if keep else cfg.piece  # without a backward: other ranks' keys in pieces
     for src, blk, start in _Blocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
+        if src != cfg.rank and not theirs:
+            every = _all_gather(torch.stack([table[c] for c in owned]), cfg.group, cfg.world, "selector")
+            theirs = {c: every[r, i] for r in range(cfg.world) if r != cfg.rank
+                      for i, c in enumerate(cfg.layout.owned(r))}
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             keys = slice(gstart, gstart + chunk.stop - chunk.start)
             earlier = [table[e][:, keys] for e in owned if e < c]
+            earlier += [t[:, keys] for e, t in theirs.items() if cb <= e < c]
             pair_colsums(pairs.pair(c, cb, gstart), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
                          table[c][:, keys], sum(earlier) if earlier else None)
     carries = _scan(cfg, table, reverse=False)
