@@ -16,7 +16,9 @@ Memory per rank: the peak resident set above what the process held before the ca
 through ``/proc/self/clear_refs`` once the inputs exist and a small warm-up call has set up gloo's buffers), with
 glibc's mmap threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so that every tensor of 128 KiB or more is its
 own mapping, counted while alive and returned to the system when freed: the peak is the peak of live tensor bytes
-plus small allocations.
+plus small allocations. Memory is measured in processes of its own: the timings run with glibc's default
+allocator settings (a fixed threshold makes every large tensor a fresh mapping, which slowed the sharded backward
+by up to 1.5x and distorted the time ratios).
 
     python benchmarks/distributed.py [--ranks 2 4] [--lengths 2048 4096 8192] [--memory-length 16384]
                                      [--specs vanilla selective] [--out benchmarks/results]
@@ -103,7 +105,7 @@ def _peak_mib(fn) -> float:
     return (rss_kib("VmHWM") - base) / 1024
 
 
-def _worker(rank, world, store, args, out_dir):
+def _worker(rank, world, store, args, out_dir, phase):
     import attnzoo
     from attnzoo.distributed import ContextParallel, Layout, counting
 
@@ -118,7 +120,7 @@ def _worker(rank, world, store, args, out_dir):
         for n in sorted({*args.lengths, args.memory_length}):
             layout = Layout(n, world)
             row = {"spec": spec, "world": world, "n": n}
-            if n in args.lengths:
+            if n in args.lengths and phase == "time":
                 tensors = _inputs(n, args.heads, args.head_dim)
                 for grad in (False, True):
                     label = "fwd_bwd" if grad else "fwd"
@@ -136,7 +138,7 @@ def _worker(rank, world, store, args, out_dir):
                         del whole
                     del inputs
                 del tensors
-            if n == args.memory_length:
+            if n == args.memory_length and phase == "memory":
                 small = _inputs(8 * world, args.heads, args.head_dim)
                 # one rank running the whole sequence forward+backward through the sharded code takes minutes
                 # here: its forward is the baseline unless asked
@@ -163,7 +165,7 @@ def _worker(rank, world, store, args, out_dir):
             if rank == 0:
                 print(json.dumps({k: v for k, v in row.items() if "by_kind" not in k}), flush=True)
     if rank == 0:
-        (out_dir / f"world{world}.json").write_text(json.dumps(rows))
+        (out_dir / f"world{world}-{phase}.json").write_text(json.dumps(rows))
     dist.destroy_process_group()
 
 
@@ -240,16 +242,23 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="rounds per timing (the median is kept)")
     parser.add_argument("--out", type=Path, default=None, help="directory for distributed.json and .md")
     args = parser.parse_args(argv)
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # inherited by the spawned ranks
     from attnzoo.bench import cpu_model
 
-    rows = []
+    merged: dict[tuple, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for world in [1, *sorted(set(args.ranks) - {1})]:
-            store = Path(tmp) / f"store{world}"
-            mp.start_processes(_worker, args=(world, store, args, Path(tmp)), nprocs=world, join=True,
-                               start_method="spawn")
-            rows += json.loads((Path(tmp) / f"world{world}.json").read_text())
+        # timings in processes with glibc's own allocator settings; memory in processes whose mmap threshold is
+        # fixed (an allocation per tensor: it would slow the timings, by up to 1.5x for the sharded backward)
+        for phase in ("time", "memory"):
+            if phase == "memory":
+                os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # inherited by the spawned ranks
+            for world in [1, *sorted(set(args.ranks) - {1})]:
+                store = Path(tmp) / f"store{world}-{phase}"
+                mp.start_processes(_worker, args=(world, store, args, Path(tmp), phase), nprocs=world, join=True,
+                                   start_method="spawn")
+                for row in json.loads((Path(tmp) / f"world{world}-{phase}.json").read_text()):
+                    merged.setdefault((row["spec"], row["world"], row["n"]), {}).update(row)
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    rows = list(merged.values())
     result = {"cpu": cpu_model(), "torch": torch.__version__, "config": {
         "heads": args.heads, "head_dim": args.head_dim, "method": args.method, "block_size": args.block_size,
         "repeats": args.repeats, "lengths": args.lengths, "memory_length": args.memory_length,
