@@ -232,7 +232,8 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
 
 
 def _accumulate(out, lse, o, l) -> None:
-    """Merge attention (o, l) over more keys into (out, lse), in place, by log-sum-exp (-inf: no key)."""
+    """Merge attention (o, l) over more keys into (out, lse), in place, by log-sum-exp (-inf: no key). The
+    sharded path's merge too (``attnzoo.distributed.pairs``)."""
     total = torch.logaddexp(lse, l.to(lse.dtype))
     finite = torch.isfinite(total)
     old = torch.where(finite, torch.exp(lse - total), 0.0).unsqueeze(-1).to(out.dtype)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.composition import checked_logits
+from ..backends.selective_kernel import _accumulate as _merge  # noqa: F401 - the merge by log-sum-exp, one implementation
 from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
 from .layout import _Config
@@ -102,16 +103,6 @@ def flash_pair_grads(d_out, q, k, v, out, lse, diagonal: bool, scale: float):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         d_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), lse.contiguous(), 0.0,
         diagonal, scale=scale)
-
-
-def _merge(out, lse, o, l) -> None:
-    """Flash-style merge of a partial result (o, l) into (out, lse), in place."""
-    new = torch.logaddexp(lse, l)
-    finite = torch.isfinite(new)
-    old_w = torch.where(finite, torch.exp(lse - new), 0.0)
-    new_w = torch.where(finite, torch.exp(l - new), 0.0)
-    out.mul_(old_w.unsqueeze(-1).to(out.dtype)).add_(o * new_w.unsqueeze(-1).to(out.dtype))
-    lse.copy_(new)
 
 
 def _weight(l: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
