@@ -11,6 +11,7 @@ from ..transforms.base import Dims, Slot
 from .carry import _colsums, _scan
 from .exchange import _Blocks
 from .fused import fused_backward, fused_forward
+from .kernel_pairs import triton_backward, triton_forward
 from .layout import _Config
 from .pairs import (
     _block,
@@ -33,7 +34,9 @@ def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
     plan = cfg.plan
     b, h, n, d = qs.shape
     kept = None
-    if cfg.fused:
+    if cfg.triton is not None:
+        out, lse, carries = triton_forward(cfg, cfg.triton, qs, ks, vs, pos, params)
+    elif cfg.fused:
         out, lse, carries, kept = fused_forward(cfg, qs, ks, vs, pos, cfg.bos, cfg.keep)
     else:
         out, lse, carries = _pairs_forward(cfg, qs, ks, vs, pos, features, params)
@@ -147,6 +150,14 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
                 g_i = next(it)
                 if g_i is not None:
                     d_params[i] += g_i
+
+    if cfg.triton is not None:  # no feature
+        d_q, d_k, d_v, more = triton_backward(cfg, cfg.triton, qs, ks, vs, pos, out, lse, carries, d_out, params,
+                                              param_wanted)
+        for i, g in enumerate(more):
+            if g is not None:
+                d_params[i] += g
+        return [d_q, d_k, d_v, *(g if wanted else None for g, wanted in zip(d_params, param_wanted, strict=True))]
 
     if cfg.fused:  # no feature, and the only pair-slot parameters are the sink's
         if kept is None:

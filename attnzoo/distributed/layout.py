@@ -130,3 +130,5 @@ class _Config:
     keep: bool = True
     #: tokens per piece of another rank's keys and values in a forward without gradients (``_Blocks.pieces``)
     piece: int | None = None
+    #: the triton backend whose generated kernels compute every pair (``kernel_pairs``), or None
+    triton: Any = None

@@ -16,6 +16,7 @@ from .attend import _ShardedAttend
 from .carry import _features
 from .exchange import _all_gather, _allreduce_bytes, _count
 from .fused import fused_pairs
+from .kernel_pairs import triton_reasons
 from .layout import Layout, _Config
 from .pairs import flash_pairs
 
@@ -51,11 +52,20 @@ class ContextParallel:
     the whole sequence's keys and values take at most ``gather_limit`` bytes); ``block_size``: queries per block
     inside a pair (the attention state per rank is O(block_size x N / R + N / R x H x D)); ``piece_size``: in a
     forward without gradients on the ring, another rank's keys and values arrive in pieces of about this many
-    tokens, straight from their owner, so a rank holds one piece of them at a time (None: whole blocks)."""
+    tokens, straight from their owner, so a rank holds one piece of them at a time (None: whole blocks);
+    ``backend``: what computes the pairs: ``"triton"`` (the spec's generated kernels; declined in one line when
+    they cannot run the call), ``"auto"`` (the triton kernels on CUDA when they can, else the CPU pairs below),
+    or another backend's name (the CPU pairs: torch's flash kernel, the blocked backend's fused selective kernel,
+    or the eager pairs); None: the Variant's backend (``"auto"`` for a spec)."""
 
     def __init__(self, spec, group=None, *, balanced: bool = True, method: str = "auto", block_size: int = 256,
-                 gather_limit: int = 64 * 2**20, piece_size: int | None = 1024, registry=None) -> None:
-        self.variant = spec if isinstance(spec, Variant) else Variant(spec, "auto", registry)
+                 gather_limit: int = 64 * 2**20, piece_size: int | None = 1024, backend: str | None = None,
+                 registry=None) -> None:
+        self.variant = spec if isinstance(spec, Variant) else Variant(spec, backend or "auto", registry)
+        self.backend = backend if backend is not None else self.variant.backend_name
+        if self.backend != "auto" and self.backend not in self.variant.registry.backends:
+            known = ", ".join(sorted(self.variant.registry.backends))
+            raise ValueError(f"unknown backend '{self.backend}' (registered: {known})")
         self.plan = self.variant.plan
         reasons = unsupported(self.plan)
         if reasons:
@@ -73,8 +83,8 @@ class ContextParallel:
         self.last_method: str | None = None
         #: how the last call computed each pair of chunks: "flash" (torch's CPU flash-attention kernel, forward and
         #: backward: plain attention in float32/float64 on the CPU), "fused" (the blocked backend's fused
-        #: selective kernel, forward and backward: selective-style specs on the CPU) or "eager" (the pair's maths
-        #: with autograd)
+        #: selective kernel, forward and backward: selective-style specs on the CPU), "triton" (the spec's generated
+        #: kernels, forward and backward) or "eager" (the pair's maths with autograd)
         self.last_pairs: str | None = None
 
     def __repr__(self) -> str:
@@ -112,15 +122,23 @@ class ContextParallel:
                       if f"{kind}.{short}" not in token_keys]
         cfg = _Config(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
                       plan.logit_scale(d))
-        cfg.flash = flash_pairs(cfg, qs)
-        bos_rows = firsts == 1
-        cfg.fused = not cfg.flash and fused_pairs(cfg, qs, bos_rows)
-        cfg.bos = bool(bos_rows.all())
         pair_params = [grouped[kind][short] for kind, short in param_keys]
         cfg.keep = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *features.values(),
                                                                              *pair_params))
         cfg.piece = self.piece_size
-        self.last_pairs = "flash" if cfg.flash else "fused" if cfg.fused else "eager"
+        if self.backend == "triton" or (self.backend == "auto" and qs.device.type == "cuda"):
+            triton = self.variant.registry.backends.get("triton")
+            why = triton_reasons(triton, cfg, qs, cfg.keep)
+            if not why:
+                cfg.triton = triton
+            elif self.backend == "triton":
+                raise _decline(name, f"backend 'triton': {why[0]}")
+        cfg.flash = cfg.triton is None and flash_pairs(cfg, qs)
+        bos_rows = firsts == 1
+        cfg.fused = cfg.triton is None and not cfg.flash and fused_pairs(cfg, qs, bos_rows)
+        cfg.bos = bool(bos_rows.all())
+        self.last_pairs = ("triton" if cfg.triton is not None else "flash" if cfg.flash else
+                           "fused" if cfg.fused else "eager")
         out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(), *pair_params)
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
 

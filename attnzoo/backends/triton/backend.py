@@ -56,6 +56,8 @@ class _Run:
     sink: torch.Tensor | None = None  # (H,) float32: the normaliser's sink logits (None: no normaliser)
     qt: torch.Tensor | None = None  # (NT, B, H, NQ) float32: per-token query terms (None: no host-termed transform)
     kt: torch.Tensor | None = None  # (NT, B, H, NK) float32: per-token key terms
+    want_dcarry: bool = False  # backward: also the gradient of init_carry (sharded pairs, attnzoo.distributed)
+    dcarry: torch.Tensor | None = None  # (B, NK) float32: filled by backward when want_dcarry
 
     def _common(self, q, k):
         b, h, nq, d = q.shape
@@ -75,6 +77,28 @@ class _Run:
     def sel(self) -> int:
         return self.layout.selector if self.layout.selector is not None else 0
 
+    def select(self, q, k, prm) -> torch.Tensor | None:
+        """The accumulator's pre-pass alone: sets the carry before each query block (what the forward and
+        backward kernels read) and returns the carry after every query, init_carry plus the column sums of S
+        (B, NK) float32; None without an accumulator."""
+        b, nq, nk = q.shape[0], q.shape[2], k.shape[2]
+        if self.layout.selector is None:
+            self.carry = None
+            return None
+        dims, meta = self._common(q, k), self._meta(q)
+        nmb = triton_cdiv(nq, self.block_m)
+        dummy = q.new_empty(1, dtype=torch.float32)
+        carry = torch.full((b, nmb, nk), float("nan"), dtype=torch.float32, device=q.device)
+        total = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device)
+        init = self.init_carry if self.init_carry is not None else dummy
+        sel_dims = {key: value for key, value in dims.items() if key not in ("TQS", "TKS")}
+        self.kernels._sel_carry[(triton_cdiv(nk, self.block_n), b)](
+            q, k, self.qpos, self.kpos, self.key_mask if self.key_mask is not None else dummy, init, carry, total,
+            prm, **sel_dims, NMB=nmb, scale=self.scale, SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip,
+            HAS_KMASK=self.key_mask is not None, HAS_INIT=self.init_carry is not None)
+        self.carry = carry
+        return total
+
     def forward(self, q, k, v, prm):
         """Returns (out, lse (B, H, NQ) float32, total F per key (B, NK) or None, logits or None)."""
         b, h, nq, _ = q.shape
@@ -84,17 +108,8 @@ class _Run:
         dummy = q.new_empty(1, dtype=torch.float32)
         kmask = self.key_mask if self.key_mask is not None else dummy
         has_acc = self.layout.selector is not None
-        carry = total = None
-        if has_acc:
-            carry = torch.full((b, nmb, nk), float("nan"), dtype=torch.float32, device=q.device)
-            total = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device)
-            init = self.init_carry if self.init_carry is not None else dummy
-            sel_dims = {key: value for key, value in dims.items() if key not in ("TQS", "TKS")}
-            self.kernels._sel_carry[(triton_cdiv(nk, self.block_n), b)](
-                q, k, self.qpos, self.kpos, kmask, init, carry, total, prm, **sel_dims, NMB=nmb, scale=self.scale,
-                SEL=self.sel, **meta, CAUSAL_SKIP=self.causal_skip, HAS_KMASK=self.key_mask is not None,
-                HAS_INIT=self.init_carry is not None)
-        self.carry = carry
+        total = self.select(q, k, prm)
+        carry = self.carry
         out = torch.full_like(q, float("nan"))  # every element must be written: a missed one stays NaN
         lse = torch.full((b, h, nq), float("nan"), dtype=torch.float32, device=q.device)
         logits = (torch.full((b, h, nq, nk), float("nan"), dtype=torch.float32, device=q.device)
@@ -150,9 +165,12 @@ class _Run:
             dks = torch.full((b, nk, d), float("nan"), **f32)
             dqs = torch.full((b, nq, d), float("nan"), **f32)
             pgs = torch.full((b, nnb, npp), float("nan"), **f32)
+            rtotal = torch.full((b, nk), float("nan"), **f32) if self.want_dcarry else dummy
             kernels._sel_bwd_dk[(nnb, b)](
-                q, k, v, dout, lse, delta, dks, pgs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
-                NMB=nmb, NNB=nnb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)
+                q, k, v, dout, lse, delta, dks, pgs, rcarry, rtotal, self.qpos, self.kpos, kmask, carry, prm,
+                **dims, NMB=nmb, NNB=nnb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags,
+                HAS_RTOTAL=self.want_dcarry)
+            self.dcarry = -rtotal if self.want_dcarry else None
             kernels._sel_bwd_dq[(nmb, b)](
                 q, k, v, dout, lse, delta, dqs, rcarry, self.qpos, self.kpos, kmask, carry, prm, **dims,
                 NMB=nmb, scale=self.scale, SEL=sel, **meta, NPP=npp, **flags)

@@ -12,6 +12,8 @@ Kernels:
 - ``_bwd_dkdv`` / ``_bwd_dq``: backward without atomics; logits-parameter gradients as per-program partial sums.
 - ``_sel_bwd_dk`` / ``_sel_bwd_dq``: the selector head's extra gradient through F. ``dL/dS[k, j] = -sum_{i > k}
   sum_h dS_h[i, j]``: the first walks the query blocks in reverse (the reverse carry), the second reuses it.
+  With ``HAS_RTOTAL`` the first also stores the reverse carry over every query (``RTOTAL``, (B, NK)): minus the
+  gradient of the carry F starts from (``INIT``), what a sharded pair hands back (``attnzoo.distributed``).
 - ``_decode``: one query per batch row against a cache with per-token F; one program per key/value head, its
   query heads as the rows.
 
@@ -160,10 +162,10 @@ def _ds_sum(Q, K, V, DO, LSE, DELTA, KPOS, PRM, b, rows, cols, qp, valid, ftile,
 
 
 @triton.jit(do_not_specialize=SIZES)
-def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CARRY, PRM,
+def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, RTOTAL, QPOS, KPOS, KMASK, CARRY, PRM,
                 H, HKV, NQ, NK, D, KPB, KPHS, NMB, NNB, scale, SEL,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NPP: tl.constexpr,
-                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr):
+                CAUSAL_SKIP: tl.constexpr, HAS_KMASK: tl.constexpr, HAS_RTOTAL: tl.constexpr):
     n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     cols = n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -195,6 +197,8 @@ def _sel_bwd_dk(Q, K, V, DO, LSE, DELTA, DKS, PGS, RCARRY, QPOS, KPOS, KMASK, CA
         dks += tl.dot(tl.trans(g0.to(qs.dtype)), qs).to(tl.float32)
     _store_rows(DKS, b * NK, cols, NK, D, dks * scale, BLOCK_D)
     tl.store(PGS + (b * NNB + n) * NPP + tl.arange(0, NPP), dpv)
+    if HAS_RTOTAL:  # the reverse carry over every query: -dL/d(the carry F starts from), for sharded pairs
+        tl.store(RTOTAL + b * NK + cols, running, mask=cv)
 
 
 @triton.jit(do_not_specialize=SIZES)
