@@ -276,6 +276,39 @@ def _check_pruned(rank, world):
     return bad
 
 
+def _check_staged(rank, world):
+    """Every exchange staged through host memory (as for CUDA tensors on a gloo group: several ranks sharing one
+    GPU) gives what the direct exchange gives: the ring, the scans, the all-gathers and all-reduces, and the
+    received buffers copied back (tested here by staging CPU tensors)."""
+    from attnzoo.distributed import exchange
+
+    bad = []
+    n = 19
+    layout = Layout(n, world)
+    for spec, method in (("selective", "ring"), ("forgetting", "ring"), ("alibi-learnable", "allgather")):
+        runs = []
+        for staged in (False, True):
+            cp = ContextParallel(spec, method=method, block_size=4)
+            init = cp.variant.init_params(num_heads=2, head_dim=4, dtype=torch.float64)
+            q, k, v = (torch.randn(1, 2, n, 4, generator=torch.Generator().manual_seed(3 + i),
+                                   dtype=torch.float64) for i in range(3))
+            ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
+            pl = {key: torch.nn.Parameter(t.clone()) for key, t in init.items()}
+            original = exchange._staged
+            if staged:
+                exchange._staged = lambda t, group: True
+            try:
+                out = cp(ql, kl, vl, params=pl)
+                out.sum().backward()
+                sum_gradients(pl.values())
+            finally:
+                exchange._staged = original
+            runs.append([out.detach(), ql.grad, kl.grad, vl.grad, *(p.grad for p in pl.values())])
+        if not all(_close(a, b) for a, b in zip(*runs, strict=True)):
+            bad.append(f"staged through host memory: {spec} differs")
+    return bad
+
+
 def _worker(rank, world, store, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -287,7 +320,7 @@ def _worker(rank, world, store, out_dir):
                 failures += [f"{case['name']} {name}: {m}" for m in _check_spec(spec, case, rank, world)]
                 checked.append(f"{case['name']} {name}")
         failures += _check_errors(rank, world) + _check_nn(rank, world) + _check_bytes(rank, world)
-        failures += _check_pruned(rank, world)
+        failures += _check_pruned(rank, world) + _check_staged(rank, world)
     finally:
         dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"checked": checked, "failures": failures}))

@@ -5,12 +5,11 @@ per-token features."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot, TokenRows
-from .exchange import _Blocks, _count, _GatherChunks, _global_rank, _nbytes
+from .exchange import _Blocks, _count, _GatherChunks, _nbytes, _recv, _send
 from .layout import Layout, _Config
 from .pairs import _block, _key_features, _selection, _selector_kv, _Walk
 
@@ -30,12 +29,12 @@ def _scan(cfg: _Config, table: dict[int, torch.Tensor], reverse: bool) -> dict[i
             continue
         if i > 0 and layout.owner(order[i - 1]) != rank:
             running = torch.empty_like(like)
-            dist.recv(running, _global_rank(cfg.group, layout.owner(order[i - 1])), group=cfg.group)
+            _recv(running, layout.owner(order[i - 1]), cfg.group)
         out[c] = running.clone()
         running = running + table[c]
         if i < len(order) - 1 and layout.owner(order[i + 1]) != rank:
             _count("carry", _nbytes(running))
-            dist.send(running.contiguous(), _global_rank(cfg.group, layout.owner(order[i + 1])), group=cfg.group)
+            _send(running, layout.owner(order[i + 1]), cfg.group)
     return out
 
 

@@ -52,16 +52,59 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# -- through host memory ---------------------------------------------------------------------------------------------
+def _staged(t: torch.Tensor, group) -> bool:
+    """Whether ``t`` crosses through host memory: a tensor off the CPU on a gloo group. Gloo's transport reads
+    and writes host memory (it would be handed a device pointer otherwise); several ranks sharing one GPU, which
+    NCCL refuses, run this way."""
+    return t.device.type != "cpu" and dist.get_backend(group) == "gloo"
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` in host memory (always a copy, also of a CPU tensor: the tests stage CPU tensors)."""
+    return t.to("cpu", copy=True)
+
+
+class _CopyBack:
+    """The last "request" of a staged exchange: once the others are done, the received host buffers are copied
+    into their device tensors."""
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.copies = copies
+
+    def wait(self) -> None:
+        for host, target in self.copies:
+            target.copy_(host)
+        self.copies = []
+
+
+def _send(t: torch.Tensor, peer: int, group) -> None:
+    """Blocking send to group rank ``peer`` (through host memory when :func:`_staged`)."""
+    dist.send(_host(t) if _staged(t, group) else t.contiguous(), _global_rank(group, peer), group=group)
+
+
+def _recv(t: torch.Tensor, peer: int, group) -> None:
+    """Blocking receive into ``t`` from group rank ``peer``."""
+    if _staged(t, group):
+        host = torch.empty(t.shape, dtype=t.dtype)
+        dist.recv(host, _global_rank(group, peer), group=group)
+        t.copy_(host)
+    else:
+        dist.recv(t, _global_rank(group, peer), group=group)
+
+
 # -- collectives ---------------------------------------------------------------------------------------------------
 def _all_gather(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
     """(world, *t.shape): every rank's ``t`` (the same shape everywhere)."""
     t = t.contiguous()
     if world == 1:
         return t.unsqueeze(0)
-    out = [torch.empty_like(t) for _ in range(world)]
+    staged = _staged(t, group)
+    src = _host(t) if staged else t
+    out = [torch.empty_like(src) for _ in range(world)]
     _count(kind, (world - 1) * _nbytes(t))
-    dist.all_gather(out, t, group=group)
-    return torch.stack(out)
+    dist.all_gather(out, src, group=group)
+    return torch.stack(out).to(t.device) if staged else torch.stack(out)
 
 
 def _allreduce_bytes(t: torch.Tensor, world: int) -> int:
@@ -69,9 +112,15 @@ def _allreduce_bytes(t: torch.Tensor, world: int) -> int:
 
 
 def _all_reduce(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
+    """Sum ``t`` over the ranks, in place."""
     if world > 1:
         _count(kind, _allreduce_bytes(t, world))
-        dist.all_reduce(t, group=group)
+        if _staged(t, group):
+            host = _host(t)
+            dist.all_reduce(host, group=group)
+            t.copy_(host)
+        else:
+            dist.all_reduce(t, group=group)
     return t
 
 
@@ -96,14 +145,21 @@ def _global_rank(group, rank: int) -> int:
 def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, kind: str,
               tag: int = 0):
     """Post sends (tensor, group rank) and receives together (batched: NCCL needs it for a ring), the i-th of
-    each tagged ``tag + i``; returns the requests to wait on."""
-    ops = []
+    each tagged ``tag + i``; returns the requests to wait on (:func:`_wait`: in order; when staged through host
+    memory, the last one copies what arrived into its tensors)."""
+    ops, copies = [], []
     for i, (t, peer) in enumerate(sends):
         _count(kind, _nbytes(t))
-        ops.append(dist.P2POp(dist.isend, t, _global_rank(group, peer), group, tag + i))
+        ops.append(dist.P2POp(dist.isend, _host(t) if _staged(t, group) else t, _global_rank(group, peer), group,
+                              tag + i))
     for i, (t, peer) in enumerate(recvs):
+        if _staged(t, group):
+            host = torch.empty(t.shape, dtype=t.dtype)
+            copies.append((host, t))
+            t = host
         ops.append(dist.P2POp(dist.irecv, t, _global_rank(group, peer), group, tag + i))
-    return dist.batch_isend_irecv(ops) if ops else []
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    return [*requests, _CopyBack(copies)] if copies else requests
 
 
 def _wait(requests) -> None:

@@ -14,7 +14,7 @@ from ..nn import Attention
 from ..transforms.base import Slot
 from .attend import _ShardedAttend
 from .carry import _features
-from .exchange import _all_gather, _allreduce_bytes, _count
+from .exchange import _all_gather, _all_reduce
 from .fused import fused_pairs
 from .kernel_pairs import triton_reasons
 from .layout import Layout, _Config
@@ -199,10 +199,10 @@ def sum_gradients(parameters, group=None) -> None:
     """Sum the ``.grad`` of replicated ``parameters`` over ``group`` in place (all-reduce): after a sharded
     backward, each rank holds its own queries' contribution, and this makes every rank's the full gradient. A
     data-parallel wrapper over the same ranks that sums does the same (one that averages divides it by R)."""
+    world = dist.get_world_size(group)
     for p in parameters:
         if p.grad is not None:
-            _count("allreduce", _allreduce_bytes(p.grad, dist.get_world_size(group)))
-            dist.all_reduce(p.grad, group=group)
+            _all_reduce(p.grad, group, world, "allreduce")
 
 
 class ShardedAttention(Attention):
