@@ -11,7 +11,11 @@
    SDPA's flash backend and compiled FlexAttention, each measured in the same run (median of interleaved
    repeats, CUDA events), with peak memory. For selective specs FlexAttention gets F as a captured N×N float32
    tensor (the only way it can express the accumulator); computing F is not included in its time.
-3. **First call** (vanilla, ssa, selective; GPU only): the first forward and backward call in a fresh process
+3. **Context parallel** (GPU only): 2 ranks, their pairs on the triton kernels, against the triton backend on the
+   whole sequence, same run, with the ranks' outputs and gradients checked against it
+   (``benchmarks/context_parallel_gpu.py``: with one GPU both ranks share it over gloo, so the figure is the cost
+   of sharding, not a speedup).
+4. **First call** (vanilla, ssa, selective; GPU only): the first forward and backward call in a fresh process
    with an empty Triton cache, without and with the kernels compiled at build time (``attnzoo build
    --compile-for``), and how many kernels Triton compiled (``benchmarks/first_call.py``).
 
@@ -224,6 +228,45 @@ def run_timing(specs, lengths, device, dtype, heads, head_dim, repeats, deadline
     return rows
 
 
+# -- context parallel ----------------------------------------------------------------------------------------------
+CONTEXT_PARALLEL_SPECS = ("vanilla", "selective", "selective-ssa")
+
+
+def run_context_parallel(length, dtype, heads, head_dim, repeats) -> list[dict]:
+    """2 ranks on the GPUs there are (benchmarks/context_parallel_gpu.py, in a process of its own): rows of the
+    ranks' largest relative error against the whole-sequence triton run and both sides' milliseconds."""
+    import subprocess
+
+    script = str(Path(__file__).with_name("context_parallel_gpu.py"))
+    done = subprocess.run([sys.executable, script, "--ranks", "2", "--length", str(length), "--specs",
+                           *CONTEXT_PARALLEL_SPECS, "--dtype", str(dtype).removeprefix("torch."), "--heads",
+                           str(heads), "--head-dim", str(head_dim), "--repeats", str(repeats)],
+                          capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        tail = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"
+        return [{"spec": "*", "n": length, "error": tail}]
+
+
+def context_parallel_markdown(rows) -> str:
+    first = next((r for r in rows if "group" in r), {})
+    lines = ["", f"## Context parallel: 2 ranks on {first.get('gpus', '?')} GPU(s), {first.get('group', '?')} group",
+             "", "Each rank's pairs on the triton kernels (attnzoo.distributed); whole: the triton backend on the "
+             "whole sequence, same run. Error: the ranks' largest, relative to the largest magnitude.", "",
+             "| spec | N | pairs | error | fwd ms | whole fwd ms | fwd ratio | fwd+bwd ms | whole fwd+bwd ms | "
+             "fwd+bwd ratio |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['spec']} | {r['n']} | {r['error']} | | | | | | | |")
+            continue
+        lines.append(f"| {r['spec']} | {r['n']} | {r['pairs']} | {r['max_relative_error']:.1e} | "
+                     f"{r['cp_fwd_ms']:.2f} | {r['whole_fwd_ms']:.2f} | {r['fwd_vs_whole']:.2f}x | "
+                     f"{r['cp_fwd_bwd_ms']:.2f} | {r['whole_fwd_bwd_ms']:.2f} | {r['fwd_bwd_vs_whole']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
 # -- first-call latency ------------------------------------------------------------------------------------------
 FIRST_CALL_SPECS = ("vanilla", "ssa", "selective")
 
@@ -317,6 +360,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="time only vanilla, ssa, selective at N = 4096")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (to test the script itself on CPU)")
+    parser.add_argument("--cp-length", type=int, default=16384, help="the context-parallel timing's N")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--out", default="benchmarks/results/gpu")
@@ -345,15 +389,18 @@ def main(argv=None) -> int:
     rows = [] if args.skip_timing else run_timing(timed, lengths, device, dtype if device.type == "cuda"
                                                   else torch.float32, heads, head_dim, repeats,
                                                   start + args.budget_s)
-    first_calls = (run_first_call(FIRST_CALL_SPECS, dtype, heads, head_dim)
-                   if device.type == "cuda" and not args.skip_timing else [])
+    on_gpu = device.type == "cuda" and not args.skip_timing
+    context = (run_context_parallel(args.cp_length, dtype, heads, head_dim, repeats)
+               if on_gpu and time.perf_counter() < start + args.budget_s else [])
+    first_calls = run_first_call(FIRST_CALL_SPECS, dtype, heads, head_dim) if on_gpu else []
     from attnzoo.backends.triton.build import triton_version
 
     header = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "attnzoo": attnzoo.__version__, "torch": torch.__version__, "triton": triton_version(),
               "dtype": args.dtype if device.type == "cuda" else "float32", "heads": heads, "head_dim": head_dim,
               "seconds": time.perf_counter() - start}
-    text = to_markdown(rows, header) + (first_call_markdown(first_calls) if first_calls else "")
+    text = to_markdown(rows, header) + (context_parallel_markdown(context) if context else "")
+    text += first_call_markdown(first_calls) if first_calls else ""
     failed = {name: p for name, p in failures.items() if p}
     text += "\n" + (f"Checks: {len(failures) - len(failed)} of {len(failures)} specs pass." if failures else
                     "Checks: skipped.") + "\n"
@@ -361,7 +408,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"header": header, "timing": rows, "first_call": first_calls,
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "timing": rows, "context_parallel": context,
+                                                    "first_call": first_calls,
                                                     "checks": failures},
                                                    indent=2) + "\n")
     print(f"wrote {out.with_suffix('.md')} and {out.with_suffix('.json')} in {header['seconds']:.0f} s")

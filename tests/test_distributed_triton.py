@@ -8,7 +8,10 @@ the chunks' carries dropped) that the comparison catches. One process group (sta
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,11 +24,12 @@ from attnzoo.distributed import ContextParallel, Layout, sum_gradients
 pytest.importorskip("triton")
 
 #: a window of 6 over 4 chunks of 7-8 tokens: masks across the shard boundaries, and pairs where some queries
-#: see no key at all; with a soft cap and a sink (joined outside the pairs)
-WINDOWED = {"name": "softcap-sink-window", "attention": {"causal": True},
-            "transforms": [{"kind": "softcap", "cap": 5.0}, {"kind": "attention_sink", "value": 0.0},
-                           {"kind": "sliding_window", "window": 6}]}
-SPECS = ["selective-ssa", "alibi-learnable", WINDOWED]
+#: see no key at all; with learnable ALiBi slopes (the kernels' packed parameters), a soft cap and a sink (joined
+#: outside the pairs)
+WINDOWED = {"name": "alibi-softcap-sink-window", "attention": {"causal": True},
+            "transforms": [{"kind": "alibi_learnable"}, {"kind": "softcap", "cap": 5.0},
+                           {"kind": "attention_sink", "value": 0.0}, {"kind": "sliding_window", "window": 6}]}
+SPECS = ["selective-ssa", WINDOWED]
 N, BATCH, HEADS, KV_HEADS, HEAD_DIM = 29, 2, 4, 2, 8
 TOL = dict(rtol=1e-4, atol=5e-5)  # float32 kernels against the float64 reference
 
@@ -144,3 +148,16 @@ def test_triton_pairs_equal_the_reference(tmp_path):
     for rank in range(2):
         failures = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert failures == [], f"rank {rank}: {failures[:10]}"
+
+
+def test_the_gpu_benchmark_script_runs_here():
+    """benchmarks/context_parallel_gpu.py (what benchmarks/gpu_check.py runs for context parallelism on a GPU) at
+    its smoke sizes in the interpreter: 2 ranks on the triton pairs agree with the whole-sequence triton run."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "context_parallel_gpu.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--smoke", "--specs", "selective"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["pairs"] == "triton" and row["group"] == "gloo"
+    assert row["max_relative_error"] < 1e-5
+    assert row["cp_fwd_bwd_ms"] > 0 and row["whole_fwd_bwd_ms"] > 0
