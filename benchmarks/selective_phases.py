@@ -7,13 +7,13 @@ selective path (forward, and forward + backward), each as the median of ``--repe
 
 - **random**: q, k, v from ``torch.randn`` (as ``attnzoo bench``). The selector's ReLU logits make F grow with
   every query, so most keys become negligible for later queries, and the kernel leaves them out exactly
-  (``selective_kernel.Keys``);
+  (``selective_tiles.Keys``);
 - **dense**: the selector head's queries set to 0, so S = 0 and F = 0: no key is ever left out (the worst case
   for the kernel, the same arithmetic as a trained selector that selects nothing).
 
 Then one profiled call per case gives the phases (``torch.profiler`` ranges named in
-``attnzoo/backends/selective_kernel.py``), as ms and as a share of SDPA's time in the same run. Writes
-``--out`` (default benchmarks/results/selective-phases.md) with the CPU model.
+``attnzoo/backends/selective_kernel.py`` and ``selective_tiles.py``), as ms and as a share of SDPA's time in the
+same run. Writes ``--out`` (default benchmarks/results/selective-phases.md) with the CPU model.
 """
 
 from __future__ import annotations

@@ -113,11 +113,12 @@ def test_private_flash_op_still_matches_its_contract():
 
 @pytest.fixture
 def unprobed(monkeypatch):
-    """The selective kernel module with no probe verdict yet (as in a fresh process); restored afterwards."""
-    from attnzoo.backends import selective_kernel
+    """The selective kernel's flash-op module with no probe verdict yet (as in a fresh process); restored
+    afterwards."""
+    from attnzoo.backends import selective_tiles
 
-    monkeypatch.setattr(selective_kernel, "_PROBED", {})
-    return selective_kernel
+    monkeypatch.setattr(selective_tiles, "_PROBED", {})
+    return selective_tiles
 
 
 def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch, unprobed):
