@@ -78,8 +78,11 @@ def _call(fn, inputs, grad):
             fn(q, k, v)
 
 
-def _timed(fn, repeats, world):
-    walls, cpus = [], []
+def _timed(fn, base, repeats, world, rank):
+    """Interleaved rounds, each after a barrier: ``fn`` on every rank (the slowest rank's wall time, the ranks'
+    mean CPU time), then ``base`` (the single-process baseline) on rank 0 alone while the others wait. Returns the
+    medians (wall, cpu, base wall; base None off rank 0)."""
+    walls, cpus, bases = [], [], []
     for _ in range(repeats):
         if world > 1:
             dist.barrier()
@@ -95,7 +98,15 @@ def _timed(fn, repeats, world):
             wall = wall[None]
         walls.append(float(wall[:, 0].max()))
         cpus.append(float(wall[:, 1].mean()))
-    return statistics.median(walls), statistics.median(cpus)
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            start = time.perf_counter()
+            base()
+            bases.append(time.perf_counter() - start)
+    if world > 1:
+        dist.barrier()
+    return statistics.median(walls), statistics.median(cpus), statistics.median(bases) if bases else None
 
 
 def _peak_mib(fn) -> float:
@@ -113,30 +124,28 @@ def _worker(rank, world, store, args, out_dir, phase):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rows = []
     for spec in args.specs:
-        cp = ContextParallel(spec, method=args.method, block_size=args.block_size)
+        cp = ContextParallel(spec, method=args.method, block_size=args.block_size, balanced=args.balanced)
         blocked = attnzoo.compile(spec, backend="blocked")
         warm = _inputs(8 * world, args.heads, args.head_dim)
-        _call(cp, _shards(Layout(8 * world, world), rank, warm, True), grad=True)
+        _call(cp, _shards(Layout(8 * world, world, args.balanced), rank, warm, True), grad=True)
         for n in sorted({*args.lengths, args.memory_length}):
-            layout = Layout(n, world)
+            layout = Layout(n, world, args.balanced)
             row = {"spec": spec, "world": world, "n": n}
             if n in args.lengths and phase == "time":
                 tensors = _inputs(n, args.heads, args.head_dim)
                 for grad in (False, True):
                     label = "fwd_bwd" if grad else "fwd"
                     inputs = _shards(layout, rank, tensors, grad)
+                    # the whole sequence, as it is, for rank 0's baseline rounds
+                    whole = _shards(Layout(n, 1), 0, tensors, grad) if rank == 0 else None
                     with counting() as counter:
                         _call(cp, inputs, grad)
                     row[f"{label}_bytes_per_rank"] = counter.bytes_sent
                     row[f"{label}_bytes_by_kind"] = counter.by_kind
-                    row[f"{label}_wall_s"], row[f"{label}_cpu_s"] = _timed(
-                        partial(_call, cp, inputs, grad), args.repeats, world)
-                    if world == 1:
-                        whole = _shards(Layout(n, 1), 0, tensors, grad)  # the whole sequence, as it is
-                        row[f"blocked_{label}_wall_s"], row[f"blocked_{label}_cpu_s"] = _timed(
-                            partial(_call, blocked, whole, grad), args.repeats, 1)
-                        del whole
-                    del inputs
+                    row[f"{label}_wall_s"], row[f"{label}_cpu_s"], row[f"blocked_{label}_wall_s"] = _timed(
+                        partial(_call, cp, inputs, grad), partial(_call, blocked, whole, grad), args.repeats, world,
+                        rank)
+                    del inputs, whole
                 del tensors
             if n == args.memory_length and phase == "memory":
                 small = _inputs(8 * world, args.heads, args.head_dim)
@@ -146,7 +155,7 @@ def _worker(rank, world, store, args, out_dir, phase):
                 for grad in grads:
                     label = "fwd_bwd" if grad else "fwd"
                     inputs = _shards(layout, rank, _inputs(n, args.heads, args.head_dim), grad)
-                    _call(cp, _shards(Layout(8 * world, world), rank, small, grad), grad)  # warm: gloo, threads
+                    _call(cp, _shards(Layout(8 * world, world, args.balanced), rank, small, grad), grad)  # warm
                     peak = _peak_mib(partial(_call, cp, inputs, grad))
                     every = [peak]
                     if world > 1:
@@ -180,14 +189,17 @@ def to_markdown(result) -> str:
     lines = [
         "# Context-parallel attention on CPU processes (gloo)", "",
         f"`python benchmarks/distributed.py` on {result['cpu']} ({os.cpu_count()} cores visible), torch "
-        f"{result['torch']}, one thread per rank; B 1, H {cfg['heads']}, D {cfg['head_dim']}, float32, balanced "
-        f"layout, method {cfg['method']}, block {cfg['block_size']}. World size 1 is the same sharded code on one "
-        "rank; `blocked` is attnzoo's single-process CPU backend on the same inputs, same run. wall: the slowest "
-        "rank (median of interleaved rounds); cpu: the ranks' mean own CPU time. Ratios are to world size 1.", "",
+        f"{result['torch']}, one thread per rank; B 1, H {cfg['heads']}, D {cfg['head_dim']}, float32, "
+        f"{'balanced' if cfg.get('balanced', True) else 'contiguous'} layout, method {cfg['method']}, block "
+        f"{cfg['block_size']}. World size 1 is the same sharded code on one rank. `blocked` is attnzoo's "
+        "single-process CPU backend (one thread) on the whole sequence, timed in the same rounds: each round runs "
+        "the sharded call on every rank, then `blocked` in rank 0 while the others wait. wall: the slowest rank "
+        "(median of the rounds); cpu: the ranks' mean own CPU time.", "",
         "## Bytes and time per rank against the sequence length", "",
         "| spec | N | ranks | fwd MiB sent/rank | fwd+bwd MiB sent/rank | fwd wall s | fwd cpu s | fwd+bwd wall s "
-        "| fwd+bwd cpu s | cpu/rank vs 1 rank (fwd+bwd) | wall vs `blocked` (fwd+bwd) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd+bwd cpu s | cpu/rank vs 1 rank (fwd+bwd) | `blocked` fwd / fwd+bwd s (same rounds) "
+        "| wall vs `blocked` (fwd) | wall vs `blocked` (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "fwd_wall_s" not in r:
@@ -198,13 +210,9 @@ def to_markdown(result) -> str:
             f"{r['fwd_bwd_bytes_per_rank'] / 2**20:.2f} | {r['fwd_wall_s']:.2f} | {r['fwd_cpu_s']:.2f} | "
             f"{r['fwd_bwd_wall_s']:.2f} | {r['fwd_bwd_cpu_s']:.2f} | "
             f"{_ratio(r['fwd_bwd_cpu_s'], b.get('fwd_bwd_cpu_s'))} | "
-            f"{_ratio(r['fwd_bwd_wall_s'], b.get('blocked_fwd_bwd_wall_s'))} |")
-    lines += ["", "Single-process `blocked` backend, same inputs (one thread):", "",
-              "| spec | N | fwd s | fwd+bwd s | sharded code on 1 rank / blocked (fwd+bwd) |", "|---|---|---|---|---|"]
-    for (spec, n), b in sorted(base.items()):
-        if "blocked_fwd_wall_s" in b:
-            lines.append(f"| {spec} | {n} | {b['blocked_fwd_wall_s']:.2f} | {b['blocked_fwd_bwd_wall_s']:.2f} | "
-                         f"{_ratio(b['fwd_bwd_wall_s'], b['blocked_fwd_bwd_wall_s'])} |")
+            f"{r['blocked_fwd_wall_s']:.2f} / {r['blocked_fwd_bwd_wall_s']:.2f} | "
+            f"{_ratio(r['fwd_wall_s'], r['blocked_fwd_wall_s'])} | "
+            f"{_ratio(r['fwd_bwd_wall_s'], r['blocked_fwd_bwd_wall_s'])} |")
     n = cfg["memory_length"]
     lines += ["", f"## Memory per rank at N = {n}", "",
               "Peak resident memory above the inputs during one call, per rank (MiB; the method is in the "
@@ -237,6 +245,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dim", type=int, default=64, help="head dimension")
     parser.add_argument("--method", default="ring", choices=["ring", "allgather", "auto"], help="K/V exchange")
     parser.add_argument("--block-size", type=int, default=256, help="queries per block inside a pair")
+    parser.add_argument("--contiguous", dest="balanced", action="store_false",
+                        help="the contiguous layout (rank r holds chunk r) instead of the balanced one")
     parser.add_argument("--full-baseline", action="store_true",
                         help="also measure one rank's forward+backward memory at --memory-length (slow)")
     parser.add_argument("--repeats", type=int, default=2, help="rounds per timing (the median is kept)")
@@ -261,6 +271,7 @@ def main(argv=None) -> int:
     rows = list(merged.values())
     result = {"cpu": cpu_model(), "torch": torch.__version__, "config": {
         "heads": args.heads, "head_dim": args.head_dim, "method": args.method, "block_size": args.block_size,
+        "balanced": args.balanced,
         "repeats": args.repeats, "lengths": args.lengths, "memory_length": args.memory_length,
         "specs": args.specs, "ranks": args.ranks, "threads_per_rank": 1,
         "memory_method": f"peak RSS above the inputs, MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}"}, "rows": rows}
