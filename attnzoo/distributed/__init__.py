@@ -29,9 +29,16 @@ Declined (:class:`attnzoo.UnsupportedError`, one line naming spec and cause): an
 not declared pointwise (``AccumulatorTransform.pointwise``: S is computed one key block at a time), ``key_mask``,
 ``documents`` and ``return_accumulated`` (F is (B, N, N)). Decoding is not sharded (evictors act in decoding only).
 
+What computes the pairs (``ContextParallel.last_pairs``): torch's CPU flash kernel for plain pairs, the blocked
+backend's fused selective kernel (``fused``), the triton backend's generated kernels (``kernel_pairs``: on CUDA
+under ``backend="auto"``, or when ``backend="triton"`` is asked for, which declines in one line what they cannot
+run), else the eager pairs. CUDA tensors on a gloo group cross through host memory (several ranks sharing one
+GPU).
+
 The parts, one module each: ``layout`` (where the tokens are), ``exchange`` (what crosses between ranks),
-``pairs`` (one query block against one key range), ``carry`` (the scans across shard boundaries), ``attend``
-(forward and backward as one autograd function) and ``module`` (the public entry points).
+``pairs`` (one query block against one key range), ``fused`` and ``kernel_pairs`` (the pairs on the backends'
+kernels), ``carry`` (the scans across shard boundaries), ``attend`` (forward and backward as one autograd
+function) and ``module`` (the public entry points).
 
 This package never imports the reference backend.
 """
