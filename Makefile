@@ -30,8 +30,13 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 
 install: $(STAMP)
 
-$(VLLM_STAMP): pyproject.toml
-	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+# the environment's pyvenv.cfg (a file, where bin/python is a link to an old interpreter) is a prerequisite: a
+# stamp left in a damaged or re-created environment rebuilds it
+$(VLLM_VENV)/pyvenv.cfg:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/pyvenv.cfg
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN) numpy
 	$(VLLM_BIN)/python -m pip install -q -e '.[vllm]' 'transformers==5.19.0' 'pytest>=8'
