@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -23,6 +25,8 @@ from .pairs import flash_pairs
 #: slots whose transforms act inside the (query, key) pairs, so their parameters enter the sharded kernel
 _PAIR_SLOTS = (Slot.LOGITS, Slot.MASK, Slot.ACCUMULATOR, Slot.NORMALISER)
 _METHODS = ("auto", "ring", "allgather")
+#: (spec, reason) pairs already warned about: the triton pairs could not run them on a GPU
+_WARNED: set[tuple[str, str]] = set()
 
 
 # -- what the path accepts -----------------------------------------------------------------------------------------
@@ -133,6 +137,10 @@ class ContextParallel:
                 cfg.triton = triton
             elif self.backend == "triton":
                 raise _decline(name, f"backend 'triton': {why[0]}")
+            elif (name, why[0]) not in _WARNED:  # on a GPU the eager pairs are exact but slow: say so, once
+                _WARNED.add((name, why[0]))
+                warnings.warn(f"attnzoo context parallel: spec '{name}' runs on the eager pairs, not the triton "
+                              f"kernels ({why[0]})", RuntimeWarning, stacklevel=2)
         cfg.flash = cfg.triton is None and flash_pairs(cfg, qs)
         bos_rows = firsts == 1
         cfg.fused = cfg.triton is None and not cfg.flash and fused_pairs(cfg, qs, bos_rows)
