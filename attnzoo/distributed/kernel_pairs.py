@@ -4,8 +4,9 @@ their true positions (causality, masks and the logits transforms come from the p
 chunk's carry (``init_carry``); its backward is one launch of the backward kernels from the final output and
 log-sum-exp (ring attention's backward), which also hand back the gradient of that carry (the reverse carry over
 every query of the pair, ``_Run.want_dcarry``). What is distributed stays here, as for the fused CPU pairs
-(``fused.py``): the selector pass and the scans of the carries, the merge by log-sum-exp, and the gradient of each
-pair's column sums of S through later chunks' F, a selector-only ring once the reverse scan is done."""
+(``fused.py``): the selector pass (the kernels' pre-pass per pair on a ring of the selector's key rows) and the
+scans of the carries, the merge by log-sum-exp, and the gradient of each pair's column sums of S through later
+chunks' F, a selector-only ring once the reverse scan is done."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..backends.base import Mode
 from ..backends.triton import codegen
 from ..cache import accumulator_dtype
 from ..transforms.base import Dims, Slot
-from .carry import _colsums, _scan
+from .carry import _scan
 from .exchange import _Blocks
 from .layout import _Config
 from .pairs import _block, _merge, _selection, _selector_kv, _Walk, pair_queries
@@ -52,11 +53,29 @@ class _Launch:
                                  carry, self.plan.causal and c == cb)
 
 
+def _selector_pass(cfg: _Config, launch: _Launch, qs, ks, pos) -> dict[int, torch.Tensor]:
+    """The column sums of S of every local query chunk over the whole sequence's keys, (B, N) float32 per chunk:
+    the kernels' pre-pass (``_Run.select``, no carry) on each pair, over a ring of the selector head's key rows
+    alone (one key head: the kernels then read it for the selector)."""
+    b, h, n, d = qs.shape
+    index = _selector_kv(cfg.plan, launch.acc, Dims(h, d, ks.shape[1]), ks.device)
+    table = {c: torch.zeros(b, cfg.layout.seq_len, dtype=torch.float32, device=qs.device)
+             for c in cfg.layout.owned(cfg.rank)}
+    walk = _Walk(cfg, pos)
+    for src, blk in _Blocks(cfg, "selector")({"k": ks.index_select(1, index).contiguous(), "pos": pos}):
+        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
+            rows = pair_queries(blocks)
+            run = launch.run(c, cb, qs[:, :, rows], pos[:, rows], blk["pos"][:, chunk], None)
+            total = run.select(qs[:, :, rows].contiguous(), blk["k"][:, :, chunk].contiguous(), launch.prm)
+            table[c][:, gstart:gstart + chunk.stop - chunk.start] += total
+    return table
+
+
 def triton_forward(cfg: _Config, backend, qs, ks, vs, pos, params):
     """(out, lse (float32), the carries into each local chunk); the sink is joined by the caller."""
     launch = _Launch(cfg, backend, qs, params)
     b, h, n, d = qs.shape
-    carries = _scan(cfg, _colsums(cfg, qs, pos, ks, {}, params), reverse=False) if launch.acc is not None else {}
+    carries = _scan(cfg, _selector_pass(cfg, launch, qs, ks, pos), reverse=False) if launch.acc is not None else {}
     out = torch.zeros(b, h, n, d, dtype=accumulator_dtype(qs.dtype), device=qs.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=out.dtype, device=qs.device)
     walk = _Walk(cfg, pos)
