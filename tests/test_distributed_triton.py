@@ -2,7 +2,8 @@
 kernel_pairs.py), checked on the CPU in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1; the
 spawned ranks inherit it): 2 gloo ranks in float32 against the float64 reference (outputs, q/k/v gradients and
 every transform parameter's, summed over the ranks), with GQA, batch 2, positions with gaps, a sliding window
-that crosses the chunks (pairs with rows that see no key), a forward in pieces, and a planted bug (the gradient of
+that crosses the chunks (pairs with rows that see no key), a forward in pieces, float16 (as close as the whole
+sequence's triton run), and a planted bug (the gradient of
 the chunks' carries dropped) that the comparison catches. One process group (starting a rank costs seconds)."""
 
 from __future__ import annotations
@@ -106,6 +107,35 @@ def _check(spec, rank, world, dropped=False):
     return bad
 
 
+def _check_half(rank, world):
+    """float16: the sharded triton pairs are as close to the float64 reference as the triton backend on the whole
+    sequence in float16 is (within 2x, plus 1e-3), for the output and the q/k/v gradients."""
+    spec = "selective-ssa"
+    reference = attnzoo.compile(spec, backend="reference")
+    t, params, positions = _tensors("half " + spec, reference)
+    layout = Layout(N, world)
+
+    def run(fn, tensors, pos, dtype):
+        q, k, v = (tensors[x].detach().to(dtype).clone().requires_grad_() for x in "qkv")
+        out = fn(q, k, v, params={key: p.float() if dtype != torch.float64 else p for key, p in params.items()},
+                 positions=pos)
+        out.backward(tensors["cot"].to(dtype))
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    truth = [layout.shard(x, rank) for x in run(reference, t, positions, torch.float64)]
+    whole = [layout.shard(x, rank) for x in run(attnzoo.compile(spec, backend="triton"), t, positions,
+                                                 torch.float16)]
+    mine = {x: layout.shard(t[x], rank) for x in ("q", "k", "v", "cot")}
+    cp = ContextParallel(spec, backend="triton", method="ring", block_size=4)
+    got = run(cp, mine, layout.shard(positions, rank, dim=-1), torch.float16)
+    bad = []
+    for label, g, w, r in zip(("out", "grad.q", "grad.k", "grad.v"), got, whole, truth, strict=True):
+        err, base = (g.double() - r).abs().max(), (w.double() - r).abs().max()
+        if g.dtype != torch.float16 or not err <= 2 * base + 1e-3:
+            bad.append(f"float16 {label}: {float(err):.1e} against the whole sequence's {float(base):.1e}")
+    return bad
+
+
 def _check_declines(rank, world):
     """The triton pairs decline in one line where the kernels cannot run the call; ``auto`` on the CPU keeps the
     CPU pairs."""
@@ -137,7 +167,7 @@ def _worker(rank, world, store, out_dir):
         caught = _check("selective", rank, world, dropped=True)
         if not {"grad.q", "grad.k"} & set(caught):
             failures.append(f"the dropped carry gradient went unnoticed ({caught})")
-        failures += _check_declines(rank, world)
+        failures += _check_half(rank, world) + _check_declines(rank, world)
     finally:
         dist.destroy_process_group()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(failures))
