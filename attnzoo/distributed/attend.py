@@ -152,8 +152,8 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
                     d_params[i] += g_i
 
     if cfg.triton is not None:  # no feature
-        d_q, d_k, d_v, more = triton_backward(cfg, cfg.triton, qs, ks, vs, pos, out, lse, carries, d_out, params,
-                                              param_wanted)
+        d_q, d_k, d_v, more = triton_backward(cfg, cfg.triton, qs, ks, vs, pos, out, lse, carries, d_out,
+                                              rest[nf:], param_wanted)
         for i, g in enumerate(more):
             if g is not None:
                 d_params[i] += g

@@ -19,7 +19,7 @@ from ..transforms.base import Dims, Slot
 from .carry import _scan
 from .exchange import _Blocks
 from .layout import _Config
-from .pairs import _block, _merge, _selection, _selector_kv, _Walk, pair_queries
+from .pairs import _block, _merge, _selection, _selector_kv, _unpack, _Walk, pair_queries
 
 
 def triton_reasons(backend, cfg: _Config, qs: torch.Tensor, keep: bool) -> list[str]:
@@ -93,12 +93,13 @@ def triton_forward(cfg: _Config, backend, qs, ks, vs, pos, params):
     return out.to(qs.dtype), lse, carries
 
 
-def triton_backward(cfg: _Config, backend, qs, ks, vs, pos, out, lse, carries, d_out, params, wanted):
+def triton_backward(cfg: _Config, backend, qs, ks, vs, pos, out, lse, carries, d_out, flat, wanted):
     """(dq, dk, dv, the gradient of each pair-slot parameter (None where not ``wanted``)): every pair's share from
     the final output and log-sum-exp (the sink included), with the gradient of its incoming carry; the reverse
-    scan; then the selector-only ring that carries each chunk's share into the earlier chunks' S."""
+    scan; then the selector-only ring that carries each chunk's share into the earlier chunks' S. ``flat``: the
+    pair slots' parameters in ``cfg.param_keys`` order (no features: the triton pairs take none)."""
     plan = cfg.plan
-    launch = _Launch(cfg, backend, qs, params)
+    launch = _Launch(cfg, backend, qs, _unpack(cfg, flat)[1])
     acc = launch.acc
     walk = _Walk(cfg, pos)
     d_out = d_out.contiguous()
@@ -126,11 +127,11 @@ def triton_backward(cfg: _Config, backend, qs, ks, vs, pos, out, lse, carries, d
             if acc is not None:
                 reach[c][:, gstart:gstart + width] += run.dcarry
     d_k, d_v = kv.returned["k"], kv.returned["v"]
-    leaves = [p.detach().requires_grad_(w) for p, w in zip(_flat(cfg, params), wanted, strict=True)]
+    leaves = [p.detach().requires_grad_(w) for p, w in zip(flat, wanted, strict=True)]
     d_params = [torch.zeros_like(p) for p in leaves]
     if any(wanted) and codegen.layout(plan).params:
         with torch.enable_grad():
-            packed = backend._prm(plan, _nest(cfg, leaves), launch.heads, qs)
+            packed = backend._prm(plan, _unpack(cfg, leaves)[1], launch.heads, qs)
             _add_grads(d_params, leaves, wanted, packed, d_prm)
     if acc is not None:
         later = _scan(cfg, reach, reverse=True)
@@ -161,7 +162,7 @@ def _later_ring(cfg: _Config, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_pa
                 k_l = k_c[:, :, keys].detach().requires_grad_()
                 with torch.enable_grad():
                     s = _selection(plan, acc, q_l, k_l, pos[:, qb], p_c[:, keys], dims, {}, {},
-                                   _nest(cfg, leaves), cfg.scale)
+                                   _unpack(cfg, leaves)[1], cfg.scale)
                     weights = g[:, keys].to(s.dtype)[:, None, None, :].expand_as(s)
                     wrt = [q_l, k_l, *(p for p, w in zip(leaves, wanted, strict=True) if w)]
                     got = torch.autograd.grad(s, wrt, weights, allow_unused=True)
@@ -174,17 +175,6 @@ def _later_ring(cfg: _Config, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_pa
                     if w and (gi := next(it)) is not None:
                         d_params[i] += gi
     d_k.index_add_(1, index, selector.returned["k"].to(d_k.dtype))
-
-
-def _flat(cfg: _Config, params) -> list[torch.Tensor]:
-    return [params[kind][short] for kind, short in cfg.param_keys]
-
-
-def _nest(cfg: _Config, flat) -> dict[str, dict[str, torch.Tensor]]:
-    params: dict[str, dict[str, torch.Tensor]] = {t.kind: {} for t in cfg.plan.transforms}
-    for (kind, short), t in zip(cfg.param_keys, flat, strict=True):
-        params[kind][short] = t
-    return params
 
 
 def _add_grads(d_params, leaves, wanted, packed, d_packed) -> None:
