@@ -271,3 +271,49 @@ def test_selective_leaves_out_negligible_keys_exactly(registry, monkeypatch, dty
         torch.testing.assert_close(g, e, rtol=tol, atol=tol, msg=name)
         torch.testing.assert_close(g.double(), w, rtol=1e-4 if dtype == torch.float32 else 1e-9,
                                    atol=1e-4 if dtype == torch.float32 else 1e-8, msg=name)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_off_diagonal_pair_with_the_bos_key_apart(accumulate):
+    """An off-diagonal pair whose first key is the protected BOS (context parallelism's pairs against the first
+    chunk) takes the BOS key in one product for every query and the other keys by blocks. Checked against the
+    selective formula written out eagerly in float64: S = relu(q_sel k^T * scale) with BOS never selected,
+    F = carry + the exclusive cumulative sum of S over the pair's queries, softmax(q k^T * scale - F) v; the
+    output, log-sum-exp, column sums, and the gradients of q, k, v and the incoming carry."""
+    from attnzoo.backends.selective_kernel import Pair, pair_backward, pair_colsums, pair_forward
+    from attnzoo.transforms.base import PointwiseSelection
+
+    gen = torch.Generator().manual_seed(11)
+    b, h, nq, nk, d, scale = 2, 3, 13, 9, 5, 0.4
+    q, k, v, g = (torch.randn(b, h, n, d, generator=gen, dtype=torch.float64) for n in (nq, nk, nk, nq))
+    carry = torch.rand(b, nk, generator=gen, dtype=torch.float64) * 3
+    carry[:, 0] = 0.7  # 0 under attnzoo's sharding (BOS is never selected); any carry is exact
+    pointwise = PointwiseSelection(torch.relu, lambda x: (x > 0).to(x.dtype), exclude_first=True,
+                                   exclude_self=True)
+    pair = Pair(scale, 1, pointwise, 4, float("inf"), diagonal=False, bos=True)
+
+    qr, kr, vr, cr = (t.clone().requires_grad_() for t in (q, k, v, carry))
+    s = torch.relu(qr[:, 1] @ kr[:, 1].transpose(-1, -2) * scale)  # (B, nq, nk), selector head 1
+    s = s * (torch.arange(nk) > 0)  # BOS never selected
+    f = cr[:, None, :] + torch.cumsum(s, dim=1) - s  # exclusive over the pair's queries
+    logits = qr @ kr.transpose(-1, -2) * scale - f[:, None]
+    lse_want = torch.logsumexp(logits, dim=-1)
+    out_want = torch.softmax(logits, dim=-1) @ vr
+    dq_want, dk_want, dv_want, dc_want = torch.autograd.grad(out_want, (qr, kr, vr, cr), g)
+
+    out = torch.full_like(q, float("nan")) if not accumulate else torch.zeros_like(q)
+    lse = torch.full((b, h, nq), float("nan") if not accumulate else float("-inf"), dtype=torch.float64)
+    kept: list[torch.Tensor] = []
+    pair_forward(pair, q, k, v, carry, out, lse, kept, accumulate=accumulate)
+    torch.testing.assert_close(out, out_want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_want.detach(), rtol=1e-10, atol=1e-12)
+    colsum = torch.zeros(b, nk, dtype=torch.float64)
+    pair_colsums(pair, q[:, 1], k[:, 1], colsum)
+    torch.testing.assert_close(colsum, s.detach().sum(1), rtol=1e-10, atol=1e-12)
+
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dcarry = torch.zeros(b, nk, dtype=torch.float64)
+    neg_delta = -(g * out).sum(-1, keepdim=True)
+    pair_backward(pair, q, k, v, g, lse, neg_delta, kept, dq, dk, dv, dcarry)
+    for got, want in ((dq, dq_want), (dk, dk_want), (dv, dv_want), (dcarry, dc_want)):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)

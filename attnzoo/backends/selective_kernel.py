@@ -23,7 +23,7 @@ probabilities are the forward's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -136,6 +136,14 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
     hold (the attention over other keys: no output of the whole pair is held). ``carries``: the running carry
     before each block of ``pair.block`` queries is appended (what :func:`pair_backward` needs). ``span``: queries
     per flash call (default :func:`forward_span`)."""
+    if pair.bos and not pair.diagonal:  # the BOS key apart: one product for every query, then the other keys
+        _bos_forward(pair, q, ke, ve, carry[:, :1], out, lse, accumulate)
+        if carries is not None:  # the BOS key's F first, then what the other keys' blocks keep
+            carries.append(carry[:, :1].clone())
+        if ke.shape[2] > 1:
+            pair_forward(replace(pair, bos=False), q, ke[:, :, 1:], ve[:, :, 1:], carry[:, 1:], out, lse,
+                         carries, accumulate=True, span=span)
+        return
     b, h, nq, d = q.shape
     nk = ke.shape[2]
     wide = carry.dtype
@@ -171,6 +179,39 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
             _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
 
 
+def _bos_logits(pair: Pair, q, ke, f0):
+    """Off the diagonal, the BOS key's logits (B, H, nq) in the dtype of ``f0``: q k_0 * scale - F_0, with F_0
+    (B, 1) the carry into the pair (it does not grow inside it: BOS is never selected)."""
+    logits = (q @ ke[:, :, :1].transpose(-1, -2))[..., 0].to(f0.dtype) * pair.scale
+    return logits - f0[:, None]
+
+
+def _bos_forward(pair: Pair, q, ke, ve, f0, out, lse, accumulate: bool) -> None:
+    """Off the diagonal, the BOS key alone (a key every query keeps whatever the carries: its F stays 0): attention
+    over one key is its value, with the key's logit as log-sum-exp. Keys whose F only grows are left out block by
+    block (:meth:`Keys.live`); the BOS never is, so off the diagonal it would keep every block of queries busy for
+    one key: it takes one product for all of them instead."""
+    logits = _bos_logits(pair, q, ke, f0)
+    o = ve[:, :, :1].expand_as(q)
+    if accumulate:
+        _accumulate(out, lse, o, logits)
+    else:
+        out.copy_(o)
+        lse.copy_(logits)
+
+
+def _bos_backward(pair: Pair, q, ke, ve, f0, grad_out, lse, neg_delta, dq, dk, dv, dcarry) -> None:
+    """The BOS key's share of :func:`pair_backward` off the diagonal (see :func:`_bos_forward`): its probability
+    p = exp(logit - lse) for every query, then dv_0 += p g, dL/dlogit = p (g . v_0 - delta), which reaches q, k_0
+    and, with a minus sign, the carry F_0 (no selector gradient: BOS is never selected)."""
+    p = torch.exp(_bos_logits(pair, q, ke, f0.to(lse.dtype)) - lse)  # (B, H, nq)
+    dv[:, :, 0] += torch.einsum("bhq,bhqd->bhd", p.to(q.dtype), grad_out)
+    dl = p * ((grad_out @ ve[:, :, :1].transpose(-1, -2))[..., 0] + neg_delta[..., 0]).to(p.dtype)
+    dq += dl.to(q.dtype)[..., None] * ke[:, :, :1] * pair.scale
+    dk[:, :, 0] += torch.einsum("bhq,bhqd->bhd", dl.to(q.dtype), q) * pair.scale
+    dcarry[:, 0] -= dl.sum(dim=(1, 2)).to(dcarry.dtype)
+
+
 def _accumulate(out, lse, o, l) -> None:
     """Merge attention (o, l) over more keys into (out, lse), in place, by log-sum-exp (-inf: no key). The
     sharded path's merge too (``attnzoo.distributed.pairs``)."""
@@ -188,6 +229,12 @@ def pair_backward(pair: Pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, 
     pair's probabilities are exp(logits - F - lse), as ring attention's backward). Adds into dq (B, H, nq, D), dk
     and dv (B, H, nk, D), and into ``dcarry`` (B, nk), which comes in holding the gradient of the pair's column
     sums of S (from later queries' F) and leaves holding that plus the gradient of the incoming carry."""
+    if pair.bos and not pair.diagonal:  # the BOS key apart, as the forward took it (its F first in ``carries``)
+        _bos_backward(pair, q, ke, ve, carries[0], grad_out, lse, neg_delta, dq, dk, dv, dcarry)
+        if ke.shape[2] > 1:
+            pair_backward(replace(pair, bos=False), q, ke[:, :, 1:], ve[:, :, 1:], grad_out, lse, neg_delta,
+                          carries[1:], dq, dk[:, :, 1:], dv[:, :, 1:], dcarry[:, 1:])
+        return
     b, h, nq, d = q.shape
     nk = ke.shape[2]
     sel = pair.sel
@@ -237,6 +284,10 @@ def pair_colsums(pair: Pair, q_sel, k_sel, colsum, base=None) -> None:
     (B, nk, D). ``base`` (B, nk): a lower bound on the carry into these queries (None: 0); a key whose bound plus
     its column sum so far reaches ``pair.limit`` is left out from then on, as :func:`pair_forward` leaves it out
     (its F is negligible for every later query, and its carry stays past the bound)."""
+    if pair.bos and not pair.diagonal:  # BOS is never selected: its column sum stays 0
+        pair_colsums(replace(pair, bos=False), q_sel, k_sel[:, 1:], colsum[:, 1:],
+                     None if base is None else base[:, 1:])
+        return
     nq, nk = q_sel.shape[1], k_sel.shape[1]
     first, own = pair.own(nq, nk)
     for lo in range(0, nq, pair.block):
@@ -253,6 +304,9 @@ def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:
     """The gradient of the pair's S through later queries' F: ``later`` (B, nk) is dL/d(the pair's column sums
     of S); adds into dq_sel (B, nq, D) and dk_sel (B, nk, D). Keys whose ``later`` is 0 in every row (past the
     negligible bound, or with no later query) are skipped."""
+    if pair.bos and not pair.diagonal:  # BOS is never selected: no gradient through its S
+        pair_later(replace(pair, bos=False), q_sel, k_sel[:, 1:], later[:, 1:], dq_sel, dk_sel[:, 1:])
+        return
     nq, nk = q_sel.shape[1], k_sel.shape[1]
     first, own = pair.own(nq, nk)
     live = (later != 0).any(dim=0)
