@@ -281,20 +281,24 @@ class _Blocks:
             return
         nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
         current = {name: t.contiguous() for name, t in mine.items()}
-        grads = {name: torch.zeros_like(mine[name]) for name in grad_names}
+        own = {name: torch.zeros_like(mine[name]) for name in grad_names}
+        grads = own
         for step, src in enumerate(self.sources()):
             requests, incoming = self._pass_on(mine, current, step, src)
             yield src, current, grads
-            # the gradients follow their block: after the last step they reach its owner, the next rank
+            _wait(requests)
             size = cfg.layout.local_size((src - 1) % cfg.world) if step < cfg.world - 1 else \
                 cfg.layout.local_size(cfg.rank)
             arriving = _like({name: mine[name] for name in grad_names}, size)
-            _wait(requests)
-            _wait(_exchange([(grads[name].contiguous(), nxt) for name in grad_names],
-                            [(arriving[name], prev) for name in grad_names], cfg.group, self.kind + "-grad",
-                            tag=1000))
+            if step == 0:  # this rank's own share stays here; the next block's owner kept its own
+                for t in arriving.values():
+                    t.zero_()
+            else:  # the other ranks' shares follow their block: after the last step they reach its owner
+                _wait(_exchange([(grads[name].contiguous(), nxt) for name in grad_names],
+                                [(arriving[name], prev) for name in grad_names], cfg.group, self.kind + "-grad",
+                                tag=1000))
             current, grads = incoming, arriving
-        self.returned = grads
+        self.returned = {name: own[name].add_(grads[name]) for name in grad_names}
 
     def _gather(self, mine):
         cfg = self.cfg
