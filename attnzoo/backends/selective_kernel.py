@@ -106,6 +106,11 @@ class Pair:
     diagonal: bool
     bos: bool
 
+    @property
+    def bos_apart(self) -> bool:
+        """Whether the BOS key is taken apart from the others (off the diagonal: :func:`_bos_forward`)."""
+        return self.bos and not self.diagonal
+
     def own(self, nq: int, nk: int) -> tuple[int, int]:
         """(the keys before the queries' own, the queries' own keys): (nk - nq, nq) on the diagonal, (nk, 0) off
         it."""
@@ -136,7 +141,7 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
     hold (the attention over other keys: no output of the whole pair is held). ``carries``: the running carry
     before each block of ``pair.block`` queries is appended (what :func:`pair_backward` needs). ``span``: queries
     per flash call (default :func:`forward_span`)."""
-    if pair.bos and not pair.diagonal:  # the BOS key apart: one product for every query, then the other keys
+    if pair.bos_apart:  # the BOS key apart: one product for every query, then the other keys
         _bos_forward(pair, q, ke, ve, carry[:, :1], out, lse, accumulate)
         if carries is not None:  # the BOS key's F first, then what the other keys' blocks keep
             carries.append(carry[:, :1].clone())
@@ -187,7 +192,7 @@ def _bos_logits(pair: Pair, q, ke, f0):
 
 
 def _bos_forward(pair: Pair, q, ke, ve, f0, out, lse, accumulate: bool) -> None:
-    """Off the diagonal, the BOS key alone (a key every query keeps whatever the carries: its F stays 0): attention
+    """Off the diagonal, the BOS key alone (never selected, so its F is its carry, 0 under sharding): attention
     over one key is its value, with the key's logit as log-sum-exp. Keys whose F only grows are left out block by
     block (:meth:`Keys.live`); the BOS never is, so off the diagonal it would keep every block of queries busy for
     one key: it takes one product for all of them instead."""
@@ -229,7 +234,7 @@ def pair_backward(pair: Pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, 
     pair's probabilities are exp(logits - F - lse), as ring attention's backward). Adds into dq (B, H, nq, D), dk
     and dv (B, H, nk, D), and into ``dcarry`` (B, nk), which comes in holding the gradient of the pair's column
     sums of S (from later queries' F) and leaves holding that plus the gradient of the incoming carry."""
-    if pair.bos and not pair.diagonal:  # the BOS key apart, as the forward took it (its F first in ``carries``)
+    if pair.bos_apart:  # the BOS key apart, as the forward took it (its F first in ``carries``)
         _bos_backward(pair, q, ke, ve, carries[0], grad_out, lse, neg_delta, dq, dk, dv, dcarry)
         if ke.shape[2] > 1:
             pair_backward(replace(pair, bos=False), q, ke[:, :, 1:], ve[:, :, 1:], grad_out, lse, neg_delta,
@@ -284,7 +289,7 @@ def pair_colsums(pair: Pair, q_sel, k_sel, colsum, base=None) -> None:
     (B, nk, D). ``base`` (B, nk): a lower bound on the carry into these queries (None: 0); a key whose bound plus
     its column sum so far reaches ``pair.limit`` is left out from then on, as :func:`pair_forward` leaves it out
     (its F is negligible for every later query, and its carry stays past the bound)."""
-    if pair.bos and not pair.diagonal:  # BOS is never selected: its column sum stays 0
+    if pair.bos_apart:  # BOS is never selected: its column sum stays 0
         pair_colsums(replace(pair, bos=False), q_sel, k_sel[:, 1:], colsum[:, 1:],
                      None if base is None else base[:, 1:])
         return
@@ -304,7 +309,7 @@ def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:
     """The gradient of the pair's S through later queries' F: ``later`` (B, nk) is dL/d(the pair's column sums
     of S); adds into dq_sel (B, nq, D) and dk_sel (B, nk, D). Keys whose ``later`` is 0 in every row (past the
     negligible bound, or with no later query) are skipped."""
-    if pair.bos and not pair.diagonal:  # BOS is never selected: no gradient through its S
+    if pair.bos_apart:  # BOS is never selected: no gradient through its S
         pair_later(replace(pair, bos=False), q_sel, k_sel[:, 1:], later[:, 1:], dq_sel, dk_sel[:, 1:])
         return
     nq, nk = q_sel.shape[1], k_sel.shape[1]
