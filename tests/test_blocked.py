@@ -1,5 +1,6 @@
 """The blocked backend: the conformance suite at a small block size (so every path crosses blocks), memory."""
 
+import math
 import types
 
 import pytest
@@ -317,3 +318,83 @@ def test_off_diagonal_pair_with_the_bos_key_apart(accumulate):
     pair_backward(pair, q, k, v, g, lse, neg_delta, kept, dq, dk, dv, dcarry)
     for got, want in ((dq, dq_want), (dk, dk_want), (dv, dv_want), (dcarry, dc_want)):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11)
+
+
+def _pruned_pair_formula(q, k, v, carry, sel, scale, limit, diagonal, bos):
+    """Selective attention of one pair, written out in float64 from the paper's formula with the kernel's
+    pruning: S = relu(q_sel k^T * scale) where a query may select a key (on the diagonal strictly earlier keys;
+    never BOS), F = carry + the exclusive cumulative sum of S over the pair's queries, and a key whose F has
+    reached ``limit`` gets probability 0. Returns (out, lse, S)."""
+    nq, nk = q.shape[2], k.shape[2]
+    s = torch.relu(q[:, sel] @ k[:, sel].transpose(-1, -2) * scale)  # (B, nq, nk)
+    may = torch.ones(nq, nk, dtype=torch.bool)
+    if diagonal:
+        may = torch.arange(nk)[None, :] < torch.arange(nq)[:, None]
+    if bos:
+        may[:, 0] = False
+    s = s * may
+    f = carry[:, None, :] + torch.cumsum(s, dim=1) - s
+    logits = q @ k.transpose(-1, -2) * scale - f[:, None]
+    dead = (f >= limit)[:, None]
+    if diagonal:
+        dead = dead | (torch.arange(nk)[None, :] > torch.arange(nq)[:, None])
+    none = dead.all(dim=-1, keepdim=True)  # a query with no live key: output 0, log-sum-exp -inf
+    logits = logits.masked_fill(dead & ~none, float("-inf")).masked_fill(none, 0.0)
+    out = torch.where(none, 0.0, torch.softmax(logits, dim=-1) @ v)
+    return out, torch.where(none[..., 0], float("-inf"), torch.logsumexp(logits, dim=-1)), s
+
+
+def test_pruned_pairs_end_spans_early_and_return_their_final_carry(monkeypatch):
+    """Off the diagonal, a forward span ends at a block where at most half of its live keys are left (keys past
+    the negligible bound die as F grows); the output, log-sum-exp and gradients still follow the formula with
+    those keys at probability 0, merged by log-sum-exp into attention over other keys (as under sharding, where
+    every query also has its own chunk's keys: a query with no live key here gets weight 0). On the diagonal,
+    ``final`` returns the pair's column sums of S (its carry in is 0). Checked against
+    :func:`_pruned_pair_formula` in float64."""
+    import attnzoo.backends.selective_kernel as kernel
+    from attnzoo.backends.selective_kernel import Pair, pair_backward, pair_forward
+    from attnzoo.transforms.base import PointwiseSelection
+
+    ended = []
+    dying = kernel._dying
+    monkeypatch.setattr(kernel, "_dying", lambda *a: ended.append(dying(*a)) or ended[-1])
+    gen = torch.Generator().manual_seed(5)
+    b, h, nq, nk, d, scale, limit = 2, 2, 41, 23, 5, 0.4, 2.5
+    pointwise = PointwiseSelection(torch.relu, lambda x: (x > 0).to(x.dtype), exclude_first=True,
+                                   exclude_self=True)
+    q, g = (torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(b, h, nk, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    carry = torch.rand(b, nk, generator=gen, dtype=torch.float64) * 2.0
+    pair = Pair(scale, 0, pointwise, 4, limit, diagonal=False, bos=False)
+    out0, lse0 = torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64), torch.randn(b, h, nq, generator=gen,
+                                                                                          dtype=torch.float64)
+    qr, kr, vr, cr = (t.clone().requires_grad_() for t in (q, k, v, carry))
+    o_pair, l_pair, _ = _pruned_pair_formula(qr, kr, vr, cr, 0, scale, limit, False, False)
+    assert not torch.isfinite(l_pair).all()  # some queries have no live key left
+    lse_want = torch.logaddexp(lse0, l_pair)
+    out_want = (torch.exp(lse0 - lse_want)[..., None] * out0 + torch.exp(l_pair - lse_want)[..., None] * o_pair)
+    grads = torch.autograd.grad(out_want, (qr, kr, vr, cr), g)
+
+    out, lse = out0.clone(), lse0.clone()
+    kept: list[torch.Tensor] = []
+    pair_forward(pair, q, k, v, carry, out, lse, kept, accumulate=True)
+    assert True in ended  # a span ended early
+    assert len(kept) == -(-nq // pair.block)  # still one carry per block for the backward
+    torch.testing.assert_close(out, out_want.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, lse_want.detach(), rtol=1e-10, atol=1e-12)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dcarry = torch.zeros(b, nk, dtype=torch.float64)
+    pair_backward(pair, q, k, v, g, lse, -(g * out).sum(-1, keepdim=True), kept, dq, dk, dv, dcarry)
+    for name, got, want in zip("q k v carry".split(), (dq, dk, dv, dcarry), grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, msg=name)
+
+    # the diagonal: no carry in; the final carry is the column sums of S (limit inf: no key is left out)
+    q, k, v = (torch.randn(b, h, nq, d, generator=gen, dtype=torch.float64) for _ in range(3))
+    diag = Pair(scale, 1, pointwise, 4, float("inf"), diagonal=True, bos=True)
+    final = torch.full((b, nq), float("nan"), dtype=torch.float64)
+    out, lse = torch.zeros_like(q), torch.full((b, h, nq), float("-inf"), dtype=torch.float64)
+    pair_forward(diag, q, k, v, torch.zeros(b, nq, dtype=torch.float64), out, lse, accumulate=True, final=final)
+    out_want, _, s = _pruned_pair_formula(q, k, v, torch.zeros(b, nq, dtype=torch.float64), 1, scale, math.inf,
+                                          True, True)
+    torch.testing.assert_close(out, out_want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(final, s.sum(1), rtol=1e-10, atol=1e-12)

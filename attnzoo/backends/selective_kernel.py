@@ -133,21 +133,26 @@ class Pair:
 
 
 def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = None, accumulate: bool = False,
-                 span: int | None = None) -> None:
+                 span: int | None = None, final: torch.Tensor | None = None) -> None:
     """The pair's attention: queries q (B, H, nq, D) against keys and values ke, ve (B, H, nk, D) with -F from
     ``carry`` (B, nk; the column sums of S over every earlier query, not changed) plus the pair's own S; writes
     the output (normalised over these keys) into ``out`` and its log-sum-exp into ``lse`` ((B, H, nq), -inf where
     a query has no live key), or with ``accumulate`` merges them, span by span, into what ``out`` and ``lse``
     hold (the attention over other keys: no output of the whole pair is held). ``carries``: the running carry
     before each block of ``pair.block`` queries is appended (what :func:`pair_backward` needs). ``span``: queries
-    per flash call (default :func:`forward_span`)."""
+    per flash call (default :func:`forward_span`); off the diagonal a span ends early at a block where at most
+    half of its live keys are left (their F grew past the bound), so that later blocks do not visit dead keys.
+    ``final`` (B, nk): receives the carry after the pair's last query; on the diagonal, whose incoming carry is 0,
+    that is the pair's column sums of S (what :func:`pair_colsums` adds, up to keys past the bound)."""
     if pair.bos_apart:  # the BOS key apart: one product for every query, then the other keys
         _bos_forward(pair, q, ke, ve, carry[:, :1], out, lse, accumulate)
         if carries is not None:  # the BOS key's F first, then what the other keys' blocks keep
             carries.append(carry[:, :1].clone())
+        if final is not None:
+            final[:, :1] = carry[:, :1]
         if ke.shape[2] > 1:
             pair_forward(replace(pair, bos=False), q, ke[:, :, 1:], ve[:, :, 1:], carry[:, 1:], out, lse,
-                         carries, accumulate=True, span=span)
+                         carries, accumulate=True, span=span, final=None if final is None else final[:, 1:])
         return
     b, h, nq, d = q.shape
     nk = ke.shape[2]
@@ -155,7 +160,8 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
     carry = carry.clone()
     span = span or forward_span(pair.block, b, nk)
     buffer = torch.empty(b * min(span, nq) * nk, dtype=q.dtype, device=q.device)  # one mask for every span
-    for start in range(0, nq, span):
+    start = 0
+    while start < nq:
         stop = min(start + span, nq)
         with _phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
             keys = pair.keys(carry, nq, nk, start, stop)
@@ -163,6 +169,10 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
         # from its own carry, exactly as the backward pass recomputes it
         mask = buffer[:b * (stop - start) * keys.count].view(b, stop - start, keys.count)
         for lo in range(start, stop, pair.block):
+            if lo > start and not pair.diagonal and keys.count and _dying(carry, keys, pair.limit):
+                stop = lo  # the next span starts here, with the keys still live
+                mask = mask[:, :stop - start]
+                break
             hi = min(lo + pair.block, stop)
             upto = pair.upto(keys, nq, nk, hi)
             if carries is not None:
@@ -182,6 +192,14 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
             _accumulate(out[:, :, start:stop], lse[:, :, start:stop], o, l)
         else:
             _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
+        start = stop
+    if final is not None:
+        final.copy_(carry)
+
+
+def _dying(carry, keys: Keys, limit: float) -> bool:
+    """Off the diagonal, whether at most half of the span's live ``keys`` are still under the bound."""
+    return 2 * int((keys.take(carry, 1) < limit).any(dim=0).sum()) <= keys.count
 
 
 def _bos_logits(pair: Pair, q, ke, f0):

@@ -1,7 +1,8 @@
 """Selective pairs on the blocked backend's fused CPU kernel (``backends/selective_kernel.py``): each (query
 chunk, key chunk) pair is one :class:`~attnzoo.backends.selective_kernel.Pair`, forward and backward, the same
 code that runs the whole sequence in one process. What is distributed stays here: the selector pass (the column
-sums of S of every chunk, a ring of the selector head's keys), the carries scanned along the sequence, the merge
+sums of S of every chunk, a ring of the selector head's keys; a diagonal pair, whose carry is 0, runs its whole
+forward there, and its final carry is its column sums), the carries scanned along the sequence, the merge
 by log-sum-exp, and the reverse carry, whose share from later chunks (the gradient of S through their F) is a
 second, selector-only ring once the reverse scan is done."""
 
@@ -95,6 +96,22 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     table = {c: qs.new_zeros(b, cfg.layout.seq_len, dtype=wide) for c in owned}
     theirs: dict[int, torch.Tensor] = {}
     piece = None if keep else cfg.piece  # without a backward: other ranks' keys in pieces
+    out = torch.zeros_like(qs)
+    lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
+    kept: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def forward(c, cb, gstart, blk, chunk, blocks, carry, final=None):
+        # merged into out and lse span by span; without a backward, one block of queries per flash call (the
+        # span's -F mask is the largest transient)
+        rows = pair_queries(blocks)
+        block_carries: list[torch.Tensor] | None = [] if keep else None
+        pair_forward(pairs.pair(c, cb, gstart), qs[:, :, rows], pairs.expand(blk["k"][:, :, chunk]),
+                     pairs.expand(blk["v"][:, :, chunk]), carry, out[:, :, rows], lse[:, :, rows], block_carries,
+                     accumulate=True, span=None if keep else cfg.block_size, final=final)
+        if block_carries is not None:
+            kept[(c, cb)] = block_carries
+
+    own_kv = _block(ks, vs, pos, {})
     for src, blk, start in _Blocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
         if src != cfg.rank and not theirs:
             every = _all_gather(torch.stack([table[c] for c in owned]), cfg.group, cfg.world, "selector")
@@ -102,26 +119,20 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
                       for i, c in enumerate(cfg.layout.owned(r))}
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             keys = slice(gstart, gstart + chunk.stop - chunk.start)
+            if c == cb:  # a diagonal pair's carry is 0 (no earlier query selects its keys): its forward now,
+                # whose final carry is its column sums
+                forward(c, cb, gstart, own_kv, chunk, blocks, qs.new_zeros(b, keys.stop - keys.start, dtype=wide),
+                        final=table[c][:, keys])
+                continue
             earlier = [table[e][:, keys] for e in owned if e < c]
             earlier += [t[:, keys] for e, t in theirs.items() if cb <= e < c]
             pair_colsums(pairs.pair(c, cb, gstart), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
                          table[c][:, keys], sum(earlier) if earlier else None)
     carries = _scan(cfg, table, reverse=False)
-    out = torch.zeros_like(qs)
-    lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
-    kept: dict[tuple[int, int], list[torch.Tensor]] = {}
-    for src, blk, start in _Blocks(cfg, "kv").pieces(_block(ks, vs, pos, {}), piece):
+    for src, blk, start in _Blocks(cfg, "kv").pieces(own_kv, piece):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
-            rows = pair_queries(blocks)
-            width = chunk.stop - chunk.start
-            block_carries: list[torch.Tensor] | None = [] if keep else None
-            # merged into out and lse span by span; without a backward, one block of queries per flash call (the
-            # span's -F mask is the largest transient)
-            pair_forward(pairs.pair(c, cb, gstart), qs[:, :, rows], pairs.expand(blk["k"][:, :, chunk]),
-                         pairs.expand(blk["v"][:, :, chunk]), carries[c][:, gstart:gstart + width], out[:, :, rows],
-                         lse[:, :, rows], block_carries, accumulate=True, span=None if keep else cfg.block_size)
-            if block_carries is not None:
-                kept[(c, cb)] = block_carries
+            if c != cb:  # the diagonal pairs ran with the selector pass
+                forward(c, cb, gstart, blk, chunk, blocks, carries[c][:, gstart:gstart + chunk.stop - chunk.start])
     return out, lse, carries, (kept, limit)
 
 
