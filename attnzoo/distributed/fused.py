@@ -133,7 +133,7 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             if c != cb:  # the diagonal pairs ran with the selector pass
                 forward(c, cb, gstart, blk, chunk, blocks, carries[c][:, gstart:gstart + chunk.stop - chunk.start])
-    return out, lse, carries, (kept, limit)
+    return out, lse, carries, (kept, limit, walk)
 
 
 def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
@@ -141,10 +141,9 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
     gradients and the reverse carry inside it (:func:`pair_backward`), the reverse scan of what reaches each
     chunk's carries, then the selector-only ring that carries it into the earlier chunks' S
     (:func:`pair_later`)."""
-    kept, limit = kept
+    kept, limit, walk = kept  # the forward's walk: its pairs are already found
     pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
-    walk = _Walk(cfg, pos)
     d_out = d_out.contiguous()
     neg_delta = -(d_out * out).sum(-1, keepdim=True)
     d_q = torch.zeros_like(qs)

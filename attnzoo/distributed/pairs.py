@@ -115,6 +115,7 @@ class _Walk:
 
     def __init__(self, cfg: _Config, pos: torch.Tensor) -> None:
         self.cfg, self.pos = cfg, pos
+        self._seen: dict[tuple[int, int, int], list] = {}  # every pass of one call visits the same pairs
 
     def query_blocks(self, start: int, stop: int) -> list[slice]:
         step = self.cfg.block_size
@@ -124,9 +125,15 @@ class _Walk:
         """(query chunk, source chunk, its global start, its local slice in the block, [(query block, key
         slice within the chunk)]) for the pairs with at least one visible key. The block holds the source's
         tokens from ``start`` on (a piece, ``_Blocks.pieces``): a chunk it holds part of is that part (its
-        global start and slice are the part's)."""
-        layout = self.cfg.layout
+        global start and slice are the part's). A source's positions are the same in every pass of one call: its
+        pairs are found once (a sync per query block) and kept."""
         end = start + kpos.shape[-1]
+        if (src, start, end) not in self._seen:
+            self._seen[(src, start, end)] = list(self._find(src, kpos, start, end))
+        yield from self._seen[(src, start, end)]
+
+    def _find(self, src: int, kpos: torch.Tensor, start: int, end: int):
+        layout = self.cfg.layout
         for c, qstart, qstop, _ in layout.local_chunks(self.cfg.rank):
             for cb, kstart, kstop, gstart in layout.local_chunks(src):
                 if self.cfg.plan.causal and cb > c:
