@@ -184,29 +184,13 @@ def _like(mine: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-#: tags of each kind's gradient exchange: the ring's last one may still be in flight while another kind's ring runs
-_GRAD_TAGS = {"kv": 1000, "selector": 1100}
-
-
 class _Blocks:
     """Every rank's block of keys, one at a time, in ring order (this rank's own first): passed around the ring
     (the next block is received while the current one is attended) or all-gathered once."""
 
     def __init__(self, cfg: _Config, kind: str) -> None:
         self.cfg, self.kind = cfg, kind
-        self._returned: dict[str, torch.Tensor] | None = None
-        self._pending = None  # the ring's last gradient exchange in flight: (requests, sends, own, arriving)
-
-    @property
-    def returned(self) -> dict[str, torch.Tensor] | None:
-        """The gradients of this rank's own block, once :meth:`with_grads` is done (on the ring, the wait for the
-        last exchange, which brings the other ranks' shares home, is here: work in between overlaps it)."""
-        if self._pending is not None:
-            requests, _sends, own, arriving = self._pending
-            _wait(requests)
-            self._pending = None
-            self._returned = {name: own[name].add_(arriving[name]) for name in own}
-        return self._returned
+        self.returned: dict[str, torch.Tensor] | None = None
 
     def sources(self) -> list[int]:
         return [(self.cfg.rank - step) % self.cfg.world for step in range(self.cfg.world)]
@@ -280,12 +264,11 @@ class _Blocks:
     def with_grads(self, mine: dict[str, torch.Tensor], grad_names: list[str]):
         """Like iterating, with a zeroed gradient dict per block (``grad_names`` of the block's tensors) to add
         into; the gradients of this rank's own block are in ``self.returned`` afterwards."""
-        self._returned = self._pending = None
         cfg = self.cfg
         if cfg.world == 1:
             grads = {name: torch.zeros_like(mine[name]) for name in grad_names}
             yield cfg.rank, mine, grads
-            self._returned = grads
+            self.returned = grads
             return
         if not cfg.ring:
             gathered = self._gather(mine)
@@ -293,8 +276,8 @@ class _Blocks:
                      for src in range(cfg.world)}
             for src in self.sources():
                 yield src, gathered[src], every[src]
-            self._returned = {name: self._reduce([every[s][name] for s in range(cfg.world)], name)
-                              for name in grad_names}
+            self.returned = {name: self._reduce([every[s][name] for s in range(cfg.world)], name)
+                             for name in grad_names}
             return
         nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
         current = {name: t.contiguous() for name, t in mine.items()}
@@ -311,16 +294,11 @@ class _Blocks:
                 for t in arriving.values():
                     t.zero_()
             else:  # the other ranks' shares follow their block: after the last step they reach its owner
-                sends = [(grads[name].contiguous(), nxt) for name in grad_names]
-                requests = _exchange(sends, [(arriving[name], prev) for name in grad_names], cfg.group,
-                                     self.kind + "-grad", tag=_GRAD_TAGS.get(self.kind, 1200))
-                if step < cfg.world - 1:
-                    _wait(requests)
-                else:  # waited for in ``returned`` (the sends are kept alive with the requests)
-                    self._pending = (requests, sends, own, arriving)
+                _wait(_exchange([(grads[name].contiguous(), nxt) for name in grad_names],
+                                [(arriving[name], prev) for name in grad_names], cfg.group, self.kind + "-grad",
+                                tag=1000))
             current, grads = incoming, arriving
-        if self._pending is None:
-            self._returned = {name: own[name].add_(grads[name]) for name in grad_names}
+        self.returned = {name: own[name].add_(grads[name]) for name in grad_names}
 
     def _gather(self, mine):
         cfg = self.cfg

@@ -137,11 +137,10 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
 
 
 def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
-    """(dq, dk, dv) from the final output and log-sum-exp (the sink included): each off-diagonal pair's share of
-    the softmax gradients and the reverse carry inside it (:func:`pair_backward`) on the ring, the reverse scan of
-    what reaches each chunk's carries, then the diagonal pairs (local), whose column sums' gradient from later
-    chunks' F enters their own reverse carry, and the selector-only ring that carries it into the off-diagonal
-    pairs' S (:func:`pair_later`)."""
+    """(dq, dk, dv) from the final output and log-sum-exp (the sink included): each pair's share of the softmax
+    gradients and the reverse carry inside it (:func:`pair_backward`), the reverse scan of what reaches each
+    chunk's carries, then the selector-only ring that carries it into the earlier chunks' S
+    (:func:`pair_later`)."""
     kept, limit, walk = kept  # the forward's walk: its pairs are already found
     pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
@@ -149,40 +148,28 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
     neg_delta = -(d_out * out).sum(-1, keepdim=True)
     d_q = torch.zeros_like(qs)
     reach = {c: torch.zeros_like(t) for c, t in carries.items()}
-
-    def backward(c, cb, gstart, blk, g_blk, chunk, blocks, dcarry):
-        rows = pair_queries(blocks)
-        ke, ve = pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk])
-        dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
-        pair_backward(pairs.pair(c, cb, gstart), qs[:, :, rows], ke, ve, d_out[:, :, rows], lse[:, :, rows],
-                      neg_delta[:, :, rows], kept[(c, cb)], d_q[:, :, rows], dk, dv, dcarry)
-        g_blk["k"][:, :, chunk] += pairs.fold(dk)
-        g_blk["v"][:, :, chunk] += pairs.fold(dv)
-
-    own = _block(ks, vs, pos, {})
     kv = _Blocks(cfg, "kv")
-    for src, blk, g_blk in kv.with_grads(own, ["k", "v"]):
+    for src, blk, g_blk in kv.with_grads(_block(ks, vs, pos, {}), ["k", "v"]):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
-            if c != cb:  # the diagonal pairs wait for the reverse scan
-                dcarry = qs.new_zeros(qs.shape[0], chunk.stop - chunk.start, dtype=wide)
-                backward(c, cb, gstart, blk, g_blk, chunk, blocks, dcarry)
-                reach[c][:, gstart:gstart + chunk.stop - chunk.start] += dcarry
+            rows = pair_queries(blocks)
+            width = chunk.stop - chunk.start
+            pair = pairs.pair(c, cb, gstart)
+            ke, ve = pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk])
+            dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
+            dcarry = qs.new_zeros(qs.shape[0], width, dtype=wide)
+            pair_backward(pair, qs[:, :, rows], ke, ve, d_out[:, :, rows], lse[:, :, rows], neg_delta[:, :, rows],
+                          kept[(c, cb)], d_q[:, :, rows], dk, dv, dcarry)
+            g_blk["k"][:, :, chunk] += pairs.fold(dk)
+            g_blk["v"][:, :, chunk] += pairs.fold(dv)
+            reach[c][:, gstart:gstart + width] += dcarry
     later = _scan(cfg, reach, reverse=True)
-    # a diagonal pair's carry is 0 (what reaches it is unused); the gradient of its column sums through later
-    # chunks' F, later[c] at its keys, enters its reverse carry (as pair_later would add it)
-    d_own = {"k": torch.zeros_like(ks), "v": torch.zeros_like(vs)}
-    for c, cb, gstart, chunk, blocks in walk.pairs(cfg.rank, pos):
-        if c == cb:
-            backward(c, cb, gstart, own, d_own, chunk, blocks,
-                     later[c][:, gstart:gstart + chunk.stop - chunk.start].clone())
     selector = _Blocks(cfg, "selector")
     for src, blk, g_blk in selector.with_grads(pairs.selector_block(ks, pos), ["k"]):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
-            if c != cb:
-                width = chunk.stop - chunk.start
-                rows = pair_queries(blocks)
-                pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
-                           later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
-    d_k = kv.returned["k"].add_(d_own["k"])
+            width = chunk.stop - chunk.start
+            rows = pair_queries(blocks)
+            pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
+                       later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
+    d_k = kv.returned["k"]
     d_k[:, pairs.sel_kv] += selector.returned["k"][:, 0]
-    return d_q, d_k, kv.returned["v"].add_(d_own["v"])
+    return d_q, d_k, kv.returned["v"]
