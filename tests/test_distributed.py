@@ -236,11 +236,13 @@ def _check_bytes(rank, world):
 
 def _check_pruned(rank, world):
     """Selective attention whose F passes the negligible bound within a few queries (keys and the selector
-    head's queries all alike): the fused pairs leave the dead keys out (the selector pass, forward and backward)
-    and still give the reference's outputs and gradients."""
+    head's queries all alike): the fused pairs leave the dead keys out (the selector pass, forward and backward),
+    a rank sends the others only its keys still live after their own chunk (on the ring, the all-gather, and
+    in pieces without gradients), and still gives the reference's outputs and gradients."""
     from attnzoo.backends import selective_kernel
+    from attnzoo.distributed import fused
 
-    n, d = 64, 8
+    n, d = 32 * world, 8  # chunks of 16 tokens: a key passes the bound within its own chunk
     gen = torch.Generator().manual_seed(5)
     q, k, v, cot = (torch.randn(2, x, n, d, generator=gen, dtype=torch.float64) for x in (2, 2, 2, 2))
     with torch.no_grad():
@@ -253,26 +255,42 @@ def _check_pruned(rank, world):
     layout = Layout(n, world)
     ql, kl, vl = (layout.shard(t, rank).requires_grad_() for t in (q, k, v))
     left_out = []
-    live = selective_kernel.Keys.live
+    live, live_sent = selective_kernel.Keys.live, fused._Sent
 
     def recording(*args, **kwargs):
         keys = live(*args, **kwargs)
         left_out.append(keys.index is not None)
         return keys
 
-    selective_kernel.Keys.live = recording
+    sent = []
+
+    class Recorded(fused._Sent):
+        def __init__(self, cfg, tables, limit):
+            super().__init__(cfg, tables, limit)
+            sent.append(sum(self.sizes) < cfg.layout.seq_len)
+
+    selective_kernel.Keys.live, fused._Sent = recording, Recorded
+    bad = []
     try:
-        cp = ContextParallel("selective", block_size=8)
-        got = cp(ql, kl, vl)
-        got.backward(layout.shard(cot, rank))
+        for method in ("ring", "allgather"):
+            cp = ContextParallel("selective", block_size=8, method=method)
+            got = cp(ql, kl, vl)
+            got.backward(layout.shard(cot, rank))
+            if not (cp.last_pairs == "fused" and any(left_out) and sent and all(sent)):
+                bad.append(f"pruned {method}: no key left out or kept home ({cp.last_pairs})")
+            if not _close(got.detach(), layout.shard(out.detach(), rank)):
+                bad.append(f"pruned {method}: out")
+            for label, x, g in zip("qkv", (ql, kl, vl), truth, strict=True):
+                if not _close(x.grad, layout.shard(g, rank)):
+                    bad.append(f"pruned {method}: grad.{label}")
+                x.grad = None
+            sent.clear()
+        with torch.no_grad():  # other ranks' sent keys in pieces of 3 (pieces cut chunks)
+            lean = ContextParallel("selective", block_size=8, piece_size=3)(ql, kl, vl)
+        if not (sent and all(sent) and _close(lean, layout.shard(out.detach(), rank))):
+            bad.append("pruned: out without gradients, in pieces")
     finally:
-        selective_kernel.Keys.live = live
-    bad = [] if cp.last_pairs == "fused" and any(left_out) else [f"pruned: no key left out ({cp.last_pairs})"]
-    if not _close(got.detach(), layout.shard(out.detach(), rank)):
-        bad.append("pruned: out")
-    for label, x, g in zip("qkv", (ql, kl, vl), truth, strict=True):
-        if not _close(x.grad, layout.shard(g, rank)):
-            bad.append(f"pruned: grad.{label}")
+        selective_kernel.Keys.live, fused._Sent = live, live_sent
     return bad
 
 

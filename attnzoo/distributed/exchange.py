@@ -188,9 +188,13 @@ class _Blocks:
     """Every rank's block of keys, one at a time, in ring order (this rank's own first): passed around the ring
     (the next block is received while the current one is attended) or all-gathered once."""
 
-    def __init__(self, cfg: _Config, kind: str) -> None:
+    def __init__(self, cfg: _Config, kind: str, sizes: list[int] | None = None) -> None:
         self.cfg, self.kind = cfg, kind
+        self.sizes = sizes  # tokens of each rank's block (None: its local tokens), the same on every rank
         self.returned: dict[str, torch.Tensor] | None = None
+
+    def size(self, rank: int) -> int:
+        return self.cfg.layout.local_size(rank) if self.sizes is None else self.sizes[rank]
 
     def sources(self) -> list[int]:
         return [(self.cfg.rank - step) % self.cfg.world for step in range(self.cfg.world)]
@@ -225,12 +229,11 @@ class _Blocks:
                 yield src, blk, 0
             return
         yield cfg.rank, mine, 0
-        layout = cfg.layout
-        count = max(1, -(-max(layout.local_size(r) for r in range(cfg.world)) // piece))  # the same on every rank
-        own = _cuts(layout.local_size(cfg.rank), count)
+        count = max(1, -(-max(self.size(r) for r in range(cfg.world)) // piece))  # the same on every rank
+        own = _cuts(self.size(cfg.rank), count)
         for step in range(1, cfg.world):
             src, dst = (cfg.rank - step) % cfg.world, (cfg.rank + step) % cfg.world
-            theirs = _cuts(layout.local_size(src), count)
+            theirs = _cuts(self.size(src), count)
 
             def post(i, _src=src, _dst=dst, _theirs=theirs):
                 lo, hi = own[i]
@@ -256,7 +259,7 @@ class _Blocks:
         if step >= cfg.world - 1:
             return [], None
         nxt, prev = (cfg.rank + 1) % cfg.world, (cfg.rank - 1) % cfg.world
-        incoming = _like(mine, cfg.layout.local_size((src - 1) % cfg.world))
+        incoming = _like(mine, self.size((src - 1) % cfg.world))
         requests = _exchange([(t, nxt) for t in current.values()], [(t, prev) for t in incoming.values()],
                              cfg.group, self.kind)
         return requests, incoming
@@ -287,8 +290,7 @@ class _Blocks:
             requests, incoming = self._pass_on(mine, current, step, src)
             yield src, current, grads
             _wait(requests)
-            size = cfg.layout.local_size((src - 1) % cfg.world) if step < cfg.world - 1 else \
-                cfg.layout.local_size(cfg.rank)
+            size = self.size((src - 1) % cfg.world if step < cfg.world - 1 else cfg.rank)
             arriving = _like({name: mine[name] for name in grad_names}, size)
             if step == 0:  # this rank's own share stays here; the next block's owner kept its own
                 for t in arriving.values():
@@ -302,23 +304,23 @@ class _Blocks:
 
     def _gather(self, mine):
         cfg = self.cfg
-        most = max(cfg.layout.local_size(r) for r in range(cfg.world))
+        most = max(self.size(r) for r in range(cfg.world))
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.world)]
         for name, t in mine.items():
             dim = _token_dim(name) % t.dim()
             padded = F.pad(t, _pad_spec(t.dim(), dim, most - t.shape[dim]))
             every = _all_gather(padded, cfg.group, cfg.world, self.kind)
             for r in range(cfg.world):
-                out[r][name] = every[r].narrow(dim, 0, cfg.layout.local_size(r))
+                out[r][name] = every[r].narrow(dim, 0, self.size(r))
         return out
 
     def _reduce(self, pieces: list[torch.Tensor], name: str) -> torch.Tensor:
         cfg = self.cfg
-        most = max(cfg.layout.local_size(r) for r in range(cfg.world))
+        most = max(self.size(r) for r in range(cfg.world))
         dim = _token_dim(name) % pieces[0].dim()
         stacked = torch.stack([F.pad(p, _pad_spec(p.dim(), dim, most - p.shape[dim])) for p in pieces])
         _all_reduce(stacked, cfg.group, cfg.world, self.kind + "-grad")
-        return stacked[cfg.rank].narrow(dim, 0, cfg.layout.local_size(cfg.rank))
+        return stacked[cfg.rank].narrow(dim, 0, self.size(cfg.rank))
 
 
 def _cuts(size: int, count: int) -> list[tuple[int, int]]:

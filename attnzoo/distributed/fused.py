@@ -79,9 +79,53 @@ class _Pairs:
         return {"k": ks[:, self.sel_kv:self.sel_kv + 1], "pos": pos}
 
 
+class _Sent:
+    """The keys each rank's block sends to the others: those still under the negligible bound, in some batch row,
+    after their own chunk's queries (the diagonal pair's column sums of S, which every rank has after the selector
+    pass's all-gather; BOS is never selected). A key past it there is past it for every later query, on whichever
+    rank (F only grows): no other rank's pair would visit it, so it never leaves its rank. Every rank computes the
+    same index sets from the same sums."""
+
+    def __init__(self, cfg: _Config, tables: dict[int, torch.Tensor], limit: float) -> None:
+        self.cfg = cfg
+        self.index: list[torch.Tensor] = []  # per rank: the local indices of the keys it sends
+        self.spans: list[list[tuple[int, int, int, torch.Tensor]]] = []  # per rank: (chunk, start, stop, global keys)
+        for r in range(cfg.world):
+            index, spans, at = [], [], 0
+            for cb, lstart, lstop, gstart in cfg.layout.local_chunks(r):
+                live = (tables[cb][:, gstart:gstart + lstop - lstart] < limit).any(dim=0).nonzero().squeeze(1)
+                index.append(live + lstart)
+                spans.append((cb, at, at + live.numel(), live + gstart))
+                at += live.numel()
+            self.index.append(torch.cat(index))
+            self.spans.append(spans)
+        self.sizes = [i.numel() for i in self.index]
+
+    def block(self, ks, vs, pos) -> dict[str, torch.Tensor]:
+        """This rank's block as the others receive it."""
+        rank = self.cfg.rank
+        if self.sizes[rank] == self.cfg.layout.local_size(rank):  # every key is sent
+            return _block(ks, vs, pos, {})
+        index = self.index[rank]
+        return {"k": ks.index_select(2, index), "v": vs.index_select(2, index), "pos": pos.index_select(1, index)}
+
+    def pairs(self, src: int, start: int, count: int):
+        """(query chunk, key chunk, the keys' slice in the piece of ``src``'s sent block holding its keys [start,
+        start + count), their global indices, the query chunk's local rows) for every pair of this rank's chunks
+        with that piece (every key precedes every query of a later chunk)."""
+        for cb, lo, hi, keys in self.spans[src]:
+            a, b = max(lo, start), min(hi, start + count)
+            if a >= b:
+                continue
+            for c, qstart, qstop, _ in self.cfg.layout.local_chunks(self.cfg.rank):
+                if c > cb:
+                    yield c, cb, slice(a - start, b - start), keys[a - lo:b - lo], slice(qstart, qstop)
+
+
 def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
-    """(out, lse, the carries into each local chunk (B, N), the carries before each block of each pair (kept for
-    the backward when ``keep``), the negligible bound); the sink is joined by the caller."""
+    """(out, lse, the carries into each local chunk (B, N), what the backward needs: the carries before each
+    block of each pair (when ``keep``), the negligible bound, the walk and the keys sent (:class:`_Sent`)); the
+    sink is joined by the caller."""
     b, h, n, d = qs.shape
     limit = negligible_bound(cfg, qs, ks)
     pairs = _Pairs(cfg, qs, ks, bos, limit)
@@ -100,18 +144,16 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
     kept: dict[tuple[int, int], list[torch.Tensor]] = {}
 
-    def forward(c, cb, gstart, blk, chunk, blocks, carry, final=None):
+    def forward(c, cb, first, k, v, rows, carry, final=None):
         # merged into out and lse span by span; without a backward, one block of queries per flash call (the
         # span's -F mask is the largest transient)
-        rows = pair_queries(blocks)
         block_carries: list[torch.Tensor] | None = [] if keep else None
-        pair_forward(pairs.pair(c, cb, gstart), qs[:, :, rows], pairs.expand(blk["k"][:, :, chunk]),
-                     pairs.expand(blk["v"][:, :, chunk]), carry, out[:, :, rows], lse[:, :, rows], block_carries,
-                     accumulate=True, span=None if keep else cfg.block_size, final=final)
+        pair_forward(pairs.pair(c, cb, first), qs[:, :, rows], pairs.expand(k), pairs.expand(v), carry,
+                     out[:, :, rows], lse[:, :, rows], block_carries, accumulate=True,
+                     span=None if keep else cfg.block_size, final=final)
         if block_carries is not None:
             kept[(c, cb)] = block_carries
 
-    own_kv = _block(ks, vs, pos, {})
     for src, blk, start in _Blocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
         if src != cfg.rank and not theirs:
             every = _all_gather(torch.stack([table[c] for c in owned]), cfg.group, cfg.world, "selector")
@@ -121,47 +163,70 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
             keys = slice(gstart, gstart + chunk.stop - chunk.start)
             if c == cb:  # a diagonal pair's carry is 0 (no earlier query selects its keys): its forward now,
                 # whose final carry is its column sums
-                forward(c, cb, gstart, own_kv, chunk, blocks, qs.new_zeros(b, keys.stop - keys.start, dtype=wide),
-                        final=table[c][:, keys])
+                forward(c, cb, gstart, ks[:, :, chunk], vs[:, :, chunk], pair_queries(blocks),
+                        qs.new_zeros(b, keys.stop - keys.start, dtype=wide), final=table[c][:, keys])
                 continue
             earlier = [table[e][:, keys] for e in owned if e < c]
             earlier += [t[:, keys] for e, t in theirs.items() if cb <= e < c]
             pair_colsums(pairs.pair(c, cb, gstart), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
                          table[c][:, keys], sum(earlier) if earlier else None)
+    sent = _Sent(cfg, {**theirs, **table}, limit) if cfg.world > 1 else None
     carries = _scan(cfg, table, reverse=False)
-    for src, blk, start in _Blocks(cfg, "kv").pieces(own_kv, piece):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
-            if c != cb:  # the diagonal pairs ran with the selector pass
-                forward(c, cb, gstart, blk, chunk, blocks, carries[c][:, gstart:gstart + chunk.stop - chunk.start])
-    return out, lse, carries, (kept, limit, walk)
+    kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
+    for src, blk, start in kv.pieces(sent.block(ks, vs, pos) if sent else _block(ks, vs, pos, {}), piece):
+        if src == cfg.rank:  # this rank's own pairs on its whole block (the diagonal ones ran above)
+            for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
+                if c != cb:
+                    forward(c, cb, gstart, ks[:, :, chunk], vs[:, :, chunk], pair_queries(blocks),
+                            carries[c][:, gstart:gstart + chunk.stop - chunk.start])
+            continue
+        for c, cb, chunk, keys, rows in sent.pairs(src, start, blk["k"].shape[2]):
+            forward(c, cb, int(keys[0]), blk["k"][:, :, chunk], blk["v"][:, :, chunk], rows,
+                    carries[c].index_select(1, keys))
+    return out, lse, carries, (kept, limit, walk, sent)
 
 
 def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
     """(dq, dk, dv) from the final output and log-sum-exp (the sink included): each pair's share of the softmax
     gradients and the reverse carry inside it (:func:`pair_backward`), the reverse scan of what reaches each
     chunk's carries, then the selector-only ring that carries it into the earlier chunks' S
-    (:func:`pair_later`)."""
-    kept, limit, walk = kept  # the forward's walk: its pairs are already found
+    (:func:`pair_later`). Other ranks' keys come as the forward received them (:class:`_Sent`), and their
+    gradients go home the same way."""
+    kept, limit, walk, sent = kept  # the forward's walk (its pairs are already found) and keys sent
     pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
     d_out = d_out.contiguous()
     neg_delta = -(d_out * out).sum(-1, keepdim=True)
     d_q = torch.zeros_like(qs)
+    d_k, d_v = torch.zeros_like(ks), torch.zeros_like(vs)
     reach = {c: torch.zeros_like(t) for c, t in carries.items()}
-    kv = _Blocks(cfg, "kv")
-    for src, blk, g_blk in kv.with_grads(_block(ks, vs, pos, {}), ["k", "v"]):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
-            rows = pair_queries(blocks)
-            width = chunk.stop - chunk.start
-            pair = pairs.pair(c, cb, gstart)
-            ke, ve = pairs.expand(blk["k"][:, :, chunk]), pairs.expand(blk["v"][:, :, chunk])
-            dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
-            dcarry = qs.new_zeros(qs.shape[0], width, dtype=wide)
-            pair_backward(pair, qs[:, :, rows], ke, ve, d_out[:, :, rows], lse[:, :, rows], neg_delta[:, :, rows],
-                          kept[(c, cb)], d_q[:, :, rows], dk, dv, dcarry)
-            g_blk["k"][:, :, chunk] += pairs.fold(dk)
-            g_blk["v"][:, :, chunk] += pairs.fold(dv)
-            reach[c][:, gstart:gstart + width] += dcarry
+
+    def backward(c, cb, first, k, v, rows, dk_into, dv_into):
+        ke, ve = pairs.expand(k), pairs.expand(v)
+        dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
+        dcarry = qs.new_zeros(qs.shape[0], k.shape[2], dtype=wide)
+        pair_backward(pairs.pair(c, cb, first), qs[:, :, rows], ke, ve, d_out[:, :, rows], lse[:, :, rows],
+                      neg_delta[:, :, rows], kept[(c, cb)], d_q[:, :, rows], dk, dv, dcarry)
+        dk_into += pairs.fold(dk)
+        dv_into += pairs.fold(dv)
+        return dcarry
+
+    kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
+    for src, blk, g_blk in kv.with_grads(sent.block(ks, vs, pos) if sent else _block(ks, vs, pos, {}), ["k", "v"]):
+        if src == cfg.rank:  # this rank's own pairs on its whole block
+            for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
+                width = chunk.stop - chunk.start
+                reach[c][:, gstart:gstart + width] += backward(
+                    c, cb, gstart, ks[:, :, chunk], vs[:, :, chunk], pair_queries(blocks), d_k[:, :, chunk],
+                    d_v[:, :, chunk])
+            continue
+        for c, cb, chunk, keys, rows in sent.pairs(src, 0, blk["k"].shape[2]):
+            reach[c].index_add_(1, keys, backward(c, cb, int(keys[0]), blk["k"][:, :, chunk],
+                                                  blk["v"][:, :, chunk], rows, g_blk["k"][:, :, chunk],
+                                                  g_blk["v"][:, :, chunk]))
+    if sent is not None:  # the other ranks' shares of this rank's sent keys
+        d_k.index_add_(2, sent.index[cfg.rank], kv.returned["k"])
+        d_v.index_add_(2, sent.index[cfg.rank], kv.returned["v"])
     later = _scan(cfg, reach, reverse=True)
     selector = _Blocks(cfg, "selector")
     for src, blk, g_blk in selector.with_grads(pairs.selector_block(ks, pos), ["k"]):
@@ -170,6 +235,5 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
             rows = pair_queries(blocks)
             pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
                        later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
-    d_k = kv.returned["k"]
     d_k[:, pairs.sel_kv] += selector.returned["k"][:, 0]
-    return d_q, d_k, kv.returned["v"]
+    return d_q, d_k, d_v
