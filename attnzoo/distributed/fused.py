@@ -109,6 +109,13 @@ class _Sent:
         index = self.index[rank]
         return {"k": ks.index_select(2, index), "v": vs.index_select(2, index), "pos": pos.index_select(1, index)}
 
+    def selector(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's selector block (:meth:`_Pairs.selector_block`) as the others receive it."""
+        rank = self.cfg.rank
+        if self.sizes[rank] == self.cfg.layout.local_size(rank):
+            return mine
+        return {name: t.index_select(2 if name == "k" else 1, self.index[rank]) for name, t in mine.items()}
+
     def pairs(self, src: int, start: int, count: int):
         """(query chunk, key chunk, the keys' slice in the piece of ``src``'s sent block holding its keys [start,
         start + count), their global indices, the query chunk's local rows) for every pair of this rank's chunks
@@ -228,12 +235,22 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         d_k.index_add_(2, sent.index[cfg.rank], kv.returned["k"])
         d_v.index_add_(2, sent.index[cfg.rank], kv.returned["v"])
     later = _scan(cfg, reach, reverse=True)
-    selector = _Blocks(cfg, "selector")
-    for src, blk, g_blk in selector.with_grads(pairs.selector_block(ks, pos), ["k"]):
-        for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
-            width = chunk.stop - chunk.start
-            rows = pair_queries(blocks)
-            pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
-                       later[c][:, gstart:gstart + width], d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
-    d_k[:, pairs.sel_kv] += selector.returned["k"][:, 0]
+    # the selector ring carries the sent keys too: a key another rank's F never sees has no gradient from it
+    selector = _Blocks(cfg, "selector", sent.sizes if sent else None)
+    mine = pairs.selector_block(ks, pos)
+    d_sel = torch.zeros_like(mine["k"])
+    for src, blk, g_blk in selector.with_grads(sent.selector(mine) if sent else mine, ["k"]):
+        if src == cfg.rank:
+            for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
+                rows = pair_queries(blocks)
+                pair_later(pairs.pair(c, cb, gstart), qs[:, pairs.sel, rows], mine["k"][:, 0, chunk],
+                           later[c][:, gstart:gstart + chunk.stop - chunk.start], d_q[:, pairs.sel, rows],
+                           d_sel[:, 0, chunk])
+            continue
+        for c, cb, chunk, keys, rows in sent.pairs(src, 0, blk["k"].shape[2]):
+            pair_later(pairs.pair(c, cb, int(keys[0])), qs[:, pairs.sel, rows], blk["k"][:, 0, chunk],
+                       later[c].index_select(1, keys), d_q[:, pairs.sel, rows], g_blk["k"][:, 0, chunk])
+    if sent is not None:
+        d_sel.index_add_(2, sent.index[cfg.rank], selector.returned["k"])
+    d_k[:, pairs.sel_kv] += d_sel[:, 0]
     return d_q, d_k, d_v
