@@ -84,7 +84,8 @@ class _Sent:
     after their own chunk's queries (the diagonal pair's column sums of S, which every rank has after the selector
     pass's all-gather; BOS is never selected). A key past it there is past it for every later query, on whichever
     rank (F only grows): no other rank's pair would visit it, so it never leaves its rank. Every rank computes the
-    same index sets from the same sums."""
+    same index sets from the same sums. With no bound (an input not finite) every key is sent, as every key is
+    visited."""
 
     def __init__(self, cfg: _Config, tables: dict[int, torch.Tensor], limit: float) -> None:
         self.cfg = cfg
@@ -93,7 +94,9 @@ class _Sent:
         for r in range(cfg.world):
             index, spans, at = [], [], 0
             for cb, lstart, lstop, gstart in cfg.layout.local_chunks(r):
-                live = (tables[cb][:, gstart:gstart + lstop - lstart] < limit).any(dim=0).nonzero().squeeze(1)
+                past = tables[cb][:, gstart:gstart + lstop - lstart] >= limit  # NaN is not past: it is sent
+                live = (~past).any(dim=0).nonzero().squeeze(1) if math.isfinite(limit) else \
+                    torch.arange(lstop - lstart, device=past.device)
                 index.append(live + lstart)
                 spans.append((cb, at, at + live.numel(), live + gstart))
                 at += live.numel()
