@@ -17,7 +17,7 @@ from ..backends.selective_kernel import Pair, flash_available, pair_backward, pa
 from ..cache import accumulator_dtype
 from ..transforms.base import Slot
 from .carry import _scan
-from .exchange import _all_gather, _Blocks
+from .exchange import _all_gather, _Blocks, _token_dim
 from .layout import _Config
 from .pairs import _block, _Walk, pair_queries
 
@@ -104,20 +104,13 @@ class _Sent:
             self.spans.append(spans)
         self.sizes = [i.numel() for i in self.index]
 
-    def block(self, ks, vs, pos) -> dict[str, torch.Tensor]:
-        """This rank's block as the others receive it."""
+    def compact(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's block (keys and values, or the selector's key rows; with positions) as the others receive
+        it: its sent keys only."""
         rank = self.cfg.rank
         if self.sizes[rank] == self.cfg.layout.local_size(rank):  # every key is sent
-            return _block(ks, vs, pos, {})
-        index = self.index[rank]
-        return {"k": ks.index_select(2, index), "v": vs.index_select(2, index), "pos": pos.index_select(1, index)}
-
-    def selector(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's selector block (:meth:`_Pairs.selector_block`) as the others receive it."""
-        rank = self.cfg.rank
-        if self.sizes[rank] == self.cfg.layout.local_size(rank):
             return mine
-        return {name: t.index_select(2 if name == "k" else 1, self.index[rank]) for name, t in mine.items()}
+        return {name: t.index_select(_token_dim(name) % t.dim(), self.index[rank]) for name, t in mine.items()}
 
     def pairs(self, src: int, start: int, count: int):
         """(query chunk, key chunk, the keys' slice in the piece of ``src``'s sent block holding its keys [start,
@@ -182,8 +175,9 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
                          table[c][:, keys], sum(earlier) if earlier else None)
     sent = _Sent(cfg, {**theirs, **table}, limit) if cfg.world > 1 else None
     carries = _scan(cfg, table, reverse=False)
+    own = _block(ks, vs, pos, {})
     kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
-    for src, blk, start in kv.pieces(sent.block(ks, vs, pos) if sent else _block(ks, vs, pos, {}), piece):
+    for src, blk, start in kv.pieces(sent.compact(own) if sent else own, piece):
         if src == cfg.rank:  # this rank's own pairs on its whole block (the diagonal ones ran above)
             for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
                 if c != cb:
@@ -221,8 +215,9 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         dv_into += pairs.fold(dv)
         return dcarry
 
+    own = _block(ks, vs, pos, {})
     kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
-    for src, blk, g_blk in kv.with_grads(sent.block(ks, vs, pos) if sent else _block(ks, vs, pos, {}), ["k", "v"]):
+    for src, blk, g_blk in kv.with_grads(sent.compact(own) if sent else own, ["k", "v"]):
         if src == cfg.rank:  # this rank's own pairs on its whole block
             for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
                 width = chunk.stop - chunk.start
@@ -242,7 +237,7 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
     selector = _Blocks(cfg, "selector", sent.sizes if sent else None)
     mine = pairs.selector_block(ks, pos)
     d_sel = torch.zeros_like(mine["k"])
-    for src, blk, g_blk in selector.with_grads(sent.selector(mine) if sent else mine, ["k"]):
+    for src, blk, g_blk in selector.with_grads(sent.compact(mine) if sent else mine, ["k"]):
         if src == cfg.rank:
             for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
                 rows = pair_queries(blocks)
