@@ -181,7 +181,8 @@ def test_fused_selective_backward_in_half_precision(registry):
 @pytest.mark.parametrize("mask", [{"kind": "sliding_window", "window": 5},
                                   {"kind": "local_global", "window": 3, "global_heads": 0},
                                   {"kind": "local_global", "window": 3, "global_heads": 1},
-                                  {"kind": "causal"}, {"kind": "prefix", "length": 4}])
+                                  {"kind": "causal"}, {"kind": "prefix", "length": 4},
+                                  {"kind": "chunked", "chunk": 4}, {"kind": "chunked", "chunk": 1}])
 def test_earliest_key_is_a_promise_the_mask_keeps(mask):
     """Keys the blocked backend skips must be keys the mask forbids for every later query."""
     spec = attnzoo.load_spec({"name": "m", "attention": {"causal": mask["kind"] != "prefix"}, "transforms": [mask]})

@@ -36,6 +36,9 @@ SHIPPED = [p.stem for p in shipped_spec_files()]
 #: the forgetting gate fed from the layer input: a per-token input (B, H, N) and a cumulative feature
 FORGETTING_INPUT = {"name": "forgetting-input", "attention": {"causal": True},
                     "transforms": [{"kind": "forgetting_gate", "source": "input"}]}
+#: chunked local attention, chunk 5: a mask whose key bound (earliest_key) jumps at every chunk start
+CHUNKED = {"name": "chunked", "attention": {"causal": True}, "transforms": [{"kind": "chunked", "chunk": 5}]}
+EXTRA = [FORGETTING_INPUT, CHUNKED]
 CASES = {
     2: [dict(name="balanced-ring-gqa", n=37, batch=2, heads=4, kv_heads=2, head_dim=8, method="ring",
              balanced=True, block_size=4, gaps=False),
@@ -333,7 +336,7 @@ def _worker(rank, world, store, out_dir):
     checked, failures = [], []
     try:
         for case in CASES[world]:
-            for spec in [*SHIPPED, FORGETTING_INPUT]:
+            for spec in [*SHIPPED, *EXTRA]:
                 name = spec if isinstance(spec, str) else spec["name"]
                 failures += [f"{case['name']} {name}: {m}" for m in _check_spec(spec, case, rank, world)]
                 checked.append(f"{case['name']} {name}")
@@ -351,7 +354,7 @@ def test_sharded_attention_equals_the_reference(world, tmp_path):
     for rank in range(world):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["failures"] == [], f"rank {rank}: {result['failures'][:10]}"
-        assert len(result["checked"]) == len(CASES[world]) * (len(SHIPPED) + 1)
+        assert len(result["checked"]) == len(CASES[world]) * (len(SHIPPED) + len(EXTRA))
 
 
 def test_every_shipped_spec_is_accepted():

@@ -52,6 +52,12 @@ def test_sliding_window():
     assert run(spec({"kind": "sliding_window", "window": 2}))[0] == pytest.approx(softmax_out(rows, V), abs=1e-14)
 
 
+def test_chunked():
+    """Chunks of 2 positions: {1, 2} and {3}; query 3 opens a chunk and sees itself alone."""
+    rows = [[L[0][0], None, None], [L[1][0], L[1][1], None], [None, None, L[2][2]]]
+    assert run(spec({"kind": "chunked", "chunk": 2}))[0] == pytest.approx(softmax_out(rows, V), abs=1e-14)
+
+
 def test_softcap():
     cap = 1.5
     rows = [[cap * math.tanh(x / cap) for x in r] for r in L]

@@ -323,6 +323,51 @@ def test_sliding_window_skips_key_blocks_and_matches_reference(window):
         torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1, 40])
+def test_chunked_skips_key_blocks_and_matches_reference(chunk):
+    """Chunked local attention: each query block's keys start at the key block holding its first query's chunk
+    start (``Plan.earliest_key``: a chunk of 40 ends inside a 32-query block), forward and backward equal the
+    reference (the mask's integer division: Triton's ``//`` truncates, equal to floor on these non-negative
+    positions), and a left-padded prefill then token-by-token decoding equals the batch form."""
+    from attnzoo.backends.triton.backend import _window_bounds
+
+    spec = {"name": "c", "transforms": [{"kind": "chunked", "chunk": chunk}]}
+    ref = attnzoo.compile(spec, backend="reference")
+    tri = attnzoo.compile(spec, backend="triton")
+    positions = torch.arange(1, 151).expand(2, 150)
+    bounds = _window_bounds(tri.plan, positions, 32, 32)
+    starts = [(p - 1) // chunk * chunk // 32 * 32 for p in range(1, 151, 32)]  # chunk start's key block, 0-based
+    assert bounds is not None and bounds[:5].tolist() == starts
+    q = torch.randn(2, 4, 150, 16, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, 150, 16, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cot = torch.randn(2, 4, 150, 16, dtype=torch.float64)
+    want = torch.autograd.grad(ref(q, k, v), [q, k, v], cot)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    out = tri(*leaves)
+    torch.testing.assert_close(out.double(), ref(q, k, v).detach(), rtol=0, atol=1e-5)
+    got = torch.autograd.grad(out, leaves, cot.float())
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.double(), w, rtol=0, atol=1e-4)
+
+    n = 14
+    mask = torch.ones(2, n, dtype=torch.bool)
+    mask[1, :2] = False
+    pos = mask.long().cumsum(-1).clamp(min=1)
+    qd, kd, vd = (t.detach()[:, :, :n] for t in (q, k, v))
+    want = ref(qd, kd, vd, positions=pos, key_mask=mask)
+    cache = tri.new_cache(2)
+    with torch.no_grad():
+        outs = [tri.prefill(qd[:, :, :5].float(), kd[:, :, :5].float(), vd[:, :, :5].float(), cache,
+                            key_mask=mask[:, :5])]
+        for i in range(5, n):
+            outs.append(tri.decode(qd[:, :, i:i + 1].float(), kd[:, :, i:i + 1].float(), vd[:, :, i:i + 1].float(),
+                                   cache))
+            assert cache.num_tokens <= chunk - 1 if chunk > 1 else cache.num_tokens == 0
+    got = torch.cat(outs, dim=2).double()
+    real = mask[:, None, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
+
+
 def test_composed_spec_with_parameters_through_the_selector():
     """Logits transforms with a learnable per-head parameter, a window and the accumulator: the selector head's
     logits (and so its parameter) also get gradient through F."""

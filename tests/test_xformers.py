@@ -29,6 +29,8 @@ def eager(q, k, v, bias, has_key, scale):
     ("local-global", torch.Tensor, False),
     ("vanilla", torch.Tensor, True),
     ("alibi-learnable", torch.Tensor, True),
+    ({"name": "chunked", "transforms": [{"kind": "chunked", "chunk": 16}]}, torch.Tensor, False),
+    ({"name": "chunked", "transforms": [{"kind": "chunked", "chunk": 7}]}, torch.Tensor, True),
 ])
 def test_the_bias_materialised_on_cpu_gives_the_reference(spec, kind, padded):
     variant = attnzoo.compile(spec, backend="reference")

@@ -37,6 +37,10 @@ from .selective_kernel import SelectiveCausal
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
 _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
+#: masks under which a query at position i sees exactly the keys at positions earliest_key(i) .. i (and so does
+#: any intersection of them): once ``KVCache.drop_expired`` has run, a decoding step attends to every held token
+#: unmasked (the plain lean step)
+_SPAN_MASKS = frozenset({"sliding_window", "chunked"})
 #: the dtypes the fused CPU selective kernel (selective_kernel.py) runs in: its forward fails on float16 and bfloat16
 #: (``torch.neg`` into its float32 -F buffer), so those take the blocks below
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -300,8 +304,8 @@ class BlockedBackend(Backend):
         """A decoding step for ``plan`` and ``cache`` once the full path has validated its signature
         (``Variant.decode``): ``(ready(cache) -> bool, step(q, k, v, cache) -> out)``, or None.
 
-        - No transforms, or only a sliding window, into a cache with nothing but keys and values: append the row,
-          then :meth:`decode_one`'s plain maths.
+        - No transforms, or only sliding windows and chunks (:data:`_SPAN_MASKS`), into a cache with nothing but
+          keys and values: append the row, then :meth:`decode_one`'s plain maths.
         - Selective attention (``selective_mask`` and nothing else) with the ``selective`` evictor at its budget:
           the new token takes the victim's slot (the largest F, never BOS, ties to the oldest position, as the
           evictor's rule says), then :meth:`decode_one` and F updated in place: no compaction per step.
@@ -313,7 +317,7 @@ class BlockedBackend(Backend):
             return None
         kinds = [t.kind for t in plan.transforms]
         scale = plan.logit_scale(cache._k.shape[-1])
-        if (cache.evictor is None and all(kind == "sliding_window" for kind in kinds)
+        if (cache.evictor is None and all(kind in _SPAN_MASKS for kind in kinds)
                 and (not kinds or cache.horizon is not None)):
             step = functools.partial(self._lean_plain, scale, bool(kinds))
             if not kinds:  # no window: the append fused, the attention torch's
@@ -438,9 +442,10 @@ class BlockedBackend(Backend):
 
     @staticmethod
     def _lean_plain(scale: float, window: bool, q, k, v, cache):
-        """Plain causal attention over every held token; under a sliding window the cache holds only the tokens
-        the new query sees (the last step dropped the rest, and every row holds the same positions), and the
-        token that falls out of the window is dropped after."""
+        """Plain causal attention over every held token; under a sliding window or a chunk the cache holds only
+        the tokens the new query sees (the last step dropped the rest, and every row holds the same positions),
+        and the tokens that no later query sees (the one that falls out of the window, or the whole chunk once it
+        is complete) are dropped after."""
         if window:
             out = BlockedBackend._lean_plain(scale, False, q, k, v, cache)
             cache.drop_expired()

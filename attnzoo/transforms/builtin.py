@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..hookspecs import hookimpl
 from .forgetting import ForgettingGate
 from .logits import Alibi, ConstantTemperature, LearnableAlibi, Softcap, YarnScale
-from .masks import Causal, LocalGlobal, Prefix, SlidingWindow
+from .masks import Causal, Chunked, LocalGlobal, Prefix, SlidingWindow
 from .norm import KeyNorm, QueryNorm
 from .selective import SelectiveMask
 from .sinks import AttentionSink
@@ -17,7 +17,7 @@ BUILTIN_TRANSFORMS = (
     Softcap, Alibi, LearnableAlibi, ConstantTemperature, YarnScale, ForgettingGate,
     SelectiveMask,
     AttentionSink,
-    Causal, SlidingWindow, LocalGlobal, Prefix,
+    Causal, SlidingWindow, Chunked, LocalGlobal, Prefix,
 )
 
 

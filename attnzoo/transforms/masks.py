@@ -3,6 +3,7 @@ batch form, in chunks and in decoding alike."""
 
 from __future__ import annotations
 
+import torch
 from pydantic import Field
 
 from .base import Context, MaskTransform, Slot, TransformOptions
@@ -45,6 +46,39 @@ class SlidingWindow(MaskTransform):
 
     def earliest_key(self, query_position):
         return query_position - self.options.window + 1
+
+
+class ChunkedOptions(TransformOptions):
+    chunk: int = Field(ge=1, description="tokens per chunk: positions 1..chunk form the first chunk, "
+                                         "chunk+1..2*chunk the second, and so on; a query sees only its own chunk")
+
+
+class Chunked(MaskTransform):
+    """Chunked local attention (Llama 4's ``attention_chunk_size``, vLLM's chunked local attention): the positions
+    are cut into consecutive chunks of ``chunk`` tokens, and query i sees keys j with j <= i in its own chunk,
+    ``(j - 1) // chunk == (i - 1) // chunk`` (positions are 1-based: transformers' 0-based ``kv_idx // chunk ==
+    q_idx // chunk``). Unlike a sliding window, the first query of a chunk sees itself alone."""
+
+    kind = "chunked"
+    slot = Slot.MASK
+    Options = ChunkedOptions
+    summary = "causal, within the query's chunk of `chunk` tokens"
+
+    def allowed(self, ctx: Context):
+        c = self.options.chunk
+        same = torch.div(ctx.qpos - 1, c, rounding_mode="floor") == torch.div(ctx.kpos - 1, c, rounding_mode="floor")
+        return (ctx.kpos <= ctx.qpos) & same
+
+    def triton(self):
+        # Triton's integer // truncates toward zero (C semantics); positions are >= 1 (padding and out-of-range
+        # tiles take real positions), so both sides are >= 0 and truncation is floor division.
+        c = self.options.chunk
+        return TritonMask(f"(kp <= qp) & ((kp - 1) // {c} == (qp - 1) // {c})")
+
+    def earliest_key(self, query_position):
+        # the first position of the query's chunk: non-decreasing in query_position, so a bound for later queries
+        c = self.options.chunk
+        return (query_position - 1) // c * c + 1
 
 
 class LocalGlobalOptions(TransformOptions):
