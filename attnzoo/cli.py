@@ -418,9 +418,45 @@ def cmd_experiment(args) -> int:
     return EXIT_OK
 
 
+#: How deep a config.json may nest objects and arrays (transformers writes a few levels: sub-configurations,
+#: rope_scaling, tagged floats); deeper is refused before it is parsed (Python's JSON parser recurses).
+CONFIG_DEPTH = 32
+
+
+def _clip(value, limit: int = 80) -> str:
+    """``value`` as text, cut to ``limit`` characters with an ellipsis: what a message echoes of an input."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _clip_message(message, limit: int) -> str:
+    """Another library's message about an input, on one line, with every word (an echoed value) cut to 80 characters
+    and the whole to ``limit``."""
+    import re
+
+    return _clip(re.sub(r"(\S{79})\S+", "\\1…", " ".join(str(message).split())), limit)
+
+
+def _nests_deeper(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests objects and arrays more than ``limit`` deep (brackets inside strings do not
+    count): a scan in linear time that does not recurse, before a parser that does."""
+    import re
+
+    depth = 0
+    for bracket in re.sub(r"[^\[\]{}]+", "", re.sub(r'"[^"\\]*(?:\\.[^"\\]*)*"?', "", text)):
+        if bracket in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
 def _read_config(path: str):
-    """A transformers ``config.json`` (or a checkpoint folder holding one) as its ``PretrainedConfig``, read as JSON
-    only (size-limited, no code, nothing downloaded)."""
+    """A transformers ``config.json`` (or a checkpoint folder holding one) as its ``PretrainedConfig``, read as
+    ``AutoConfig.from_pretrained`` reads a local file (transformers' own JSON loader: its ``{"__float__": "Infinity"}``
+    tags become floats), but size- and depth-limited, with no code run and nothing downloaded."""
     import os
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -430,22 +466,37 @@ def _read_config(path: str):
         raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
     try:
         with open(file, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadInput(f"{file}: not readable JSON ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise BadInput(f"{file}: a transformers config.json names its model_type")
+            text = fh.read((1 << 22) + 1)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(f"{file}: not readable JSON ({_clip_message(exc, 240)})") from None
+    if len(text) > (1 << 22):
+        raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
+    if _nests_deeper(text, CONFIG_DEPTH):
+        raise BadInput(f"{file}: objects and arrays nested more than {CONFIG_DEPTH} deep, not a model configuration")
     try:
-        from transformers import CONFIG_MAPPING
+        from transformers import CONFIG_MAPPING, PretrainedConfig
     except ImportError:
         raise BadInput("native-spec needs transformers: pip install 'attnzoo[transformers]'") from None
+    try:  # transformers' reader of a local config.json (what from_pretrained and from_json_file call)
+        data = PretrainedConfig._dict_from_json_file(file)
+    except (OSError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: JSON, and ints over 4,300 digits
+        raise BadInput(f"{file}: not readable JSON ({_clip_message(exc, 240)})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise BadInput(f"{file}: a transformers config.json names its model_type")
     if data["model_type"] not in CONFIG_MAPPING:
-        raise BadInput(f"{file}: model_type '{data['model_type']}' is not one transformers knows")
+        raise BadInput(f"{file}: model_type '{_clip(data['model_type'])}' is not one transformers knows")
     data.pop("attn_implementation", None)  # an attnzoo checkpoint's guard
     try:
         return file, CONFIG_MAPPING[data["model_type"]].from_dict(data)
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal, in one line
-        raise BadInput(f"{file}: transformers rejects it ({' '.join(str(exc).split())})") from None
+        raise BadInput(f"{file}: transformers rejects it ({_clip_message(exc, 240)})") from None
+
+
+def _cli_prefer(message: str) -> str:
+    """A composition conflict's message as the CLI says it: its ``--prefer`` option, not ``apply()``'s argument."""
+    import re
+
+    return re.sub(r"prefer='(\w+)'", r"--prefer \1", message).replace(" to apply()", "")
 
 
 def cmd_native_spec(args) -> int:
@@ -454,14 +505,17 @@ def cmd_native_spec(args) -> int:
     from .spec import load_spec
 
     file, config = _read_config(args.config)
+    user = load_spec(args.spec) if args.spec else None  # a bad --spec is refused before the model is built
     try:
         layers = config_native_layers(config)
     except IntegrationError as exc:
-        raise BadInput(f"{file}: {exc}") from None
-    user = load_spec(args.spec) if args.spec else None
+        raise BadInput(f"{file}: {_clip_message(exc, 400)}") from None
     rows = []
     for layer in layers:
-        spec, bound = (compose(layer, user, args.prefer) if user is not None else (layer.spec(), layer.bound))
+        try:
+            spec, bound = (compose(layer, user, args.prefer) if user is not None else (layer.spec(), layer.bound))
+        except IntegrationError as exc:
+            raise BadInput(f"{file}: {_clip_message(_cli_prefer(str(exc)), 400)}") from None
         c = layer.call
         rows.append({"layer": c.layer, "module": c.module, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                      "head_dim": c.head_dim, "spec": spec.model_dump(mode="json", exclude={"summary"}),

@@ -34,6 +34,7 @@ from .base import (
     PARAM_MARK,
     CheckpointSpecMismatchError,
     IntegrationError,
+    ProbeError,
 )
 from .cache import AttnzooCache, AttnzooLayer
 from .checkpoints import (
@@ -52,7 +53,7 @@ from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequen
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_NAME",
     "CheckpointSpecMismatchError", "IntegrationError", "LayerCall", "METADATA_HASH", "METADATA_NAME",
-    "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "apply", "attention_forward", "attention_mask", "compose",
-    "from_pretrained", "is_applied", "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe",
-    "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence", "unshard_sequence",
+    "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "ProbeError", "apply", "attention_forward", "attention_mask",
+    "compose", "from_pretrained", "is_applied", "layer_specs", "load_transform_params", "native_layers", "native_spec",
+    "probe", "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence", "unshard_sequence",
 ]

@@ -25,6 +25,11 @@ class IntegrationError(AttnzooError, ValueError):
     """The transformers integration cannot do what was asked; the message is one line."""
 
 
+class ProbeError(IntegrationError):
+    """The probe's forward pass could not run, or could not be read, where the model is (e.g. on the meta device:
+    :func:`~attnzoo.integrations.transformers.core.config_native_layers` then builds it small on the CPU)."""
+
+
 class CheckpointSpecMismatchError(IntegrationError):
     """A checkpoint was saved with another spec than the model's (the message names the file and both hashes)."""
 

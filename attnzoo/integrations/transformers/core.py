@@ -6,7 +6,7 @@ import torch
 
 from ...nn import Attention
 from ...spec import load_spec
-from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, one_line, where
+from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, ProbeError, one_line, where
 from .cache import AttnzooCache, budgets_for, validate_budget
 from .interface import derive_position_ids, probe, register
 from .native import PREFER, NativeLayer, compose
@@ -26,37 +26,123 @@ def native_spec(model) -> list:
 
 
 #: Sizes a probe of a configuration may shrink: they do not change what attention computes.
-_SHRINKABLE = {"vocab_size": 128, "intermediate_size": 16, "moe_intermediate_size": 16, "num_local_experts": 2,
+_SHRINKABLE = {"vocab_size": 128, "intermediate_size": 16, "intermediate_size_mlp": 16, "moe_intermediate_size": 16,
+               "shared_expert_intermediate_size": 16, "num_local_experts": 2,
                "num_experts": 2, "num_experts_per_tok": 1, "n_routed_experts": 2}
+
+#: The largest size :func:`config_native_layers` builds a model from, per configuration field (any spelling a
+#: family uses; in sub-configurations too): generous for released models (at most about 130 layers, 128 heads,
+#: head_dim 512, 512 experts). Layers and experts are modules built and run one by one (the probe's time grows with
+#: them); heads, head_dim and the hidden size are what attention computes and are never shrunk.
+_SIZE_LIMITS = {
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "n_layers", "num_layers", "num_decoder_layers", "depth"), 256),
+    **dict.fromkeys(("num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "num_heads", "num_kv_heads",
+                     "n_kv_heads", "multi_query_group_num"), 4096),
+    **dict.fromkeys(("head_dim", "kv_channels", "qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+                    4096),
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "kv_lora_rank", "q_lora_rank"), 1 << 18),
+    **dict.fromkeys(("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "ffn_hidden_size", "n_inner", "ffn_dim", "d_ff"), 1 << 22),
+    "vocab_size": 1 << 24,
+    **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_shared_experts",
+                     "num_experts_per_tok"), 1024),
+}
+#: The most memory :func:`config_native_layers` allocates when a model's forward cannot run on the meta device.
+_CPU_BYTES = 1 << 30
+
+
+def _clip(text, limit: int = 80) -> str:
+    """``text`` (any value, as ``str``) cut to ``limit`` characters with an ellipsis: what a message echoes of a
+    configuration."""
+    text = str(text)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def _check_sizes(config, path: str = "", depth: int = 0) -> None:
+    """One line naming the field and the limit for a size over :data:`_SIZE_LIMITS` in ``config`` or its
+    sub-configurations (PretrainedConfig attributes or dicts, 4 levels deep)."""
+    from transformers import PretrainedConfig
+
+    items = config.items() if isinstance(config, dict) else vars(config).items()
+    for key, value in list(items):
+        if not isinstance(key, str):
+            continue
+        if depth < 4 and isinstance(value, (dict, PretrainedConfig)):
+            _check_sizes(value, f"{path}{key}.", depth + 1)
+            continue
+        limit = _SIZE_LIMITS.get(key)
+        if limit is None:
+            continue
+        numbers = value if isinstance(value, (list, tuple)) else [value]
+        for number in numbers:
+            if isinstance(number, (int, float)) and not isinstance(number, bool) and number > limit:
+                raise IntegrationError(f"{path}{key} = {_clip(value)} is over {limit:,}, the most a model is built "
+                                       f"with to read its attention (a generous bound for released models)")
+
+
+def _build(config, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - transformers' refusal, in one line
+        raise IntegrationError(f"{type(config).__name__}: transformers builds no causal LM from it "
+                               f"({_clip(one_line(exc), 240)})") from None
+
+
+def _on_meta(model) -> list[NativeLayer] | None:
+    """The native layers of ``model`` (built on the meta device), or None when its forward cannot run there."""
+    try:
+        return native_layers(model)
+    except ProbeError:
+        return None
 
 
 def config_native_layers(config) -> list[NativeLayer]:
     """The native layers of a model configuration (a transformers ``PretrainedConfig``) without its weights: the
-    model is built on the meta device and probed there; a model whose forward cannot run on meta (a mixture of
-    experts) is built on the CPU in bfloat16 with its vocabulary and MLPs shrunk (they do not change what its
-    attention computes; its attention layers keep their sizes)."""
-    from transformers import AutoModelForCausalLM
-
+    model is built on the meta device and probed there (a mixture of experts with transformers'
+    ``experts_implementation="batched_mm"``, whose routing runs on meta). A model whose forward still cannot run on
+    meta is built on the CPU in bfloat16 with its vocabulary and MLPs shrunk (they do not change what its attention
+    computes; its attention layers keep their sizes) if that takes at most 1 GiB. Sizes over :data:`_SIZE_LIMITS`
+    (layers, heads, head_dim, hidden size, experts, vocabulary, MLP widths) are refused first with one line naming
+    the field and the limit, as is a model that would take more than 1 GiB on the CPU."""
+    _check_sizes(config)
+    with torch.device("meta"):
+        model = _build(config)
+    layers = _on_meta(model)
+    if layers is None:
+        try:
+            with torch.device("meta"):
+                model = _build(config, experts_implementation="batched_mm")
+        except IntegrationError:  # no such option for this model (or this transformers)
+            pass
+        else:
+            layers = _on_meta(model)
+    if layers is not None:
+        return layers
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        small = config.__class__.from_dict(config.to_dict())
     except Exception as exc:  # noqa: BLE001 - transformers' refusal, in one line
-        raise IntegrationError(f"{type(config).__name__}: transformers builds no causal LM from it ({one_line(exc)})"
+        raise IntegrationError(f"{type(config).__name__}: transformers cannot copy it ({_clip(one_line(exc), 240)})"
                                ) from None
-    try:
-        return native_layers(model)
-    except IntegrationError as exc:
-        if "a forward pass of 2 tokens" not in str(exc):
-            raise
-    small = config.__class__.from_dict(config.to_dict())
     for key, value in _SHRINKABLE.items():
         if isinstance(getattr(small, key, None), int) and getattr(small, key) > value:
             setattr(small, key, value)
+    vocab = getattr(small, "vocab_size", None)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        if isinstance(getattr(small, key, None), int) and getattr(small, key) >= small.vocab_size:
+        if isinstance(vocab, int) and isinstance(getattr(small, key, None), int) and getattr(small, key) >= vocab:
             setattr(small, key, None)
-    model = AutoModelForCausalLM.from_config(small, dtype=torch.bfloat16)
-    return native_layers(model)
+    with torch.device("meta"):
+        sized = _build(small, dtype=torch.bfloat16)
+    total = sum(t.numel() * t.element_size() for t in [*sized.parameters(), *sized.buffers()])
+    if total > _CPU_BYTES:
+        raise IntegrationError(f"{type(config).__name__}: its forward does not run on the meta device, and built on "
+                               f"the CPU to read its attention (vocabulary and MLPs shrunk) it would take "
+                               f"{total / (1 << 30):.1f} GiB, over the 1 GiB this allocates (hidden_size "
+                               f"{_clip(getattr(config, 'hidden_size', '?'))}, num_hidden_layers "
+                               f"{_clip(getattr(config, 'num_hidden_layers', '?'))})")
+    del sized
+    return native_layers(_build(small, dtype=torch.bfloat16))
 
 
 def applied_modules(model) -> list[torch.nn.Module]:

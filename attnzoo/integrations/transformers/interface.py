@@ -12,14 +12,15 @@ name, as is a keyword argument attnzoo does not know how to compute.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ...nn import Attention
-from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, one_line, where
+from . import masks
+from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, ProbeError, one_line, where
 
 #: The name a probing forward registers its recording function under.
 PROBE_IMPLEMENTATION = "attnzoo-probe"
@@ -46,9 +47,15 @@ class LayerCall:
     num_kv_heads: int
     head_dim: int
     scaling: float
-    sliding_window: int | None  #: keys ``i - window < j <= i``, or None
+    sliding_window: int | None  #: keys ``i - window < j <= i``, or None (read from the layer's mask)
     softcap: float | None      #: ``cap * tanh(logit / cap)``, or None
     sinks: str | None          #: the module's parameter passed as ``s_aux`` (learned sink logits), or None
+    chunk: int | None = None   #: chunked attention: keys ``j <= i`` of the query's chunk of this many tokens
+    #: what the module passes as ``sliding_window=`` (checked at every call; the window itself is read from the mask)
+    passed_window: int | None = None
+    #: the mask's fingerprint at :attr:`pairs` (masks.fingerprint), checked at every call; None: no mask was handed
+    mask: tuple | None = field(default=None, repr=False, compare=False)
+    pairs: masks.Pairs | None = field(default=None, repr=False, compare=False)
 
 
 # -- registration --------------------------------------------------------------------------------------------------
@@ -61,35 +68,68 @@ def register() -> None:
 def attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
                    mask_function=None, attention_mask: torch.Tensor | None = None, **kwargs):
     """transformers' mask function for ``"attnzoo"``: hands the 2-D padding mask (B, tokens seen) through, like the
-    flash-attention one, or None when nothing is padding. attnzoo builds causality and windows from positions, and
-    a KV cache remembers which of its tokens are padding, so the attention function needs only the new tokens'
-    columns."""
-    if attention_mask is None or attention_mask.dim() != 2:
-        return attention_mask
-    attention_mask = attention_mask.to(torch.bool)
-    return None if bool(attention_mask.all()) else attention_mask
+    flash-attention one (all True when transformers gave none). attnzoo builds causality, windows and chunks from
+    positions, and a KV cache remembers which of its tokens are padding, so the attention function needs only the
+    new tokens' columns. The mask function transformers built the mask from is remembered with it
+    (:func:`masks.remember`): the attention function checks that each layer still gets the mask ``apply()`` read."""
+    if attention_mask is not None and attention_mask.dim() != 2:
+        return attention_mask  # a custom 4-D mask: refused by the attention function
+    if attention_mask is None:
+        padding = torch.ones(batch_size, q_length, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    else:
+        padding = attention_mask.to(torch.bool, copy=True)
+    return masks.remember(padding, mask_function, attention_mask, kv_length + kv_offset)
 
 
 # -- the probe -----------------------------------------------------------------------------------------------------
 _recording: list | None = None
+_probe_cache = None
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """One call of the probe's attention function."""
+
+    module: torch.nn.Module
+    q_shape: tuple
+    k_shape: tuple
+    v_shape: tuple
+    kwargs: dict
+    mask: object           #: the attention_mask passed (a tensor the probe's mask function built, or other)
+    stored_by: list        #: the cache layers whose update() returned these keys
 
 
 def _probe_forward(module, query, key, value, attention_mask, **kwargs):
     if _recording is not None:
-        _recording.append((module, tuple(query.shape), tuple(key.shape), tuple(value.shape), dict(kwargs)))
+        layers = getattr(_probe_cache, "layers", None) or []
+        stored_by = [i for i, layer in enumerate(layers) if getattr(layer, "_pending", None) is key]
+        _recording.append(_Seen(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), dict(kwargs),
+                                attention_mask, stored_by))
     b, h, n, _ = query.shape
     return query.new_zeros(b, n, h, value.shape[-1]), None
 
 
-def _probe_mask(*args, **kwargs):
-    return None
+def _probe_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                mask_function=None, attention_mask=None, **kwargs):
+    """The probe's mask function: the mask transformers' sdpa would get, remembered with its mask function."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    function = mask_function if mask_function is not None else causal_mask_function
+    built = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                      kv_offset=kv_offset, mask_function=function, attention_mask=attention_mask,
+                      allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                      use_vmap=bool(kwargs.get("use_vmap", False)), device=kwargs.get("device", "cpu"))
+    return masks.remember(built, function, attention_mask, kv_length + kv_offset)
 
 
 def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
-    """Run a forward pass of two tokens with a recording attention function, and read what each attention module
-    passes to the interface: ``[(module, LayerCall)]`` ordered by ``layer_idx``. Refuses with one line a model
-    whose attention bypasses the interface, a non-causal one, and arguments attnzoo cannot compute."""
-    global _recording
+    """Run a forward pass of two tokens with a recording attention function and a recording cache, and read what
+    each attention module passes to the interface: ``[(module, LayerCall)]`` ordered by ``layer_idx``. The mask
+    transformers builds for each layer is read too (:mod:`.masks`): its window or chunk is part of the layer's
+    spec. Refuses with one line a model whose attention bypasses the interface, a non-causal one, a mask or
+    arguments attnzoo cannot compute, and a layer whose keys are not the ones it stored in the cache (shared with
+    another layer, or changed after the cache's update)."""
+    global _recording, _probe_cache
     name = type(model).__name__
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
@@ -111,46 +151,126 @@ def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
     try:
         model.eval()
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        _recording = calls
+        _recording, _probe_cache = calls, _recording_cache(model)
+        from .core import _cache_argument
+
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                  **{_cache_argument(model): _probe_cache})
     except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward, named in one line
-        raise IntegrationError(f"{name}: a forward pass of 2 tokens, run to read what its attention computes, "
-                               f"failed ({one_line(exc)})") from None
+        raise ProbeError(f"{name}: a forward pass of 2 tokens with a cache like attnzoo's, run to read what its "
+                         f"attention computes, failed ({one_line(exc)[:300]})") from None
     finally:
-        _recording = None
+        _recording = _probe_cache = None
         model.train(training)
         if previous is not None:
             model.set_attn_implementation(previous)
-    return _read_calls(model, calls)
+    try:
+        return _read_calls(model, calls)
+    finally:
+        masks.forget()
 
 
-def _read_calls(model, calls) -> list[tuple[torch.nn.Module, LayerCall]]:
+def _recording_cache(model):
+    """A transformers ``Cache`` whose layers hand keys back untouched and remember them, as AttnzooCache's do."""
+    from transformers.cache_utils import Cache
+
+    from .cache import AttnzooLayer
+
+    class ProbeLayer(AttnzooLayer):
+        def __init__(self, index: int = 0) -> None:
+            super().__init__(index, None, None)
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(text, "num_hidden_layers", None)
+    if isinstance(count, int) and 0 < count <= 4096:
+        return Cache(layers=[ProbeLayer(i) for i in range(count)])
+    return Cache(layer_class_to_replicate=ProbeLayer)
+
+
+def _read_calls(model, calls: list[_Seen]) -> list[tuple[torch.nn.Module, LayerCall]]:
     name = type(model).__name__
-    called = [module for module, *_ in calls]
+    called = [seen.module for seen in calls]
     _refuse_bypassing(model, called)
-    seen: set[int] = set()
-    out = []
-    for module, q_shape, k_shape, v_shape, kwargs in calls:
+    seen_ids: set[int] = set()
+    read = []
+    sizes = masks.hints(model.config, None)
+    for seen in calls:
+        module = seen.module
         here = where(module)
-        if id(module) in seen:
+        if id(module) in seen_ids:
             raise IntegrationError(f"{here} called the attention function twice in one forward pass: attnzoo "
                                    f"supports one attention call per layer")
-        seen.add(id(module))
+        seen_ids.add(id(module))
         index = getattr(module, "layer_idx", None)
         if not isinstance(index, int):
             raise IntegrationError(f"{here}: an attention module without an integer layer_idx is not supported")
-        out.append((module, read_call(module, q_shape, k_shape, v_shape, kwargs)))
+        _refuse_foreign_keys(seen, here)
+        call = read_call(module, seen.q_shape, seen.k_shape, seen.v_shape, seen.kwargs)
+        entry = masks.issued(seen.mask)
+        if seen.mask is not None and entry is None:
+            raise IntegrationError(f"{here} passes the attention function a mask or bias of its own (not the mask "
+                                   f"transformers' mask interface built): attnzoo cannot compute it")
+        shape = masks.MaskShape("causal")
+        if entry is not None:  # read once per mask: the layers of one type share it
+            sizes_here = tuple(sorted(set(sizes) | {call.passed_window} - {None}))
+            shape = entry.taken.get(sizes_here)
+            if shape is None:
+                shape = entry.taken[sizes_here] = masks.read_mask(entry.function, list(sizes_here), here,
+                                                                       meta=entry.tensor.device.type == "meta")
+        read.append((module, _with_mask(call, shape, here), entry))
     layers = getattr(model.config, "num_hidden_layers", None)
-    if isinstance(layers, int) and len(out) != layers:
-        raise IntegrationError(f"{name}: {len(out)} of its {layers} layers call transformers' attention interface "
+    if isinstance(layers, int) and len(read) != layers:
+        raise IntegrationError(f"{name}: {len(read)} of its {layers} layers call transformers' attention interface "
                                f"(the others compute attention another way, or are not attention layers): attnzoo "
                                f"supports models whose every layer does")
-    indices = sorted(call.layer for _, call in out)
-    if indices != list(range(len(out))):
-        raise IntegrationError(f"{name}: attention modules must carry layer_idx 0..{len(out) - 1}, got {indices} "
+    indices = sorted(call.layer for _, call, _ in read)
+    if indices != list(range(len(read))):
+        raise IntegrationError(f"{name}: attention modules must carry layer_idx 0..{len(read) - 1}, got {indices} "
                                f"(layers that share another layer's keys and values are not supported)")
+    shapes = [masks.MaskShape("window", c.sliding_window) if c.sliding_window else
+              masks.MaskShape("chunk", c.chunk) if c.chunk else masks.MaskShape("causal") for _, c, _ in read]
+    pairs = masks.fingerprint_pairs(shapes, sizes)
+    out = []
+    for module, call, entry in read:
+        want = None
+        if entry is not None:
+            want = entry.taken.get(id(pairs))
+            if want is None:
+                want = entry.taken[id(pairs)] = tuple(masks.fingerprint(entry.function, pairs).tolist())
+        out.append((module, replace(call, mask=want, pairs=pairs)))
     return sorted(out, key=lambda pair: pair[1].layer)
+
+
+def _refuse_foreign_keys(seen: _Seen, here: str) -> None:
+    """The keys a layer attends to must be the ones its own cache layer's update() returned (as attnzoo's cache
+    holds them): a layer that reads another layer's keys, or changes its keys after storing them, is refused."""
+    own = seen.module.layer_idx
+    if own in seen.stored_by:
+        return
+    if seen.stored_by:
+        raise IntegrationError(f"{here} attends to the keys and values cache layer {seen.stored_by[0]} stored (KV "
+                               f"sharing between layers): attnzoo's cache holds each layer's own; not supported")
+    raise IntegrationError(f"{here} attends to keys other than the ones it stores in the cache (it reuses another "
+                           f"layer's keys and values, or expands or changes its keys after the cache update, as "
+                           f"MLA's latent expansion does): attnzoo's cache cannot hold what it attends to; not "
+                           f"supported")
+
+
+def _with_mask(call: LayerCall, shape: masks.MaskShape, here: str) -> LayerCall:
+    """The layer's call with the window or chunk its mask says; refuses a mask that disagrees with the
+    ``sliding_window`` the module passes (the model would compute one thing under eager or sdpa attention and
+    another under flash attention)."""
+    passed = call.passed_window
+    if passed is not None and (shape.kind != "window" or shape.size != passed):
+        raise IntegrationError(f"{here} passes sliding_window={passed} but the mask transformers builds for it is "
+                               f"{shape}: the model computes different attention under different implementations; "
+                               f"not supported")
+    if shape.kind == "window":
+        return replace(call, sliding_window=shape.size)
+    if shape.kind == "chunk":
+        return replace(call, chunk=shape.size)
+    return call
 
 
 def _refuse_bypassing(model, called: list) -> None:
@@ -213,23 +333,26 @@ def read_call(module, q_shape, k_shape, v_shape, kwargs) -> LayerCall:
             raise IntegrationError(f"{here} passes s_aux (learned sinks) that is not a parameter of its own of shape "
                                    f"({heads},): not supported")
     return LayerCall(layer=module.layer_idx, module=type(module).__name__, num_heads=heads, num_kv_heads=kv_heads,
-                     head_dim=head_dim, scaling=scaling, sliding_window=window,
-                     softcap=float(softcap) if softcap is not None else None, sinks=sinks)
+                     head_dim=head_dim, scaling=scaling, sliding_window=None,
+                     softcap=float(softcap) if softcap is not None else None, sinks=sinks, passed_window=window)
 
 
-def _check_call(module, core, scaling, kwargs) -> None:
-    """Each call must still ask for what :func:`probe` read when the spec was composed."""
+def _check_call(module, core, scaling, kwargs, attention_mask=None) -> None:
+    """Each call must still ask for what :func:`probe` read when the spec was composed: its arguments, and the mask
+    transformers built for it (:func:`masks.check_call`)."""
     call: LayerCall | None = getattr(core, "hf_call", None)
     if call is None:
         return
     here = where(module)
     _refuse_unknown(kwargs, here)
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2):  # other shapes: refused below
+        masks.check_call(masks.issued(attention_mask), attention_mask, call.pairs, call.mask, here)
     if scaling is not None and not math.isclose(float(scaling), call.scaling, rel_tol=1e-6):
         raise IntegrationError(f"{here}: transformers passes scaling {scaling} but apply() built the layer for "
                                f"{call.scaling}: run apply() again")
-    if kwargs.get("sliding_window") != call.sliding_window:
+    if kwargs.get("sliding_window") != call.passed_window:
         raise IntegrationError(f"{here}: transformers passes sliding_window {kwargs.get('sliding_window')} but "
-                               f"apply() built the layer for {call.sliding_window}: run apply() again")
+                               f"apply() built the layer for {call.passed_window}: run apply() again")
     softcap = kwargs.get("softcap")
     if (softcap is None) != (call.softcap is None) or (softcap is not None and float(softcap) != call.softcap):
         raise IntegrationError(f"{here}: transformers passes softcap {softcap} but apply() built the layer for "
@@ -277,7 +400,7 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if dropout:
         raise IntegrationError(f"{here}: attention dropout {dropout} was asked for (training mode); attnzoo has no "
                                f"attention dropout: set the config's attention dropout to 0.0")
-    _check_call(module, core, scaling, kwargs)
+    _check_call(module, core, scaling, kwargs, attention_mask)
     b, _, n, _ = query.shape
     cache = getattr(module, "_attnzoo_cache", None)
     x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input

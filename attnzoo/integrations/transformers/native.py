@@ -5,7 +5,8 @@ transformers' attention interface) becomes that layer's *native spec*:
 
 - ``scaling`` → ``attention.scale`` (left unset when it is ``1/sqrt(head_dim)``): ``query_pre_attn_scalar``
   (Gemma), ``attention_multiplier`` (Granite), GPT-2's per-layer scaling, ...;
-- ``sliding_window`` → a ``sliding_window`` mask (``layer_types``: Gemma 2/3, gpt-oss, Qwen3, Cohere 2, ...;
+- the window or chunk of the mask transformers builds for the layer (read from its mask function, :mod:`.masks`) →
+  a ``sliding_window`` or ``chunked`` mask (``layer_types``: Gemma 2/3, gpt-oss, Qwen3, Cohere 2, llama4, ...;
   ``sliding_window`` of every layer: Mistral, Phi-3, Starcoder2);
 - ``softcap`` → a ``softcap`` logits transform (Gemma 2's ``attn_logit_softcapping``);
 - ``s_aux`` → an ``attention_sink`` whose parameter *is* the module's own (gpt-oss's ``sinks``): it keeps the
@@ -30,7 +31,7 @@ from .base import IntegrationError
 from .interface import LayerCall
 
 #: Mask kinds that bound how far back a query sees (a window) in the built-in catalogue.
-WINDOW_KINDS = frozenset({"sliding_window", "local_global"})
+WINDOW_KINDS = frozenset({"sliding_window", "local_global", "chunked"})
 PREFER = ("error", "model", "spec")
 
 
@@ -59,6 +60,8 @@ class NativeLayer:
         out = []
         if c.sliding_window is not None:
             out.append(("window", {"kind": "sliding_window", "window": c.sliding_window}))
+        if c.chunk is not None:
+            out.append(("chunk", {"kind": "chunked", "chunk": c.chunk}))
         if c.softcap is not None:
             out.append(("softcap", {"kind": "softcap", "cap": c.softcap}))
         if c.sinks is not None:
@@ -68,7 +71,8 @@ class NativeLayer:
     @property
     def name(self) -> str:
         kind = self.model_type.lower().replace("_", "-")
-        parts = [kind] + [f"window{self.call.sliding_window}"] * (self.call.sliding_window is not None)
+        parts = ([kind] + [f"window{self.call.sliding_window}"] * (self.call.sliding_window is not None)
+                 + [f"chunk{self.call.chunk}"] * (self.call.chunk is not None))
         return "-".join(parts)[:64]
 
     def spec_data(self) -> dict:
@@ -76,6 +80,8 @@ class NativeLayer:
         said = [f"scale {c.scaling:g}" if self.scale() is not None else "scale 1/sqrt(head_dim)"]
         if c.sliding_window is not None:
             said.append(f"sliding window {c.sliding_window}")
+        if c.chunk is not None:
+            said.append(f"chunked attention {c.chunk}")
         if c.softcap is not None:
             said.append(f"logit softcap {c.softcap:g}")
         if c.sinks is not None:
@@ -101,7 +107,10 @@ def _bounds_keys(cls, entry) -> bool:
 #: The composition rules, as data: native feature -> (what on the user's side conflicts with it, the test of a
 #: user's transform (its class, its entry)). The scale's rule is :func:`compose`'s ``attention.scale`` check.
 CONFLICTS = {
-    "window": ("a mask that bounds how far back queries see (sliding_window, local_global, ...)", _bounds_keys),
+    "window": ("a mask that bounds how far back queries see (sliding_window, local_global, chunked, ...)",
+               _bounds_keys),
+    "chunk": ("a mask that bounds how far back queries see (sliding_window, local_global, chunked, ...)",
+              _bounds_keys),
     "softcap": ("a softcap transform", lambda cls, entry: entry.kind == "softcap"),
     "sink": ("a normaliser transform (attention_sink: one per spec)", lambda cls, entry: cls.slot is Slot.NORMALISER),
     "scale": ("attention.scale other than the model's", None),
@@ -150,7 +159,7 @@ def compose(native: NativeLayer, user, prefer: str = "error"):
         scale = own
     if not kept_native and scale == own and not dropped_user:
         return user, {}
-    masks = [e for f, e in kept_native if f == "window"]
+    masks = [e for f, e in kept_native if f in ("window", "chunk")]
     logits = [e for f, e in kept_native if f == "softcap"]
     sinks = [e for f, e in kept_native if f == "sink"]
     data["transforms"] = masks + logits + [e for i, e in enumerate(users) if i not in dropped_user] + sinks
