@@ -54,7 +54,7 @@ class LayerCall:
     #: what the module passes as ``sliding_window=`` (checked at every call; the window itself is read from the mask)
     passed_window: int | None = None
     #: the mask's fingerprint at :attr:`pairs` (masks.fingerprint), checked at every call; None: no mask was handed
-    mask: tuple | None = field(default=None, repr=False, compare=False)
+    mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
     pairs: masks.Pairs | None = field(default=None, repr=False, compare=False)
 
 
@@ -237,7 +237,7 @@ def _read_calls(model, calls: list[_Seen]) -> list[tuple[torch.nn.Module, LayerC
         if entry is not None:
             want = entry.taken.get(id(pairs))
             if want is None:
-                want = entry.taken[id(pairs)] = tuple(masks.fingerprint(entry.function, pairs).tolist())
+                want = entry.taken[id(pairs)] = masks.fingerprint(entry.function, pairs)
         out.append((module, replace(call, mask=want, pairs=pairs)))
     return sorted(out, key=lambda pair: pair[1].layer)
 

@@ -13,7 +13,9 @@ live only there (qwen2_moe's ``max_window_layers``, phimoe's ``sliding_window``,
   causal attention), or refuses it with one line;
 - at call time, attnzoo's mask function records the mask function of every mask it hands out, and the attention
   function checks that the layer's mask is still the one probed (:func:`fingerprint` at a fixed set of query/key
-  pairs), refusing another (a layer type, window or chunk changed since ``apply()``), never replacing it.
+  pairs), refusing another (a layer type, window or chunk changed since ``apply()``), never replacing it. A
+  fingerprint is taken once per mask and reused for the next step's mask function of the same
+  :func:`structure` (transformers makes a new closure per forward).
 
 Indices in transformers' mask functions are 0-based token indices; a left-padded row's chunks start at its first
 real token (transformers shifts them by the row's left padding, which :func:`fingerprint` undoes).
@@ -47,7 +49,7 @@ class MaskShape:
                 "chunk": f"chunked attention of {self.size}"}[self.kind]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Pairs:
     """Query/key index pairs at which masks are fingerprinted (one set per model, shared by its layers)."""
 
@@ -212,13 +214,9 @@ def fingerprint_pairs(shapes: list[MaskShape], sizes: list[int]) -> Pairs:
     return Pairs(torch.tensor(qs, dtype=torch.long), torch.tensor(ks, dtype=torch.long))
 
 
-def fingerprint(function, pairs: Pairs, shift: int = 0, total: int | None = None) -> torch.Tensor:
-    """``function`` at ``pairs`` (those within ``total`` token indices, when given), as a bool tensor."""
-    q, kv = pairs.q, pairs.kv
-    if total is not None:
-        inside = (q < total) & (kv < total)
-        q, kv = q[inside], kv[inside]
-    return evaluate(function, q, kv, shift)
+def fingerprint(function, pairs: Pairs, shift: int = 0) -> torch.Tensor:
+    """``function`` at ``pairs``, as a bool tensor."""
+    return evaluate(function, pairs.q, pairs.kv, shift)
 
 
 def left_padding(padding: torch.Tensor | None) -> int:
@@ -230,9 +228,75 @@ def left_padding(padding: torch.Tensor | None) -> int:
     return int(real[0, 0]) if real.numel() else 0
 
 
-def check_call(entry: Issued | None, mask, pairs: Pairs | None, want: tuple | None, here: str) -> None:
+class _Unknown(Exception):
+    pass
+
+
+def structure(function, depth: int = 0):
+    """A hashable description of a mask function that two functions share only if they compute the same thing: its
+    code and, recursively, what it closes over (ints, floats, strings, small CPU tensors' values, other functions,
+    tuples of them); None when it closes over anything else. transformers makes a new closure for every mask (a
+    window's, ``and_masks``' ...): this is what lets a decoding step reuse the last step's fingerprint."""
+    try:
+        return _structure(function, depth)
+    except _Unknown:
+        return None
+
+
+def _structure(obj, depth: int):
+    if depth > 12:
+        raise _Unknown
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return (type(obj).__name__, obj)
+    if isinstance(obj, (tuple, list)):
+        return ("seq", tuple(_structure(o, depth + 1) for o in obj))
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu" or obj.numel() > 256 or obj.is_floating_point() or type(obj) is not torch.Tensor:
+            raise _Unknown
+        return ("tensor", tuple(obj.shape), tuple(obj.flatten().tolist()))
+    code = getattr(obj, "__code__", None)
+    if code is None:
+        raise _Unknown
+    cells = tuple(_structure(c.cell_contents, depth + 1) for c in (obj.__closure__ or ()))
+    defaults = tuple(_structure(d, depth + 1) for d in (obj.__defaults__ or ()))
+    return ("function", code, cells, defaults)
+
+
+#: fingerprints already taken, by (the function's :func:`structure`, shift, pairs): a decoding step's mask
+#: functions are new closures of the same structure as the last step's
+_known: dict = {}
+
+
+def _fingerprint_of(entry: Issued, pairs: Pairs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(fingerprint, which pairs it covers: None for all) of an issued mask. A mask function that closes over
+    tensors of the call's length (position ids of packed sequences) is evaluated at the pairs inside the call."""
+    function = entry.function
+    if function is None:
+        from transformers.masking_utils import causal_mask_function as function
+    shift = left_padding(entry.padding)
+    shape = structure(function)
+    key = (shape, shift, pairs) if shape is not None else None
+    known = _known.get(key) if key is not None else None
+    if known is not None:
+        return known
+    try:
+        found = (evaluate(function, pairs.q, pairs.kv, shift), None)
+    except IntegrationError:
+        raise
+    except Exception:  # noqa: BLE001 - indices past the call's tensors: the pairs inside it
+        inside = (pairs.q < entry.total) & (pairs.kv < entry.total)
+        found = (evaluate(function, pairs.q[inside], pairs.kv[inside], shift), inside)
+        key = None
+    if key is not None:
+        if len(_known) >= 256:
+            _known.clear()
+        _known[key] = found
+    return found
+
+
+def check_call(entry: Issued | None, mask, pairs: Pairs | None, want: torch.Tensor | None, here: str) -> None:
     """At call time: the mask the layer was handed is still the one probed (the same mask function at the
-    fingerprint pairs that exist in this call), or the call is refused."""
+    fingerprint pairs), or the call is refused."""
     if pairs is None:  # not a layer apply() probed (e.g. built by hand): nothing to compare
         return
     if entry is None:
@@ -245,17 +309,10 @@ def check_call(entry: Issued | None, mask, pairs: Pairs | None, want: tuple | No
                                f"(a custom mask or bias): attnzoo cannot compute it")
     if want is None:
         raise IntegrationError(f"{here} was handed a mask, but apply() read none for it: run apply() again")
-    verdict = entry.taken.get((id(pairs), want))
-    if verdict is None:  # once per mask and layer kind: layers of one type share the mask and the fingerprint
-        got = entry.taken.get(id(pairs))
-        if got is None:
-            function = entry.function
-            if function is None:
-                from transformers.masking_utils import causal_mask_function as function
-            got = fingerprint(function, pairs, left_padding(entry.padding), entry.total)
-            entry.taken[id(pairs)] = got
-        inside = (pairs.q < entry.total) & (pairs.kv < entry.total)
-        verdict = entry.taken[(id(pairs), want)] = torch.equal(got, torch.tensor(want, dtype=torch.bool)[inside])
+    verdict = entry.taken.get(id(want))
+    if verdict is None:  # once per mask and layer kind: the layers of one type share both
+        got, inside = _fingerprint_of(entry, pairs)
+        verdict = entry.taken[id(want)] = torch.equal(got, want if inside is None else want[inside])
     if not verdict:
         raise IntegrationError(f"{here} was handed a mask other than the one apply() read for it (another layer type, "
                                f"window or chunk): run apply() again")
