@@ -67,8 +67,8 @@ def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
             assert torch.equal(got[name], value.detach())
 
 
-def _config(record, tp=1, pp=1):
-    hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}))
+def _config(record, tp=1, pp=1, **hf_fields):
+    hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}), **hf_fields)
     return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt"),
                                  parallel_config=types.SimpleNamespace(tensor_parallel_size=tp,
                                                                        pipeline_parallel_size=pp))
@@ -84,6 +84,9 @@ def test_the_engine_start_check_refuses_in_one_line():
         (_config({"spec": "ssa", "name": "ssa"}), False, ["/ckpt", "'ssa'", "CPU"]),
         (_config({"spec": "ssa", "name": "ssa"}, tp=2), True, ["tensor or pipeline parallelism"]),
         (_config({"spec": "selective", "name": "selective"}), True, ["'selective'", "selective_mask"]),
+        # Llama 4's chunked layers run as per-chunk virtual batches in vLLM (positions restart): declined
+        (_config({"spec": "vanilla", "name": "vanilla"}, attention_chunk_size=8192), True,
+         ["'vanilla'", "attention_chunk_size 8192", "virtual batches"]),
     ]:
         with pytest.raises(ServeDeclined) as caught:
             check_config(config, on_cpu)

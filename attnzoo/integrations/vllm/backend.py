@@ -95,6 +95,22 @@ def check_config(vllm_config, on_cpu: bool) -> None:
     reason = declined(load_spec(recorded_spec(record, where)))
     if reason:
         raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
+    chunk = chunk_size(model_config)
+    if chunk:
+        raise ServeDeclined(f"{where}: {CHUNKED_REASON.format(chunk=chunk)}")
+
+
+#: why a model with chunked local attention layers is declined
+CHUNKED_REASON = ("chunked local attention (attention_chunk_size {chunk}) is not served by attnzoo's vLLM backend "
+                  "(vLLM runs those layers as per-chunk virtual batches, whose positions are not the tokens'); run it "
+                  "with transformers (zt.apply)")
+
+
+def chunk_size(model_config) -> int | None:
+    """The model's ``attention_chunk_size`` (Llama 4's chunked local attention layers), or None."""
+    text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    return chunk if isinstance(chunk, int) and chunk > 0 else None
 
 
 def _tested() -> str:
@@ -132,6 +148,9 @@ def _backend_classes():
             if alibi_slopes is not None:
                 raise IntegrationError(f"{where}: the model's own ALiBi slopes (alibi_slopes) are not composed "
                                        f"with attnzoo specs; put ALiBi in the spec instead")
+            chunk = chunk_size(config.model_config)
+            if chunk:  # also refused at start (check_config); an engine started another way is refused here
+                raise IntegrationError(f"{where}: {CHUNKED_REASON.format(chunk=chunk)}")
             if kv_sharing_target_layer_name is not None:
                 raise IntegrationError(f"{where}: layers sharing another layer's keys and values are not supported")
             if str(kv_cache_dtype) not in ("auto", "float32", "bfloat16", "float16"):
