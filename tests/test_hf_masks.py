@@ -198,3 +198,22 @@ def test_cli_native_spec_prints_windows_and_chunks_read_from_the_mask(family, tm
     assert main(["native-spec", str(tmp_path / "config.json"), "--spec", "local"]) == 2  # two windows: a conflict
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--prefer model" in err
+
+
+def test_a_model_that_numbers_its_own_positions_keeps_its_numbering_on_a_padded_batch():
+    """RoBERTa-style decoders derive positions from the input ids when given none (real tokens from padding_idx + 1):
+    positions are not derived from the mask for them, so a padded row is the row alone without position_ids."""
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("roberta", vocab_size=VOCAB, hidden_size=64, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, is_decoder=True, pad_token_id=PAD,
+                                  max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    rows = [prompt(9), prompt(5)]
+    padded = torch.full((2, 9), PAD)
+    padded[0], padded[1, 4:] = rows[0], rows[1]
+    with torch.no_grad():
+        want = [model(r[None]).logits[0] for r in rows]
+        zt.apply(model, "vanilla")
+        got = model(padded, attention_mask=(padded != PAD).long()).logits
+    for i, r in enumerate(rows):
+        torch.testing.assert_close(got[i, 9 - len(r):], want[i], rtol=1e-5, atol=1e-5)

@@ -194,7 +194,7 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
         device = reference.device if reference is not None else None
         try:
             core = Attention(layer_spec, call.num_heads, call.head_dim, call.num_kv_heads, backend=backend,
-                             dtype=dtype, device=device, input_dim=config.hidden_size)
+                             dtype=dtype, device=device, input_dim=_hidden_size(config))
             core.variant.plan.check_dims(_dims(call.num_heads, call.head_dim, call.num_kv_heads))
             for key, attribute in bound.items():
                 core.bind_parameter(key, module, attribute)
@@ -210,8 +210,9 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
             module.register_forward_hook(_cache_unhook, with_kwargs=True, always_call=True)
             module._attnzoo_hooked = True
         module._attnzoo_cache = None
+    own_positions = _numbers_its_own_positions(model)
     for host in {id(m): m for m in (model, getattr(model, "base_model", model))}.values():
-        if not getattr(host, "_attnzoo_positions_hooked", False):
+        if not own_positions and not getattr(host, "_attnzoo_positions_hooked", False):
             host.register_forward_pre_hook(derive_position_ids, with_kwargs=True)
             host._attnzoo_positions_hooked = True
     register()
@@ -228,6 +229,21 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
 
     model.save_pretrained = SaveWithSpec(model)
     return model
+
+
+def _hidden_size(config) -> int | None:
+    """The width of the layer input (for transforms that project it), from the text configuration of a composite
+    model; None when the configuration names none (a spec that needs it is then refused by the core)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    width = getattr(text, "hidden_size", None)
+    return width if isinstance(width, int) else None
+
+
+def _numbers_its_own_positions(model) -> bool:
+    """Whether the model derives absolute positions from its input ids when it is given none (RoBERTa and its
+    copies: real tokens numbered from ``padding_idx + 1``, the padding left out): such a model already numbers a
+    left-padded row as the row alone, and positions derived from the mask would number it another way."""
+    return any(hasattr(type(m), "create_position_ids_from_input_ids") for m in model.modules())
 
 
 def layer_specs(model) -> list:
