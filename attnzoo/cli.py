@@ -456,7 +456,9 @@ def _nests_deeper(text: str, limit: int) -> bool:
 def _read_config(path: str):
     """A transformers ``config.json`` (or a checkpoint folder holding one) as its ``PretrainedConfig``, read as
     ``AutoConfig.from_pretrained`` reads a local file (transformers' own JSON loader: its ``{"__float__": "Infinity"}``
-    tags become floats), but size- and depth-limited, with no code run and nothing downloaded."""
+    tags become floats), but size- and depth-limited, with no code run and nothing downloaded. The attnzoo record of
+    a checkpoint saved after ``apply()`` (its ``attnzoo`` key) is checked as every host checks it
+    (:func:`~attnzoo.integrations.transformers.records.check_record`): a malformed one is refused."""
     import os
 
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
@@ -486,6 +488,14 @@ def _read_config(path: str):
     if data["model_type"] not in CONFIG_MAPPING:
         raise BadInput(f"{file}: model_type '{_clip(data['model_type'])}' is not one transformers knows")
     data.pop("attn_implementation", None)  # an attnzoo checkpoint's guard
+    if "attnzoo" in data:  # an attnzoo checkpoint's record: read as zt.from_pretrained and vLLM read it
+        from .integrations.transformers import IntegrationError
+        from .integrations.transformers.records import check_record
+
+        try:
+            data["attnzoo"] = check_record(data["attnzoo"], file)
+        except IntegrationError as exc:  # one line naming the file and the field, its values clipped
+            raise BadInput(str(exc)) from None
     try:
         return file, CONFIG_MAPPING[data["model_type"]].from_dict(data)
     except Exception as exc:  # noqa: BLE001 - transformers' own refusal, in one line
@@ -524,6 +534,9 @@ def cmd_native_spec(args) -> int:
         print(json.dumps(rows, indent=2))
         return EXIT_OK
     what = f"with spec '{user.name}'" if user is not None else "native specs"
+    record = getattr(config, "attnzoo", None)
+    if isinstance(record, dict):
+        what += f" (the checkpoint was saved with attnzoo spec '{record['name']}')"
     print(f"{file}: {config.model_type}, {len(rows)} attention layers, {what}")
     for row in rows:
         spec = row["spec"]

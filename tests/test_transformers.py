@@ -163,7 +163,7 @@ def test_a_checkpoint_config_never_names_a_file_on_the_loading_machine(tmp_path)
     config = tmp_path / "ckpt" / "config.json"
     data = json.loads(config.read_text())
     for spec, reason in ((str(secret), "is a path"), ("no-such-spec", "a name no plugin registers"),
-                         (17, "a int")):
+                         (17, "got int")):
         data["attnzoo"]["spec"] = spec
         config.write_text(json.dumps(data))
         with pytest.raises(zt.IntegrationError) as caught:

@@ -114,6 +114,47 @@ def test_a_declined_spec_fails_at_start_in_one_line(checkpoints):
     assert "'selective'" in message and "selective_mask" in message and "accumulator" in message
 
 
+def test_a_malformed_record_and_token_inputs_fail_at_start_in_one_line(checkpoints, tmp_path):
+    """The record is read as zt.from_pretrained reads it (zt.check_record): a spec edited with its hash left as it
+    was, or a misspelled key, is refused at engine start naming config.json and the field (never served, never read
+    as no record); a checkpoint with token projections (the forgetting gate from the layer input) is declined by
+    its transform, its extra tensors notwithstanding."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from vllm import LLM
+
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.vllm import ServeDeclined
+
+    def edited(record):
+        record["spec"]["transforms"][2]["position_coefficient"] = "sigmoid"
+        return record
+
+    cases = [(edited, ["attnzoo.hash", "hashes to"]),
+             (lambda r: {("Spec" if k == "spec" else k): v for k, v in r.items()}, ["attnzoo.Spec", "unknown key"])]
+    for index, (make, words) in enumerate(cases):
+        path = tmp_path / f"hostile{index}"
+        shutil.copytree(checkpoints["served"][0], path)
+        data = json.loads((path / "config.json").read_text())
+        data["attnzoo"] = make(data["attnzoo"])
+        (path / "config.json").write_text(json.dumps(data))
+        with pytest.raises(ServeDeclined) as caught:
+            LLM(model=str(path), **ENGINE)
+        message = str(caught.value)
+        assert "\n" not in message and f"{path / 'config.json'}: " in message
+        assert all(w in message for w in words), message
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    zt.apply(model, {"name": "fox-input", "attention": {"causal": True},
+                     "transforms": [{"kind": "forgetting_gate", "source": "input"}]})
+    model.save_pretrained(tmp_path / "fox")
+    with pytest.raises(ServeDeclined) as caught:
+        LLM(model=str(tmp_path / "fox"), **ENGINE)
+    assert "\n" not in str(caught.value) and "forgetting_gate" in str(caught.value)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

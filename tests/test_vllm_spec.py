@@ -32,10 +32,18 @@ def test_the_specs_in_scope_are_served(name):
     assert declined(load_spec(name)) is None
 
 
+def _record(name: str) -> dict:
+    """A record as save_pretrained writes it, naming a registered spec."""
+    return {"spec": name, "name": name, "hash": load_spec(name).hash}
+
+
 def test_a_configuration_without_a_record_runs_vllms_own_attention():
     assert record_of(types.SimpleNamespace()) is None
-    assert record_of(types.SimpleNamespace(attnzoo={"name": "x"})) is None  # no spec: not attnzoo's record
-    assert record_of(types.SimpleNamespace(attnzoo={"spec": "ssa"})) == {"spec": "ssa"}
+    assert record_of(types.SimpleNamespace(attnzoo=_record("ssa"))) == {
+        **_record("ssa"), "budget": None, "backend": "auto", "prefer": "error"}
+    # an attnzoo key that holds no valid record is refused, never read as no record (tests/test_checkpoint_records.py)
+    with pytest.raises(IntegrationError, match=r"/ckpt \(config.json\): attnzoo.spec: missing"):
+        record_of(types.SimpleNamespace(attnzoo={"name": "x"}), "/ckpt")
 
 
 def test_layer_index_from_vllms_layer_name():
@@ -61,7 +69,7 @@ def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
     model.save_pretrained(tmp_path)
     for index, layer in enumerate(model.model.layers):
         got = layer_parameters(str(tmp_path), index)
-        want = dict(layer.self_attn.attnzoo.transform_params.items())
+        want = layer.self_attn.attnzoo.state_dict()  # transform_params.<name>, by the core's state-dict keys
         assert got.keys() == want.keys() and want
         for name, value in want.items():
             assert torch.equal(got[name], value.detach())
@@ -79,13 +87,13 @@ def test_the_engine_start_check_refuses_in_one_line():
     from attnzoo.integrations.vllm.backend import check_config
 
     check_config(_config(None), on_cpu=False)  # no record: vLLM's own attention, anywhere
-    check_config(_config({"spec": "ssa", "name": "ssa"}), on_cpu=True)
+    check_config(_config(_record("ssa")), on_cpu=True)
     for config, on_cpu, words in [
-        (_config({"spec": "ssa", "name": "ssa"}), False, ["/ckpt", "'ssa'", "CPU"]),
-        (_config({"spec": "ssa", "name": "ssa"}, tp=2), True, ["tensor or pipeline parallelism"]),
-        (_config({"spec": "selective", "name": "selective"}), True, ["'selective'", "selective_mask"]),
+        (_config(_record("ssa")), False, ["/ckpt", "'ssa'", "CPU"]),
+        (_config(_record("ssa"), tp=2), True, ["tensor or pipeline parallelism"]),
+        (_config(_record("selective")), True, ["'selective'", "selective_mask"]),
         # Llama 4's chunked layers run as per-chunk virtual batches in vLLM (positions restart): declined
-        (_config({"spec": "vanilla", "name": "vanilla"}, attention_chunk_size=8192), True,
+        (_config(_record("vanilla"), attention_chunk_size=8192), True,
          ["'vanilla'", "attention_chunk_size 8192", "virtual batches"]),
     ]:
         with pytest.raises(ServeDeclined) as caught:

@@ -15,7 +15,8 @@ the keys and values. After ``apply``, ``model.generate()`` uses it unless it is 
 
 The parts: :mod:`.interface` (the probe and the attention function), :mod:`.native` (native specs and the
 composition rules), :mod:`.cache` (the cache), :mod:`.core` (``apply``), :mod:`.checkpoints` (save and load),
-:mod:`.sharding` (``shard_sequence``: the model trained context-parallel, docs/distributed.md).
+:mod:`.records` (a checkpoint's record, read the same way by every host), :mod:`.sharding` (``shard_sequence``:
+the model trained context-parallel, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from .base import (
     ATTN_IMPLEMENTATION,
     CHECKPOINT_GUARD,
     CONFIG_KEY,
+    CORE_MARK,
     CORE_NAME,
     PARAM_MARK,
     CheckpointSpecMismatchError,
     IntegrationError,
     ProbeError,
+    is_core_key,
 )
 from .cache import AttnzooCache, AttnzooLayer
 from .checkpoints import (
@@ -48,12 +51,14 @@ from .checkpoints import (
 from .core import apply, is_applied, layer_specs, native_layers, native_spec
 from .interface import LayerCall, attention_forward, attention_mask, probe
 from .native import CONFLICTS, NativeLayer, compose
+from .records import check_record
 from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequence
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_NAME",
-    "CheckpointSpecMismatchError", "IntegrationError", "LayerCall", "METADATA_HASH", "METADATA_NAME",
+    "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_MARK",
+    "CORE_NAME", "CheckpointSpecMismatchError", "IntegrationError", "LayerCall", "METADATA_HASH", "METADATA_NAME",
     "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "ProbeError", "apply", "attention_forward", "attention_mask",
-    "compose", "from_pretrained", "is_applied", "layer_specs", "load_transform_params", "native_layers", "native_spec",
-    "probe", "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence", "unshard_sequence",
+    "check_record", "compose", "from_pretrained", "is_applied", "is_core_key", "layer_specs", "load_transform_params",
+    "native_layers", "native_spec", "probe", "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence",
+    "unshard_sequence",
 ]

@@ -11,8 +11,18 @@ ATTN_IMPLEMENTATION = "attnzoo"
 #: Name of the attnzoo core submodule on each attention module, and of the record in the model config.
 CORE_NAME = "attnzoo"
 CONFIG_KEY = "attnzoo"
-#: Substring that marks the transforms' parameters in a state dict / checkpoint.
+#: Substring that marks the transforms' parameters in a state dict / checkpoint (a part of :data:`CORE_MARK`).
 PARAM_MARK = f".{CORE_NAME}.transform_params."
+#: Substring that marks every tensor an attnzoo core owns in a state dict / checkpoint: the transforms' parameters
+#: (``transform_params``), the projections of the layer input for per-token inputs (``token_projections``, weights
+#: and biases) and anything else under the core submodule. Checkpoints save, hide from transformers' load report,
+#: restore and serve exactly these keys (:func:`is_core_key`).
+CORE_MARK = f".{CORE_NAME}."
+
+
+def is_core_key(key: str) -> bool:
+    """Whether state-dict / checkpoint key ``key`` names a tensor of an attnzoo core (:data:`CORE_MARK`)."""
+    return CORE_MARK in f".{key}"
 #: What ``save_pretrained`` of an applied model writes as ``attn_implementation`` in ``config.json``: transformers
 #: refuses to load the checkpoint with it (it is registered nowhere) and its error names attnzoo's loader, so a
 #: plain ``AutoModelForCausalLM.from_pretrained`` cannot silently build the model without its spec.

@@ -1,6 +1,7 @@
-"""Checkpoints of applied models: the spec recorded in ``config.json`` and in every safetensors file, the
-transforms' parameters restored from safetensors (never pickles), and a ``config.json`` that plain transformers
-refuses to load rather than build the model without its spec (docs/transformers.md)."""
+"""Checkpoints of applied models: the spec recorded in ``config.json`` and in every safetensors file, every tensor
+of the attnzoo cores (the transforms' parameters and the token projections) restored from safetensors (never
+pickles), and a ``config.json`` that plain transformers refuses to load rather than build the model without its spec
+(docs/transformers.md). The record is read by :func:`~.records.check_record`, as every host reads it."""
 
 from __future__ import annotations
 
@@ -12,8 +13,18 @@ import struct
 
 import torch
 
-from .base import CHECKPOINT_GUARD, CONFIG_KEY, PARAM_MARK, UNSET, CheckpointSpecMismatchError, IntegrationError
+from .base import (
+    CHECKPOINT_GUARD,
+    CONFIG_KEY,
+    CORE_MARK,
+    UNSET,
+    CheckpointSpecMismatchError,
+    IntegrationError,
+    is_core_key,
+)
 from .core import apply, is_applied
+from .records import check_record, read_record
+from .records import recorded_spec as recorded_spec  # where it was first defined
 
 #: Keys of the spec record in each safetensors file's metadata (beside the record in config.json).
 METADATA_HASH, METADATA_NAME, METADATA_SPEC = "attnzoo_spec_hash", "attnzoo_spec_name", "attnzoo_spec"
@@ -74,72 +85,75 @@ def stamp_safetensors(file: str, record: dict) -> None:
     os.replace(tmp, file)
 
 
+_MISSING = object()
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "revision", "local_files_only", "subfolder")
 
 
 def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, **kwargs):
-    """Load a checkpoint saved after :func:`apply`: ``AutoModelForCausalLM.from_pretrained(path_or_name, **kwargs)``,
-    then the recorded spec applied again and the transforms' parameters restored from the checkpoint's safetensors
-    files (:func:`load_transform_params`). ``budget``/``backend`` override the recorded ones."""
+    """Load a checkpoint saved after :func:`apply`: its record checked first (:func:`~.records.check_record`, one
+    line naming ``config.json`` and the field), then ``AutoModelForCausalLM.from_pretrained(path_or_name,
+    **kwargs)``, the recorded spec applied again and every tensor of the attnzoo cores restored from the checkpoint's
+    safetensors files (:func:`load_transform_params`). ``budget``/``backend`` override the recorded ones."""
     from transformers import AutoModelForCausalLM
 
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    config_file = _config_file(path_or_name, hub_kwargs)
+    if config_file is not None:  # refused before transformers reads any weight
+        read_record(config_file)
     kwargs.setdefault("attn_implementation", "eager")  # the guard's name in config.json; apply() switches to attnzoo
     model = _quietly(lambda: AutoModelForCausalLM.from_pretrained(path_or_name, **kwargs))
-    record = getattr(model.config, CONFIG_KEY, None)
-    if not isinstance(record, dict) or "spec" not in record or "hash" not in record:
-        raise IntegrationError(f"{path_or_name}: its config records no attnzoo spec (it was not saved after apply()); "
-                               f"load it with transformers and call apply(model, spec)")
-    apply(model, recorded_spec(record, path_or_name), budget=record.get("budget") if budget is UNSET else budget,
-          backend=backend or record.get("backend", "auto"), prefer=record.get("prefer", "error"))
-    if model.config.attnzoo["hash"] != record["hash"]:
-        raise CheckpointSpecMismatchError(
-            f"{path_or_name}: the recorded spec '{record.get('name')}' hashes to {model.config.attnzoo['hash'][:12]} "
-            f"here but was saved as {str(record['hash'])[:12]} (a transform or plugin changed its defaults)")
-    load_transform_params(model, path_or_name, **{k: kwargs[k] for k in _HUB_KWARGS if k in kwargs})
+    where = config_file or f"{path_or_name} (its config)"
+    record = getattr(model.config, CONFIG_KEY, _MISSING)
+    if record is _MISSING:
+        raise IntegrationError(f"{where}: records no attnzoo spec (the checkpoint was not saved after apply()); load "
+                               f"it with transformers and call apply(model, spec)")
+    record = check_record(record, where)  # the config the model was built with (``config=`` may be the caller's)
+    apply(model, record["spec"], budget=record["budget"] if budget is UNSET else budget,
+          backend=backend or record["backend"], prefer=record["prefer"])
+    load_transform_params(model, path_or_name, **hub_kwargs)
     return model
 
 
-def recorded_spec(record: dict, where) -> object:
-    """The spec a checkpoint's ``config.attnzoo`` record names: the embedded spec (a mapping, as :func:`apply` writes
-    it) or the name of a spec registered here. Never a path: a checkpoint is input, and a config that named a file
-    on the loading machine would have attnzoo read (and quote) that file."""
-    from ...registry import get_registry
-    from ...spec import names_a_file
+def _config_file(path_or_name, hub_kwargs: dict) -> str | None:
+    """The ``config.json`` of a checkpoint directory or hub name (None when there is none: transformers says so)."""
+    try:
+        return _resolve(path_or_name, "config.json", hub_kwargs)
+    except Exception:  # noqa: BLE001 - transformers' own load reports what is wrong with the name
+        return None
 
-    spec = record.get("spec")
-    if isinstance(spec, dict):
-        return spec
-    if isinstance(spec, str) and not names_a_file(spec) and spec in get_registry().specs:
-        return spec
-    what = "a path" if isinstance(spec, str) and names_a_file(spec) else (
-        "a name no plugin registers here" if isinstance(spec, str) else f"a {type(spec).__name__}")
-    raise IntegrationError(f"{where}: config.json's attnzoo.spec is {what}; a checkpoint names an embedded spec "
-                           f"record (as save_pretrained writes it) or a registered spec, never a file")
+
+class _OnlyCoreKeys:
+    """A logging filter: drops transformers' load report when every key it lists is a tensor of an attnzoo core
+    (:data:`~.base.CORE_MARK`: transform parameters, token projections)."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if "LOAD REPORT" not in message:
+            return True
+        rows = [line for line in message.splitlines()[2:] if "|" in line and line.strip("-+| ")]
+        return not rows or not all(CORE_MARK in row for row in rows)
+
+
+#: The loggers transformers writes its load report with (a filter there holds for every handler the record reaches,
+#: the root logger's too when transformers propagates, as it does under CI).
+_REPORT_LOGGERS = ("transformers.modeling_utils", "transformers.modeling_layers", "transformers.utils.loading_report")
 
 
 def _quietly(load):
-    """Run a transformers load without its report when the report lists only the attnzoo parameters as unexpected
-    keys (they are restored right after by :func:`load_transform_params`, which refuses missing or extra ones). A
-    report that lists anything else is shown whole."""
+    """Run a transformers load without its report when the report lists only tensors of the attnzoo cores as
+    unexpected keys (they are restored right after by :func:`load_transform_params`, which refuses missing or extra
+    ones). A report that lists anything else is shown whole."""
     import logging
 
-    class _OnlyAttnzooKeys(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            message = record.getMessage()
-            if "LOAD REPORT" not in message:
-                return True
-            rows = [line for line in message.splitlines()[2:] if "|" in line and line.strip("-+| ")]
-            return not rows or not all(PARAM_MARK in row for row in rows)
-
-    drop = _OnlyAttnzooKeys()
-    handlers = list(logging.getLogger("transformers").handlers)
-    for handler in handlers:
-        handler.addFilter(drop)
+    drop = _OnlyCoreKeys()
+    targets = [logging.getLogger(name) for name in _REPORT_LOGGERS] + list(logging.getLogger("transformers").handlers)
+    for target in targets:
+        target.addFilter(drop)
     try:
         return load()
     finally:
-        for handler in handlers:
-            handler.removeFilter(drop)
+        for target in targets:
+            target.removeFilter(drop)
 
 
 def _resolve(path_or_name, filename: str, hub_kwargs: dict) -> str | None:
@@ -183,36 +197,36 @@ def _checkpoint_files(path_or_name, hub_kwargs: dict) -> tuple[str, list[str]]:
     return config, [single]
 
 
-def _record_of(config_file: str) -> dict:
-    with open(config_file, encoding="utf-8") as fh:
-        record = json.load(fh).get(CONFIG_KEY)
-    if not isinstance(record, dict) or "hash" not in record:
-        raise IntegrationError(f"{config_file}: records no attnzoo spec (the checkpoint was not saved after apply())")
-    return record
+def core_state(model) -> dict[str, torch.Tensor]:
+    """Every tensor of the attnzoo cores in ``model``'s state dict (:func:`~.base.is_core_key`: the transforms'
+    parameters, the token projections' weights and biases, anything else a core owns), by state-dict key; the
+    parameters themselves (``keep_vars``), so that copying into them restores the model."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if is_core_key(k)}
 
 
 def load_transform_params(model, path_or_name, **hub_kwargs) -> list[str]:
-    """Copy the transforms' parameters of a checkpoint (directory, hub name or ``.safetensors`` file, read with
-    ``safetensors``) into ``model``, which :func:`apply` has prepared. Refuses with one line, naming the file: a
-    checkpoint saved with another spec (both hashes), a parameter missing from it, one the model does not have, or a
-    shape that differs. Returns the state-dict keys loaded."""
+    """Copy every tensor of the attnzoo cores in a checkpoint (directory, hub name or ``.safetensors`` file, read
+    with ``safetensors``) into ``model``, which :func:`apply` has prepared: the transforms' parameters and the token
+    projections (:func:`core_state`). Refuses with one line, naming the file: a record that :func:`check_record`
+    refuses, a checkpoint saved with another spec (both hashes), a tensor missing from it, one the model does not
+    have, or a shape that differs. Returns the state-dict keys loaded."""
     from safetensors import safe_open
 
     mine = getattr(model.config, CONFIG_KEY, None) if is_applied(model) else None
     if mine is None:
         raise IntegrationError(f"{type(model).__name__}: call apply(model, spec) before loading transform parameters")
     config_file, files = _checkpoint_files(path_or_name, hub_kwargs)
-    theirs = _record_of(config_file)
+    theirs = read_record(config_file)
     if theirs["hash"] != mine["hash"]:
         raise CheckpointSpecMismatchError(
             f"{config_file}: checkpoint saved with spec '{theirs.get('name')}' (hash {str(theirs['hash'])[:12]}), "
             f"the model uses spec '{mine['name']}' (hash {mine['hash'][:12]})")
-    wanted = {k: v for k, v in model.state_dict(keep_vars=True).items() if PARAM_MARK in k}
+    wanted = core_state(model)
     found: dict[str, tuple[str, str]] = {}  # checkpoint key -> (file, key)
     for file in files:
         with safe_open(file, framework="pt") as fh:
             for key in fh.keys():
-                if PARAM_MARK in key:
+                if is_core_key(key):
                     found[key] = (file, key)
     mapping = _match_keys(list(wanted), list(found), getattr(model, "base_model_prefix", ""))
     shown = files[0] if len(files) == 1 else os.path.dirname(files[0])

@@ -4,9 +4,11 @@ saved by ``zt.save_pretrained`` with its attnzoo spec, over vLLM's paged KV cach
 :func:`register` (run by vLLM in every process it starts) puts :class:`~.backend.AttnzooCPUBackend` in the place
 of vLLM's CPU attention backend and has vLLM's weight loading leave attnzoo's own tensors to it. A checkpoint
 without an attnzoo record (``config.attnzoo``) runs vLLM's own CPU attention unchanged: the backend defers to it,
-layer by layer. What vLLM's cache cannot hold (the selective accumulator's F, per-token evictor state, eviction,
-per-token features) is declined when the engine builds its layers, with one line naming the spec, the transform
-and the reason (:func:`~.spec.declined`)."""
+layer by layer; an ``attnzoo`` key that holds a malformed record is refused at engine start, read as
+``zt.from_pretrained`` reads it (:func:`~attnzoo.integrations.transformers.records.check_record`). What vLLM's cache
+cannot hold (the selective accumulator's F, per-token evictor state, eviction, per-token features) is declined when
+the engine builds its layers, with one line naming the spec, the transform and the reason (:func:`~.spec.declined`).
+"""
 
 from __future__ import annotations
 

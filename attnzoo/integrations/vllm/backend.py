@@ -19,8 +19,7 @@ from ...errors import AttnzooError
 from ...nn import Attention
 from ...spec import load_spec
 from ...transforms.base import Dims, Slot
-from ..transformers.base import PARAM_MARK, IntegrationError
-from ..transformers.checkpoints import recorded_spec
+from ..transformers.base import IntegrationError, is_core_key
 from .spec import declined, layer_index, layer_parameters, layer_spec, native_call, record_of
 
 _INSTALLED = False
@@ -50,9 +49,9 @@ def install() -> None:
     original = DefaultModelLoader.get_all_weights
 
     def get_all_weights(self, model_config, model):
-        ours = record_of(model_config.hf_config) is not None
+        ours = record_of(model_config.hf_config, model_config.model) is not None
         for name, tensor in original(self, model_config, model):
-            if not (ours and PARAM_MARK in name):  # attnzoo's transform parameters: read by the backend
+            if not (ours and is_core_key(name)):  # the tensors of attnzoo's cores: read by the backend
                 yield name, tensor
 
     get_all_weights.__wrapped__ = original
@@ -79,12 +78,18 @@ def _check_at_start() -> None:
 
 def check_config(vllm_config, on_cpu: bool) -> None:
     """Refuse, in one line, what attnzoo's vLLM backend cannot serve exactly (nothing for a checkpoint without an
-    attnzoo record)."""
+    attnzoo record), and a malformed record (naming ``config.json`` and the field, as ``zt.from_pretrained`` refuses
+    it: :func:`~attnzoo.integrations.transformers.records.check_record`)."""
     model_config = getattr(vllm_config, "model_config", None)
-    record = record_of(getattr(model_config, "hf_config", None)) if model_config is not None else None
+    if model_config is None:
+        return
+    try:
+        record = record_of(getattr(model_config, "hf_config", None), getattr(model_config, "model", None))
+    except IntegrationError as exc:  # not a ValueError here: vLLM's configuration model would wrap it in a report
+        raise ServeDeclined(str(exc)) from None
     if record is None:
         return
-    where = f"{model_config.model}: attnzoo spec '{record.get('name')}'"
+    where = f"{model_config.model}: attnzoo spec '{record['name']}'"
     if not on_cpu:
         raise ServeDeclined(f"{where}: attnzoo's vLLM backend runs on the CPU in this release; on this platform "
                                f"vLLM would run its own attention, not the spec")
@@ -92,7 +97,7 @@ def check_config(vllm_config, on_cpu: bool) -> None:
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
                                f"per-head parameters are not split over ranks)")
-    reason = declined(load_spec(recorded_spec(record, where)))
+    reason = declined(load_spec(record["spec"]))
     if reason:
         raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
     chunk = chunk_size(model_config)
@@ -133,7 +138,7 @@ def _backend_classes():
             super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                              logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks, **extra)
             config = get_current_vllm_config()
-            self.record = record_of(config.model_config.hf_config)
+            self.record = record_of(config.model_config.hf_config, config.model_config.model)
             self.zoo: _Layer | None = None
             if self.record is None:
                 return
@@ -142,7 +147,7 @@ def _backend_classes():
             self.dtype = config.model_config.dtype
             self.native = dict(scale=scale, sliding_window=sliding_window, softcap=logits_soft_cap,
                                has_sinks=sinks is not None)
-            where = f"{self.model_dir}: attnzoo spec '{self.record.get('name')}'"
+            where = f"{self.model_dir}: attnzoo spec '{self.record['name']}'"
             if attn_type != AttentionType.DECODER:
                 raise IntegrationError(f"{where}: a {attn_type} attention layer (attnzoo serves decoder layers)")
             if alibi_slopes is not None:
@@ -195,7 +200,7 @@ class _Layer:
 
     def __init__(self, impl, layer_name: str) -> None:
         index = layer_index(layer_name)
-        where = f"{impl.model_dir}: attnzoo spec '{impl.record.get('name')}', layer {index}"
+        where = f"{impl.model_dir}: attnzoo spec '{impl.record['name']}', layer {index}"
         call = native_call(index, impl.num_heads, impl.num_kv_heads, impl.head_size, **impl.native)
         spec, bound = layer_spec(impl.record, call, impl.model_type, where)
         core = Attention(spec, impl.num_heads, impl.head_size, impl.num_kv_heads, backend="blocked",
@@ -203,7 +208,7 @@ class _Layer:
         for key, attribute in bound.items():
             core.bind_parameter(key, impl, attribute)
         found = layer_parameters(impl.model_dir, index)
-        wanted = dict(core.transform_params.items())
+        wanted = dict(core.state_dict(keep_vars=True))  # every tensor of the core, keyed as layer_parameters keys them
         missing = sorted(set(wanted) - set(found))
         extra = sorted(set(found) - set(wanted))
         if missing or extra:

@@ -1,7 +1,9 @@
 """Which spec a vLLM attention layer runs, and what is declined: the checkpoint's attnzoo record (``config.attnzoo``,
-as ``zt.save_pretrained`` writes it) composed with the layer's native attention (what vLLM hands its attention
-backend: scale, sliding window, soft-capping, learned sinks), by the transformers integration's rules; the
-transforms' parameters read from the checkpoint's safetensors files. Needs no vLLM import (tested without it)."""
+as ``zt.save_pretrained`` writes it, read by the transformers integration's one reader,
+:func:`~attnzoo.integrations.transformers.records.check_record`) composed with the layer's native attention (what
+vLLM hands its attention backend: scale, sliding window, soft-capping, learned sinks), by the transformers
+integration's rules; the tensors of the attnzoo cores read from the checkpoint's safetensors files. Needs no vLLM
+import (tested without it)."""
 
 from __future__ import annotations
 
@@ -14,18 +16,34 @@ import torch
 
 from ...spec import load_spec
 from ...transforms.base import Slot
-from ..transformers.base import PARAM_MARK, IntegrationError
-from ..transformers.checkpoints import recorded_spec
+from ..transformers.base import CONFIG_KEY, CORE_MARK, IntegrationError, is_core_key
 from ..transformers.interface import LayerCall
 from ..transformers.native import NativeLayer, compose
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def record_of(hf_config) -> dict | None:
-    """The attnzoo record of a model configuration, or None (the checkpoint was not saved by attnzoo)."""
-    record = getattr(hf_config, "attnzoo", None)
-    return record if isinstance(record, dict) and "spec" in record else None
+_MISSING = object()
+
+
+def config_file(model) -> str:
+    """What a message calls the ``config.json`` of vLLM's ``model`` (a checkpoint directory or a hub name)."""
+    model = str(model) if model is not None else "<model>"
+    return os.path.join(model, "config.json") if os.path.isdir(model) else f"{model} (config.json)"
+
+
+def record_of(hf_config, model=None) -> dict | None:
+    """The attnzoo record of a model configuration, checked and normalised as every host reads it
+    (:func:`~attnzoo.integrations.transformers.records.check_record`), or None when the configuration has no
+    ``attnzoo`` key (the checkpoint was not saved by attnzoo: vLLM's own attention serves it). A key that holds a
+    malformed record is refused with one line naming ``config.json`` (of ``model``) and the field, never read as no
+    record."""
+    from ..transformers.records import check_record
+
+    record = getattr(hf_config, CONFIG_KEY, _MISSING) if hf_config is not None else _MISSING
+    if record is _MISSING:
+        return None
+    return check_record(record, config_file(model))
 
 
 def layer_index(layer_name: str) -> int:
@@ -47,9 +65,10 @@ def native_call(layer: int, num_heads: int, num_kv_heads: int, head_dim: int, sc
 
 
 def layer_spec(record: dict, call: LayerCall, model_type: str, where: str):
-    """(the composed spec, the native parameters it binds) of one layer, refused with one line when declined."""
-    user = load_spec(recorded_spec(record, where))
-    spec, bound = compose(NativeLayer(call, model_type), user, record.get("prefer", "error"))
+    """(the composed spec, the native parameters it binds) of one layer, refused with one line when declined.
+    ``record``: as :func:`record_of` returns it (checked)."""
+    user = load_spec(record["spec"])
+    spec, bound = compose(NativeLayer(call, model_type), user, record["prefer"])
     reason = declined(spec)
     if reason:
         raise IntegrationError(f"{where}: spec '{user.name}' cannot be served by vLLM: {reason}")
@@ -81,21 +100,22 @@ def declined(spec) -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _parameter_index(model_dir: str) -> dict[str, str]:
-    """{tensor name: file} of every attnzoo parameter in the checkpoint's safetensors files."""
+    """{tensor name: file} of every tensor of the attnzoo cores in the checkpoint's safetensors files."""
     from safetensors import safe_open
 
     found = {}
     for file in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         with safe_open(file, framework="pt") as fh:
             for key in fh.keys():
-                if PARAM_MARK in key:
+                if is_core_key(key):
                     found[key] = file
     return found
 
 
 def layer_parameters(model_dir: str, layer: int) -> dict[str, torch.Tensor]:
-    """The transform parameters of decoder layer ``layer`` in the checkpoint ``model_dir``, by their name in the
-    layer's ``attnzoo`` core (``transform_params``' keys)."""
+    """Every tensor of decoder layer ``layer``'s attnzoo core in the checkpoint ``model_dir``, by its key in the
+    core's ``state_dict()`` (``transform_params.<name>``, ``token_projections.<name>.weight``, ...), as
+    ``zt.load_transform_params`` reads them (a tensor of the core is never left to vLLM's weight loading)."""
     from safetensors import safe_open
 
     out = {}
@@ -104,5 +124,5 @@ def layer_parameters(model_dir: str, layer: int) -> dict[str, torch.Tensor]:
         if found is None or int(found.group(1)) != layer:
             continue
         with safe_open(file, framework="pt") as fh:
-            out[key.split(PARAM_MARK, 1)[1]] = fh.get_tensor(key)
+            out[f".{key}".split(CORE_MARK, 1)[1]] = fh.get_tensor(key)
     return out
