@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 import attnzoo  # noqa: E402
 from attnzoo.integrations import transformers as zt  # noqa: E402
 from attnzoo.integrations.transformers import matrix  # noqa: E402
+from attnzoo.integrations.transformers.sweep import left_pad  # noqa: E402
 
 FAMILIES = matrix.available()
 PAD, BOS, VOCAB, W = matrix.PAD, matrix.BOS, matrix.VOCAB, matrix.WINDOW
@@ -32,14 +33,6 @@ def prompt(length: int) -> torch.Tensor:
     ids = torch.randint(2, VOCAB, (length,))
     ids[0] = BOS
     return ids
-
-
-def left_pad(rows):
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), PAD)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = r
-    return ids, (ids != PAD).long()
 
 
 def window_layers(model) -> list[int]:
