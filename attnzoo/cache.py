@@ -77,8 +77,8 @@ class KVCache:
         self.evicted = 0
         #: tokens dropped because no later query can see them (a window mask, :meth:`drop_expired`)
         self.expired = 0
-        #: the spec's bound on the keys a query sees, ``earliest_key(query_position) -> int`` (a sliding window),
-        #: or None; set by ``Variant.new_cache``
+        #: the spec's bound on the keys a query sees, ``earliest_key(query_position) -> int`` (a sliding window,
+        #: a chunk), or None; set by ``Variant.new_cache``
         self.horizon = None
         self.params_key: tuple | None = None
         self._k: torch.Tensor | None = None  # buffers (B, H_kv, capacity, D); the first _m slots hold tokens
@@ -103,6 +103,9 @@ class KVCache:
         #: (variant, signature, step): a decoding step the full path has validated for this signature, taken
         #: while :meth:`lean_ready` holds (``Variant.decode``); None when there is none
         self._lean = None
+        #: the per-token score tensors last found fit for the lean steps (:meth:`_lean_states`), by name: a tensor
+        #: assigned to ``state[name]`` since is checked (and made a dense buffer's view) once
+        self._lean_seen: dict[str, torch.Tensor] = {}
         #: the spec (hash, name) whose ``new_cache`` made this cache, and the (H, H_kv, D) of its steps: another
         #: spec's or geometry's steps are refused (``Variant.decode``)
         self.spec_hash: str | None = None
@@ -190,8 +193,20 @@ class KVCache:
 
     @values.setter
     def values(self, value: torch.Tensor) -> None:
-        self._v = value.detach()
+        if self._scrambled:
+            self._settle_order()
+        self._lean = None
+        self._v = self._with_room(value.detach())
         self._live = None
+
+    def _with_room(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (B, H_kv, M, ...) given for the values or positions, in a buffer with at least the key buffer's
+        slots: appends and the lean steps write the next token into the slot after the held ones of all three."""
+        if self._k is None or t.dim() < 3 or t.shape[2] >= self._k.shape[2]:
+            return t
+        room = t.new_empty(*t.shape[:2], self._k.shape[2], *t.shape[3:])
+        room[:, :, :t.shape[2]] = t
+        return room
 
     @property
     def positions(self) -> torch.Tensor | None:
@@ -204,7 +219,7 @@ class KVCache:
         if self._scrambled:
             self._settle_order()
         self._lean = None
-        self._pos = value
+        self._pos = self._with_room(value)
         self.ordered = value.shape[-1] < 2 or bool((value[..., 1:] > value[..., :-1]).all())
 
     @property
@@ -399,14 +414,16 @@ class KVCache:
 
     def _state_room(self, name: str, t: torch.Tensor, old: int, count: int) -> torch.Tensor:
         """The buffer behind ``state[name]`` with room for ``count`` more slots after the first ``old``. A state
-        tensor that is not a view of its buffer (an evictor assigned a new one) is copied into a new buffer."""
+        tensor that is not a plain view of the first slots of its buffer (an evictor assigned a new one; a user
+        assigned an expanded, negated or subclass view) is copied into a new dense buffer."""
         buf = self._state_buf.get(name)
-        ours = (buf is not None and t.dim() == 3 and t.shape[:2] == buf.shape[:2] and t.shape[2] == old
-                and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride() and t.dtype == buf.dtype)
+        ours = (buf is not None and type(t) is torch.Tensor and t.dim() == 3 and t.shape[:2] == buf.shape[:2]
+                and t.shape[2] == old and t.data_ptr() == buf.data_ptr() and t.stride() == buf.stride()
+                and t.dtype == buf.dtype and not t.is_neg() and not t.is_conj())
         if ours and buf.shape[2] >= old + count:
             return buf
         capacity = max(self._k.shape[2], old + count)
-        new = t.new_empty(*t.shape[:2], capacity)
+        new = torch.empty(*t.shape[:2], capacity, dtype=t.dtype, device=t.device)  # dense, plain, its own memory
         new[:, :, :old] = t.detach()
         self._state_buf[name] = new
         return new
@@ -549,20 +566,27 @@ class KVCache:
     def lean_ready_selective(self) -> bool:
         """Whether the next token may take selective attention's lean step: rows and F only, at the budget."""
         return (self._rows_only() and self._m == self.budget and self.horizon is None and len(self._state) == 1
-                and ACCUMULATED_STATE in self._state)
+                and ACCUMULATED_STATE in self._state and self._lean_states(0))
 
     def lean_ready_scoring(self) -> bool:
         """Whether the next token may take the lean step of an evictor that scores after attention (H2O, TOVA):
         rows and the evictor's scores only, at the budget, with the spare slot the buffers keep for budget + 1.
         A score the full path left outside its buffer (an update() that assigned a new tensor, an eviction that
         gathered) is adopted into it here, once."""
-        if not (self._rows_only() and self._m == self.budget and self.horizon is None
-                and self._k.shape[2] > self._m and set(self._state) == set(self.evictor.state_names)):
-            return False
+        return (self._rows_only() and self._m == self.budget and self.horizon is None
+                and self._k.shape[2] > self._m and set(self._state) == set(self.evictor.state_names)
+                and self._lean_states(1))
+
+    def _lean_states(self, spare: int) -> bool:
+        """Make every per-token score what the lean steps write in place: the first M slots of a dense buffer of
+        its own with room for ``spare`` more. A tensor the full path or a user assigned to ``state[name]`` (an
+        evictor's new tensor, an expanded or negated view, one that shares memory between heads) is copied into
+        such a buffer once, when it is first seen (by identity): not at every step."""
+        seen = self._lean_seen
         for name, t in self._state.items():
-            buf = self._state_buf.get(name)
-            if buf is None or buf.shape[2] <= self._m or t.data_ptr() != buf.data_ptr():
-                self._state[name] = self._state_room(name, t, self._m, 1)[:, :, :self._m]
+            if seen.get(name) is not t:
+                t = self._state[name] = self._state_room(name, t, self._m, spare)[:, :, :self._m]
+                seen[name] = t
         return True
 
     def lean_ready_replacing(self) -> bool:
@@ -658,7 +682,8 @@ class KVCache:
         earliest key visible from a row's next position, and padding. Every row and head drops the same number
         (the fewest any of them can spare, oldest first), so the cache stays dense; what one row keeps beyond
         its window is masked as before. Between steps a window layer then holds at most ``window - 1`` tokens
-        per row (once every row has seen that many, exactly that), as transformers' sliding-window cache does."""
+        per row (once every row has seen that many, exactly that), as transformers' sliding-window cache does; a
+        ``chunked`` layer holds each row's tokens of its current chunk, at most ``chunk - 1``."""
         if self.horizon is None or self._m == 0:
             return
         starts = self.next_position.tolist()

@@ -322,22 +322,20 @@ class BlockedBackend(Backend):
             step = functools.partial(self._lean_plain, scale, bool(kinds))
             if not kinds:  # no window: the append fused, the attention torch's
                 step = fused_decode.offer_append(step, _attend_held, cache, scale)
-            return type(cache).lean_ready, step
+            return type(cache).lean_ready, fused_decode.checked(step)
         if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
             acc = plan.one(Slot.ACCUMULATOR)
             if type(acc) is SelectiveMask and cache._k.dtype in (torch.float32, torch.float64):
                 h = acc.options.selector_head
                 group = (cache.geometry[0] // cache.geometry[1]) if cache.geometry else None
-                if group is not None:
-                    bos = bool(cache.lean_slots()[2][0, 0, 0] == 1)  # held in slot 0 for good: never evicted
-                    options = (h // group, h % group, int(bos), bos and acc.options.protect_bos,
-                               not acc.options.self_mask)
+                if group is not None:  # position 1 is ruled on per row and slot, in the step (rows may differ)
+                    options = (h // group, h % group, acc.options.protect_bos, not acc.options.self_mask)
                     step = functools.partial(self._lean_selective_fused, scale, *options)
-                    flags = int(options[3]) | (int(options[4]) << 1)
+                    flags = int(options[2]) | (int(options[3]) << 1)
                     return type(cache).lean_ready_selective, fused_decode.offer(
-                        "selective", step, cache, scale, (options[2], options[0], options[1], flags),
-                        ACCUMULATED_STATE)
-            return type(cache).lean_ready_selective, functools.partial(self._lean_selective, plan, params)
+                        "selective", step, cache, scale, (1, options[0], options[1], flags), ACCUMULATED_STATE)
+            return type(cache).lean_ready_selective, fused_decode.checked(
+                functools.partial(self._lean_selective, plan, params))
         if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
             step = functools.partial(self._lean_replacing, scale)
             return type(cache).lean_ready_replacing, fused_decode.offer(
@@ -378,7 +376,7 @@ class BlockedBackend(Backend):
             score = state["last_attention"]
             score.copy_(probs.mean(dim=(1, 2)).unsqueeze(1).expand(b, hkv, m))
             masked = score
-        tied = masked == masked.amin(-1, keepdim=True)
+        tied = (masked == masked.amin(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmin (Evictor.victim)
         victim = torch.where(tied, pos, _LAST).argmin(-1)  # (B, H_kv); per head for H2O, the same in every head else
         cache.settle_spare(victim)
         return out
@@ -394,27 +392,27 @@ class BlockedBackend(Backend):
         return _plain_one(q, ks, vs, scale)
 
     @staticmethod
-    def _lean_selective_fused(scale, kv_head, in_group, skip, bos_zero, self_zero, q, k, v, cache):
+    def _lean_selective_fused(scale, kv_head, in_group, bos_zero, self_zero, q, k, v, cache):
         """:meth:`_lean_selective` for ``selective_mask`` in float32/float64, its maths written out: the victim
-        by the evictor's rule (largest F after BOS, which a selective cache holds in slot 0 for good; ties to the
-        oldest position), the new token into its slot, the logits once for attention and selection, S = ReLU of
-        the selector head's logits but 0 at BOS (``protect_bos``) and at the query's own key (no ``self_mask``),
-        F += S after it was subtracted."""
+        by the evictor's rule (the largest F of a slot not at position 1, a NaN first, ties to the oldest
+        position; per row, so rows at different offsets each keep or lose their own first token), the new token
+        into its slot, the logits once for attention and selection, S = ReLU of the selector head's logits but 0
+        at position 1 (``protect_bos``) and at the query's own key (no ``self_mask``), F += S after it was
+        subtracted."""
         ks, vs, pos, state = cache.lean_slots()
         held = state[ACCUMULATED_STATE]
-        f = held[:, 0]
-        rest = f[:, skip:] if skip else f
-        tied = rest == rest.amax(-1, keepdim=True)
-        victim = torch.where(tied, pos[:, 0, skip:] if skip else pos[:, 0], _LAST).argmin(-1)
-        if skip:
-            victim += skip
+        f, first = held[:, 0], pos[:, 0]
+        bos = first == 1
+        masked = f.masked_fill(bos, float("-inf"))
+        tied = (masked == masked.amax(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmax (Evictor.victim)
+        victim = torch.where(tied, first, _LAST).argmin(-1)
         cache.replace_slot(victim, k, v)
         b, h, _, d = q.shape
         hkv = ks.shape[1]
         logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
         s = torch.relu(logits[:, kv_head, in_group])
         if bos_zero:
-            s[:, 0] = 0.0
+            s.masked_fill_(bos, 0.0)
         if self_zero:
             s.scatter_(1, victim.unsqueeze(1), 0.0)
         out = (torch.softmax(logits - f[:, None, None, :], dim=-1) @ vs).reshape(b, h, 1, d)
@@ -430,7 +428,7 @@ class BlockedBackend(Backend):
         held = state[ACCUMULATED_STATE]
         first, f = pos[:, 0], held[:, 0]
         masked = f.masked_fill(first == 1, float("-inf"))
-        tied = masked == masked.amax(-1, keepdim=True)
+        tied = (masked == masked.amax(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmax
         victim = torch.where(tied, first, _LAST).argmin(-1)
         cache.replace_slot(victim, k, v)  # into the views above
         ks, vs, _, _ = cache.lean_slots()

@@ -6,14 +6,24 @@ small torch operations, each costing more than the attention over a small cache.
 slot, attention over the held tokens and the scores updated in place, for float32 and float64 on the CPU.
 
 The C source is compiled once per process, by the first step that can use it, with the system's C compiler
-(``$CC``, else ``cc``, ``gcc`` or ``clang``) into a private temporary directory that is removed as soon as the
-library is loaded: nothing compiled is ever read back from a shared place. Without a compiler, or with
+(``$CC``, else ``cc``, ``gcc`` or ``clang``; ``$ATTNZOO_FUSED_CFLAGS`` adds flags, e.g. ``-fsanitize=address``)
+into a private temporary directory that is removed as soon as the library is loaded: nothing compiled is ever
+read back from a shared place. Without a compiler, or with
 ``ATTNZOO_FUSED_DECODE=0``, the torch lean steps run: the same maths, slower. :func:`status` says which and why
 (``attnzoo explain SPEC --mode decode`` prints it), and ``KVCache.lean_step_kind`` which one a cache takes.
 
-What a step assumes (shapes, dtypes, strides, a cache at its budget with room for the step) is checked here in
-Python before the C code sees a pointer: once when the buffers change, and the query, key and value's dtypes,
-shapes and strides at every call. Anything unexpected takes the torch lean step instead.
+What a step assumes is checked here in Python before the C code sees a pointer, as torch checks a view before it
+reads one: the buffers the step writes (keys, values, positions, scores: plain CPU tensors of the dtype, no negative
+or conjugate bit, no two elements in one place, a storage that covers every element the step touches) once when they
+change, by identity and by address (a storage freed or resized through a view moves its address); the query, key
+and value (a plain ``torch.Tensor``, not a subclass, a fake or a meta tensor; dtype, shape, strides, no negative bit
+(float32 and float64 cannot carry the conjugate bit), a storage covering the view) at every call, as torch pays for
+every call's inputs. A storage that does not cover its view is refused with one line (a ValueError, from
+:func:`check_inputs`, which the torch lean steps run too); anything else unexpected takes the torch lean step.
+
+The library is compiled under a lock that a fork would leave held in the child (the thread compiling does not exist
+there): a handler registered with ``os.register_at_fork`` gives the child a fresh lock, so a child that needs the
+library compiles its own.
 """
 
 from __future__ import annotations
@@ -33,6 +43,15 @@ _SOURCE = Path(__file__).with_name("fused_decode.c")
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
 _LOCK = threading.Lock()
 _LOADED: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not)
+
+
+def _fresh_lock_in_child() -> None:
+    """After a fork: the lock may have been held by a thread compiling, which the child does not have."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 #: indices of the layout block (the LAY_* enum of fused_decode.c)
 (_B, _HKV, _G, _D, _M, _K, _KSB, _KSH, _V, _VSB, _VSH, _P, _PSB, _PSH, _S, _SSB, _SSH, _W,
@@ -58,8 +77,9 @@ def _compile() -> tuple[ctypes.CDLL | None, str | None]:
     with tempfile.TemporaryDirectory(prefix="attnzoo-fused-") as tmp:  # mode 0700: private to this user
         target = Path(tmp) / "fused_decode.so"
         why = "no attempt"
+        given = shlex.split(os.environ.get("ATTNZOO_FUSED_CFLAGS", ""))  # e.g. -fsanitize=address for a check
         for extra in (["-march=native"], []):  # built for this machine; the plain build where that flag is unknown
-            command = [*cc, *_FLAGS, *extra, str(_SOURCE), "-o", str(target), "-lm"]
+            command = [*cc, *_FLAGS, *extra, *given, str(_SOURCE), "-o", str(target), "-lm"]
             try:
                 done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
             except (OSError, subprocess.TimeoutExpired) as exc:
@@ -102,6 +122,58 @@ def library() -> ctypes.CDLL | None:
     return _LOADED[0]
 
 
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from the start of ``t``'s storage to the end of its last element (0 when it has none)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+def _disjoint(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (strides sorted ascending, each past the span of the smaller ones:
+    sufficient, and what every buffer the cache makes satisfies); an expanded view (a stride 0) fails."""
+    span = 0
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+        if st <= span:
+            return False
+        span += st * (n - 1)
+    return True
+
+
+def _plain(t) -> bool:
+    """A tensor whose data_ptr() is its elements as they read: a torch.Tensor itself (a subclass, a fake tensor
+    or a __torch_dispatch__ wrapper has no such memory), on the CPU, with no negative or conjugate bit."""
+    return type(t) is torch.Tensor and t.is_cpu and not t.is_neg() and not t.is_conj()
+
+
+def _uncovered(name: str, t: torch.Tensor, need: int) -> ValueError:
+    have = t.untyped_storage().nbytes()
+    return ValueError(f"{name} of shape {tuple(t.shape)} needs {need} bytes of storage but its storage holds {have} "
+                      f"(freed or resized after it was made?): the lean decoding step does not read past it")
+
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
+
+
+def check_inputs(q, k, v) -> None:
+    """One line (a ValueError) if the storage of q, k or v does not cover its view (freed or resized after the view
+    was made). torch checks a view's storage when it makes a view, not when a kernel reads one, and the lean steps
+    hand their inputs to kernels (``scatter_``, SDPA, the C steps) without making one first. A tensor whose
+    operations go to a ``__torch_dispatch__`` (a fake tensor, a wrapper subclass) is left to it."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(_PYTHON_KEY):
+            continue
+        if t.dim() == 4:  # the steps' inputs: spelled out, a quarter of the generic sum's cost
+            (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+            last = t.storage_offset() + (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + (n3 - 1) * s3
+            need = (last + 1) * t.element_size() if n0 and n1 and n2 and n3 else 0
+        else:
+            need = _extent(t)
+        if need > t.untyped_storage().nbytes():
+            raise _uncovered(name, t, need)
+
+
 def status() -> str:
     """One line: whether the blocked backend's lean decoding steps on the CPU run fused in C, or why not."""
     lib = library()
@@ -110,9 +182,29 @@ def status() -> str:
     return f"torch lean steps: the fused C steps are unavailable: {_LOADED[1]}"
 
 
-class FusedStep:
+class CheckedStep:
+    """A torch lean step ``fallback`` with its inputs' storages checked at every call (:func:`check_inputs`): the
+    lean steps' form where the fused C steps are unavailable, and the base of the fused ones."""
+
+    kind_name = "torch"
+
+    def __init__(self, fallback) -> None:
+        self.fallback = fallback
+
+    def __call__(self, q, k, v, cache):
+        check_inputs(q, k, v)
+        return self.fallback(q, k, v, cache)
+
+
+def checked(step):
+    """The lean step ``step`` with its inputs checked at every call (a :class:`CheckedStep`), once."""
+    return step if isinstance(step, CheckedStep) else CheckedStep(step)
+
+
+class FusedStep(CheckedStep):
     """A fused lean step for one cache: ``step(q, k, v, cache) -> out``, with the torch lean step ``fallback``
-    (the same maths) taken for anything the C code was not laid out for.
+    (the same maths) taken, its inputs checked (:class:`CheckedStep`), for anything the C code was not laid out
+    for.
 
     ``kind``: "selective", "sink_window" or "scoring"; ``options``: the step's four options (fused_decode.c);
     ``state``: the name of the per-token score the step updates, or None; ``spare``: 1 when the step uses the slot
@@ -122,9 +214,9 @@ class FusedStep:
 
     def __init__(self, kind: str, fn_by_dtype: dict, fallback, scale: float, options: tuple[int, int, int, int],
                  state: str | None, spare: int) -> None:
+        super().__init__(fallback)
         self.kind = kind
         self.fn_by_dtype = fn_by_dtype
-        self.fallback = fallback
         self.scale = float(scale)
         self.options = options
         self.state = state
@@ -134,6 +226,7 @@ class FusedStep:
         self.held: tuple = ()  # the tensors the layout points into, kept alive and compared by identity
         self.fn = None
         self.shapes: tuple = ()
+        self.extents: tuple = ()
         self.nexts: torch.Tensor | None = None  # the cache's per-row next positions last checked
 
     def _scores(self, cache):
@@ -152,13 +245,18 @@ class FusedStep:
         rows = [keys, values]
         per_token = [pos] + ([scores] if scores is not None else [])
         if (dtype not in _SUFFIX or (self.state is not None and scores is None) or cache.geometry is None
-                or any(t.device.type != "cpu" for t in rows + per_token)
-                or any(t.dtype != dtype or t.shape[:2] != (b, hkv) or t.shape[2] < need or t.shape[3] != d
-                       or t.stride(3) != 1 or t.stride(2) != d for t in rows)
+                or not all(_plain(t) for t in rows + per_token)
+                or any(t.dim() != 4 or t.dtype != dtype or t.shape[:2] != (b, hkv) or t.shape[2] < need
+                       or t.shape[3] != d or t.stride(3) != 1 or t.stride(2) != d for t in rows)
                 or any(t.dim() != 3 or t.shape[:2] != (b, hkv) or t.shape[2] < need or t.stride(2) != 1
                        for t in per_token)
-                or pos.dtype != torch.int64 or (scores is not None and scores.dtype != dtype) or m < 1):
+                or pos.dtype != torch.int64 or (scores is not None and scores.dtype != dtype) or m < 1
+                or not all(_disjoint(t) for t in rows + per_token)):  # the step writes every one of them
             return False
+        for name, t in zip(("keys", "values", "positions", "scores"), rows + per_token, strict=False):
+            if _extent(t) > t.untyped_storage().nbytes():
+                raise ValueError(f"the cache's {name} buffer no longer covers its tokens (its storage was freed or "
+                                 f"resized through a view?): start a new cache")
         h = cache.geometry[0]
         if self.kind == "selective" and not (self.options[0] < m and self.options[1] < hkv
                                              and self.options[2] < h // hkv):
@@ -176,29 +274,43 @@ class FusedStep:
         lay[_W] = work.data_ptr()
         lay[_OPT0], lay[_OPT1], lay[_OPT2], lay[_OPT3] = self.options
         self.fn = self.fn_by_dtype[dtype]
-        self.shapes = (torch.Size((b, h, 1, d)), torch.Size((b, hkv, 1, d)), dtype)
-        self.held = (keys, values, pos, scores, m, work)
+        self.shapes = (torch.Size((b, h, 1, d)), torch.Size((b, hkv, 1, d)), dtype, keys.element_size())
+        self.extents = (b - 1, h - 1, hkv - 1, d)  # an input's elements end (b-1)*sb + (heads-1)*sh + d past its start
+        self.held = (keys, values, pos, scores, m, work, _addresses(keys, values, pos, scores))
         return True
 
     def __call__(self, q, k, v, cache):
-        held = self.held
-        if not (held and held[0] is cache._k and held[1] is cache._v and held[2] is cache._pos
-                and held[3] is self._scores(cache) and held[4] == cache._m) and not self._lay_out(cache):
+        held, keys, values, pos, scores = self.held, cache._k, cache._v, cache._pos, self._scores(cache)
+        if not (held and held[0] is keys and held[1] is values and held[2] is pos and held[3] is scores
+                and held[4] == cache._m and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(),
+                                                        0 if scores is None else scores.data_ptr())
+                ) and not self._lay_out(cache):
             self.held = ()
-            return self.fallback(q, k, v, cache)
-        qshape, kvshape, dtype = self.shapes
+            return CheckedStep.__call__(self, q, k, v, cache)
+        qshape, kvshape, dtype, itemsize = self.shapes
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return CheckedStep.__call__(self, q, k, v, cache)  # a subclass, a fake tensor: data_ptr() is no data
         qs, ks, vs = q.stride(), k.stride(), v.stride()
+        # float32/float64 only (the dtype check): the conjugate bit, which only complex dtypes carry, cannot be set
         if (q.dtype != dtype or k.dtype != dtype or v.dtype != dtype or q.shape != qshape or k.shape != kvshape
-                or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or q.device.type != "cpu"
-                or k.device.type != "cpu" or v.device.type != "cpu"):
+                or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or not q.is_cpu or not k.is_cpu
+                or not v.is_cpu or q.is_neg() or k.is_neg() or v.is_neg()):
+            return CheckedStep.__call__(self, q, k, v, cache)
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        b1, h1, hkv1, d = self.extents
+        qst, kst, vst = q.untyped_storage(), k.untyped_storage(), v.untyped_storage()
+        if (qp + (b1 * qs[0] + h1 * qs[1] + d) * itemsize > qst.data_ptr() + qst.nbytes()
+                or kp + (b1 * ks[0] + hkv1 * ks[1] + d) * itemsize > kst.data_ptr() + kst.nbytes()
+                or vp + (b1 * vs[0] + hkv1 * vs[1] + d) * itemsize > vst.data_ptr() + vst.nbytes()):
+            check_inputs(q, k, v)  # raises its one line
             return self.fallback(q, k, v, cache)
         found = self._next_rows(cache, qshape[0])  # one position per row: the C step moves each on in place
         if found is None:
-            return self.fallback(q, k, v, cache)
+            return self.fallback(q, k, v, cache)  # its inputs checked above
         scalar, rows = found
         out = torch.empty(qshape, dtype=dtype)  # every element written (the C step first fills it with NaN)
-        self.fn(self.address, q.data_ptr(), qs[0], qs[1], k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1],
-                out.data_ptr(), scalar, rows, self.scale)
+        self.fn(self.address, qp, qs[0], qs[1], kp, ks[0], ks[1], vp, vs[0], vs[1], out.data_ptr(), scalar, rows,
+                self.scale)
         cache._scrambled = True
         if rows == 0:
             cache._next += 1
@@ -219,8 +331,8 @@ class FusedStep:
     def _rows_fit(self, nxt: torch.Tensor, batch: int) -> bool:
         """Whether the cache's per-row next positions can be read and moved on by the C step: (B,) int64,
         contiguous, on the CPU (the cache owns it: ``KVCache.next_position`` copies in and out)."""
-        if (nxt.dtype == torch.int64 and nxt.shape == (batch,) and nxt.is_contiguous()
-                and nxt.device.type == "cpu"):
+        if (_plain(nxt) and nxt.dtype == torch.int64 and nxt.shape == (batch,) and nxt.is_contiguous()
+                and _extent(nxt) <= nxt.untyped_storage().nbytes()):
             self.nexts = nxt
             return True
         return False
@@ -240,24 +352,44 @@ class FusedAppend(FusedStep):
         m = cache._m
         if m + 1 > cache._k.shape[2]:
             cache._grow(m + 1)
-        held = self.held
-        if not (held and held[0] is cache._k and held[1] is cache._v and held[2] is cache._pos) or m >= self.capacity:
+        held, keys, values, pos = self.held, cache._k, cache._v, cache._pos
+        if (not (held and held[0] is keys and held[1] is values and held[2] is pos
+                 and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(), 0)) or m >= self.capacity):
             if not self._lay_out(cache, need=m + 1):
                 self.held = ()
-                return self.fallback(q, k, v, cache)
+                return CheckedStep.__call__(self, q, k, v, cache)
             self.capacity = min(t.shape[2] for t in self.held[:3])
-        _, kvshape, dtype = self.shapes
-        ks, vs = k.stride(), v.stride()
+        qshape, kvshape, dtype, itemsize = self.shapes
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return CheckedStep.__call__(self, q, k, v, cache)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
         found = self._next_rows(cache, kvshape[0])
         if (found is None or k.dtype != dtype or v.dtype != dtype or k.shape != kvshape or v.shape != kvshape
-                or ks[3] != 1 or vs[3] != 1 or k.device.type != "cpu" or v.device.type != "cpu"):
+                or q.shape != qshape or ks[3] != 1 or vs[3] != 1 or not k.is_cpu or not v.is_cpu
+                or k.is_neg() or v.is_neg()):  # float32/float64: no conjugate bit (see FusedStep)
+            return CheckedStep.__call__(self, q, k, v, cache)
+        qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+        b1, h1, hkv1, d = self.extents
+        qst, kst, vst = q.untyped_storage(), k.untyped_storage(), v.untyped_storage()
+        # q goes to torch's attention (any strides, its negative bit resolved there); its storage is checked here,
+        # as some of torch's kernels read it without making a view
+        if (qp + (b1 * qs[0] + h1 * qs[1] + (d - 1) * qs[3] + 1) * itemsize > qst.data_ptr() + qst.nbytes()
+                or kp + (b1 * ks[0] + hkv1 * ks[1] + d) * itemsize > kst.data_ptr() + kst.nbytes()
+                or vp + (b1 * vs[0] + hkv1 * vs[1] + d) * itemsize > vst.data_ptr() + vst.nbytes()):
+            check_inputs(q, k, v)  # raises its one line
             return self.fallback(q, k, v, cache)
-        self.fn(self.address, m, k.data_ptr(), ks[0], ks[1], v.data_ptr(), vs[0], vs[1], *found)
+        self.fn(self.address, m, kp, ks[0], ks[1], vp, vs[0], vs[1], *found)
         cache._m = m + 1
         if found[1] == 0:
             cache._next += 1
         cache._last = None
         return self.attend(q, cache, self.scale)
+
+
+def _addresses(keys, values, pos, scores) -> tuple[int, int, int, int]:
+    """Where the buffers' elements are now: a storage freed or resized (through a view the cache handed out) moves
+    its address, so a step compares these with the layout's before the C code writes through it."""
+    return (keys.data_ptr(), values.data_ptr(), pos.data_ptr(), 0 if scores is None else scores.data_ptr())
 
 
 def _functions(kind: str, cache) -> dict | None:
@@ -272,15 +404,17 @@ def _functions(kind: str, cache) -> dict | None:
 
 
 def offer_append(fallback, attend, cache, scale: float):
-    """The plain lean step ``fallback`` with its append fused (:class:`FusedAppend`), or ``fallback`` itself."""
+    """The plain lean step ``fallback`` with its append fused (:class:`FusedAppend`), or ``fallback`` itself with
+    its inputs checked (:class:`CheckedStep`)."""
     fns = _functions("append", cache)
-    return fallback if fns is None else FusedAppend(fns, fallback, attend, scale)
+    return checked(fallback) if fns is None else FusedAppend(fns, fallback, attend, scale)
 
 
 def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,
           spare: int = 0):
-    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself (see
-    :func:`_functions`)."""
+    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself with its inputs
+    checked (:class:`CheckedStep`; see :func:`_functions`)."""
     fns = _functions(kind, cache)
-    return fallback if fns is None else FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state,
-                                                  spare)
+    if fns is None:
+        return checked(fallback)
+    return FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state, spare)

@@ -3,9 +3,11 @@
  * Every step takes the layout block, the new token's query q (B, H, 1, D), key k and value v (B, H_kv, 1, D)
  * (any batch and head strides, rows contiguous), writes the output (B, H, 1, D) contiguous into out, and the
  * position the new token takes: `next` in every row, or, when `nexts` is given, nexts[b] in row b (ragged rows),
- * each then moved on by one. Query head h reads key/value head h / G. Ties between victims go to the oldest
- * position and a NaN score makes slot 0 (after any skipped slots) the victim, as in the torch steps
- * (torch.amax/amin propagate NaN, and no slot is then tied with it).
+ * each then moved on by one. Query head h reads key/value head h / G. The victim follows the reference
+ * evictor's rule (Evictor.victim: argmax/argmin over the scores in position order, protected slots filled with
+ * -inf/+inf): a NaN score among the eligible slots outranks every number, largest or smallest alike (torch's
+ * argmax/argmin return the first NaN), so the eligible NaN-scored slot with the oldest position leaves; else the
+ * largest (smallest) score, ties to the oldest position. docs/decoding.md, "Non-finite scores".
  */
 
 static inline T NAME(dot)(const T *restrict a, const T *restrict b, i64 d) {
@@ -95,19 +97,21 @@ static void NAME(fill_nan)(T *out, i64 n) {
     for (i64 i = 0; i < n; i++) out[i] = (T)NAN;
 }
 
-/* Selective attention at its budget (selective_mask with the selective evictor). Options: OPT0 the slots
- * skipped when choosing the victim (1: BOS, held in slot 0 for good), OPT1 the selector's key/value head, OPT2
- * its index in that head's group, OPT3 bit 0: S = 0 at BOS (protect_bos), bit 1: S = 0 at the query's own key
- * (no self_mask). The victim is the largest F after the skipped slots (ties to the oldest position); the new
- * token takes its slot with F = 0; every head's logits minus F, softmax, values; S = ReLU of the selector
- * head's logits, then F += S in every key/value head (F is the same in all of them). */
+/* Selective attention at its budget (selective_mask with the selective evictor). Options: OPT0 1: position 1
+ * (BOS) is never the victim (the evictor's rule; decided per row, by each slot's position, so rows at other
+ * offsets are ruled on their own), OPT1 the selector's key/value head, OPT2 its index in that head's group, OPT3
+ * bit 0: S = 0 at position 1 (protect_bos), bit 1: S = 0 at the query's own key (no self_mask). The victim is the
+ * largest F of an eligible slot (a NaN first, ties to the oldest position); the new token takes its slot with
+ * F = 0; every head's logits minus F, softmax, values; S = ReLU of the selector head's logits, then F += S in
+ * every key/value head (F is the same in all of them). */
 int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T *k, i64 ksb, i64 ksh,
                             const T *v, i64 vsb, i64 vsh, T *out, i64 next, i64 *nexts, double scale) {
     const i64 B = lay[LAY_B], HKV = lay[LAY_HKV], G = lay[LAY_G], D = lay[LAY_D], M = lay[LAY_M];
     const T *K = (const T *)(intptr_t)lay[LAY_K], *V = (const T *)(intptr_t)lay[LAY_V];
     const i64 *P = (const i64 *)(intptr_t)lay[LAY_P];
     T *S = (T *)(intptr_t)lay[LAY_S], *w = (T *)(intptr_t)lay[LAY_W], *s = w + G * (M + 1);
-    const i64 skip = lay[LAY_OPT0], sel_kv = lay[LAY_OPT1], sel_g = lay[LAY_OPT2];
+    const int protect = (int)(lay[LAY_OPT0] & 1);
+    const i64 sel_kv = lay[LAY_OPT1], sel_g = lay[LAY_OPT2];
     const int bos_zero = (int)(lay[LAY_OPT3] & 1), self_zero = (int)((lay[LAY_OPT3] >> 1) & 1);
     const T sc = (T)scale;
     NAME(fill_nan)(out, B * HKV * G * D);
@@ -115,15 +119,19 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
         const i64 nb = nexts ? nexts[b] : next;
         const i64 *p0 = P + b * lay[LAY_PSB];
         T *f0 = S + b * lay[LAY_SSB];
-        i64 victim = skip, oldest = p0[skip];
-        T best = f0[skip];
-        int nan = best != best;
-        for (i64 j = skip + 1; j < M; j++) {
-            T f = f0[j];
-            if (f != f) nan = 1;
-            else if (f > best || (f == best && p0[j] < oldest)) { best = f; victim = j; oldest = p0[j]; }
+        i64 victim = -1, oldest = 0, nan_victim = -1, nan_oldest = 0;
+        T best = 0;
+        for (i64 j = 0; j < M; j++) {
+            if (protect && p0[j] == 1) continue;
+            const T f = f0[j];
+            if (f != f) {
+                if (nan_victim < 0 || p0[j] < nan_oldest) { nan_victim = j; nan_oldest = p0[j]; }
+            } else if (victim < 0 || f > best || (f == best && p0[j] < oldest)) {
+                best = f; victim = j; oldest = p0[j];
+            }
         }
-        if (nan) victim = skip;
+        if (nan_victim >= 0) victim = nan_victim;
+        if (victim < 0) victim = 0;  /* no eligible slot: a budget >= 2 holds one position 1 at most, never here */
         NAME(write_slot)(lay, b, victim, k, ksb, ksh, v, vsb, vsh, nb);
         for (i64 hk = 0; hk < HKV; hk++) {
             const T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
@@ -140,7 +148,9 @@ int NAME(attnzoo_selective)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const 
             }
             NAME(group_values)(out + (b * HKV + hk) * G * D, w, G, Vh, M, D);
         }
-        if (bos_zero) s[0] = 0;
+        if (bos_zero)
+            for (i64 j = 0; j < M; j++)
+                if (p0[j] == 1) s[j] = 0;
         if (self_zero) s[victim] = 0;
         for (i64 hk = 0; hk < HKV; hk++) {
             T *fh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
@@ -228,15 +238,17 @@ int NAME(attnzoo_scoring)(const i64 *lay, const T *q, i64 qsb, i64 qsh, const T 
         for (i64 hk = 0; hk < HKV; hk++) {
             T *sh = S + b * lay[LAY_SSB] + hk * lay[LAY_SSH];
             i64 *ph = P + b * lay[LAY_PSB] + hk * lay[LAY_PSH];
-            i64 victim = 0, oldest = ph[0];
-            T best = (!tova && ph[0] > newest_unprotected) ? (T)INFINITY : sh[0];
-            int nan = best != best;
-            for (i64 j = 1; j < n; j++) {
-                T x = (!tova && ph[j] > newest_unprotected) ? (T)INFINITY : sh[j];
-                if (x != x) nan = 1;
-                else if (x < best || (x == best && ph[j] < oldest)) { best = x; victim = j; oldest = ph[j]; }
+            i64 victim = -1, oldest = 0, nan_victim = -1, nan_oldest = 0;
+            T best = 0;
+            for (i64 j = 0; j < n; j++) {
+                const T x = (!tova && ph[j] > newest_unprotected) ? (T)INFINITY : sh[j];  /* protected: +inf */
+                if (x != x) {
+                    if (nan_victim < 0 || ph[j] < nan_oldest) { nan_victim = j; nan_oldest = ph[j]; }
+                } else if (victim < 0 || x < best || (x == best && ph[j] < oldest)) {
+                    best = x; victim = j; oldest = ph[j];
+                }
             }
-            if (nan) victim = 0;
+            if (nan_victim >= 0) victim = nan_victim;
             if (victim != M) {
                 T *Kh = K + b * lay[LAY_KSB] + hk * lay[LAY_KSH], *Vh = V + b * lay[LAY_VSB] + hk * lay[LAY_VSH];
                 NAME(copy_row)(Kh + victim * D, Kh + M * D, D);
