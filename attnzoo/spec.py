@@ -271,7 +271,11 @@ def validate_spec_data(data: dict[str, Any], source: str, registry=None) -> Spec
     try:
         spec = model.model_validate(data)
     except ValidationError as exc:
-        raise _spec_error(exc, data, source, model) from None
+        error = _spec_error(exc, data, source, model)
+        failed = _failed_registration(exc, registry or get_registry())
+        if failed:
+            error = SpecError(source, f"{error.reason}; {failed}", error.path)
+        raise error from None
     spec._source = source
     return spec
 
@@ -331,6 +335,18 @@ def did_you_mean(name: str, known) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``known`` to ``name``, or ``""``."""
     close = difflib.get_close_matches(str(name), [str(k) for k in known], n=1, cutoff=0.6)
     return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _failed_registration(exc: ValidationError, registry) -> str:
+    """For an unknown transform kind that a plugin tried and failed to register: what the registry said of it."""
+    for err in exc.errors():
+        if err.get("type") != "union_tag_invalid":
+            continue
+        tag = str(err.get("ctx", {}).get("tag", ""))
+        said = [e for e in registry.errors() if f"'{tag}'" in e]
+        if tag and said:
+            return f"it failed to register: {said[0]}"
+    return ""
 
 
 def _keys_at(loc: tuple, model: type | None) -> list[str] | None:

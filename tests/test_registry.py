@@ -218,6 +218,9 @@ def test_duplicate_is_refused_and_reported_by_plugin_name():
         kind = "softcap"
         slot = attnzoo.Slot.LOGITS
 
+        def apply(self, logits, ctx, params):
+            return logits
+
     with pytest.warns(PluginWarning, match=r"plugin 'dup'.*transform 'softcap' is already registered"):
         reg = new_registry(entry_points=False, extra_plugins=[
             ("dup", plugin("dup", register_transforms=lambda register: (register(Doubler), register(Impostor))))])
@@ -320,3 +323,26 @@ def test_concurrent_first_use_builds_one_registry(monkeypatch):
         t.join()
     assert len(built) == 1
     assert found[0] is not None and all(r is found[0] for r in found)
+
+
+def test_a_registration_failure_lists_the_slots_is_named_by_the_spec_and_refuses_unimplemented_methods(tmp_path):
+    class Softpick(attnzoo.LogitsTransform):
+        kind = "softpick"
+        slot = "probabilities"  # not a Slot
+
+    with pytest.warns(PluginWarning, match=r"slot must be an attnzoo.Slot \(Slot.QUERY, .*Slot.OUTPUT\), got "
+                                           r"'probabilities'"):
+        reg = isolated(("sp", plugin("sp", register_transforms=lambda register: register(Softpick))))
+    with pytest.raises(attnzoo.SpecError) as caught:  # the spec says why the kind is unknown
+        attnzoo.load_spec({"name": "s", "transforms": [{"kind": "softpick"}]}, registry=reg)
+    message = str(caught.value)
+    assert "unknown kind 'softpick'" in message and "failed to register" in message and "plugin 'sp'" in message
+    assert "\n" not in message
+
+    class NoSink(attnzoo.NormaliserTransform):
+        kind = "no_sink"
+        slot = attnzoo.Slot.NORMALISER
+
+    with pytest.warns(PluginWarning, match=r"transform 'no_sink': it does not implement sink\(\)"):
+        reg = isolated(("ns", plugin("ns", register_transforms=lambda register: register(NoSink))))
+    assert "no_sink" not in reg.transforms

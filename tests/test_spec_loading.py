@@ -463,6 +463,9 @@ def test_two_transforms_in_one_non_composing_slot():
         kind = "other_accumulator"
         slot = attnzoo.Slot.ACCUMULATOR
 
+        def selection(self, *args, **kwargs):  # never called: the spec is refused first
+            raise AssertionError("not reached")
+
     module = types.ModuleType("other_accumulator_plugin")
     module.register_transforms = attnzoo.hookimpl(lambda register: register(OtherAccumulator))
     reg = new_registry(entry_points=False, extra_plugins=(("other_accumulator_plugin", module),))

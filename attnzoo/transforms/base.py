@@ -192,7 +192,8 @@ class Transform:
     @classmethod
     def contract_problem(cls) -> str | None:
         if not isinstance(getattr(cls, "slot", None), Slot):
-            return "slot must be an attnzoo.Slot"
+            valid = ", ".join(f"Slot.{slot.name}" for slot in Slot)
+            return f"slot must be an attnzoo.Slot ({valid}), got {getattr(cls, 'slot', None)!r}"
         if not (isinstance(cls.Options, type) and issubclass(cls.Options, TransformOptions)):
             return "Options must subclass attnzoo.TransformOptions"
         bases = {Slot.QUERY: RowMapTransform, Slot.KEY: RowMapTransform, Slot.VALUE: RowMapTransform,
@@ -200,6 +201,11 @@ class Transform:
                  Slot.ACCUMULATOR: AccumulatorTransform, Slot.NORMALISER: NormaliserTransform}
         if not issubclass(cls, bases[cls.slot]):
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
+        missing = [name for base, name in _REQUIRED if issubclass(cls, base) and getattr(cls, name) is
+                   getattr(base, name)]
+        if missing:
+            return (f"it does not implement {', '.join(f'{m}()' for m in missing)}, which a transform in slot "
+                    f"'{cls.slot.value}' must")
         return None
 
 
@@ -343,3 +349,9 @@ def gelu_dot_tanh(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() == 1:
         return torch.tanh(g @ weight)
     return torch.tanh(torch.einsum("bhnd,hd->bhn", g, weight))
+
+
+#: The methods each slot's base class leaves to its transforms (a transform that inherits one unimplemented is
+#: refused at registration, not met as a bare NotImplementedError at its first call).
+_REQUIRED = ((RowScaleTransform, "scale"), (RowMapTransform, "map"), (LogitsTransform, "apply"),
+             (MaskTransform, "allowed"), (AccumulatorTransform, "selection"), (NormaliserTransform, "sink"))
