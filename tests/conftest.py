@@ -19,3 +19,18 @@ def _seed():
 def rand(*shape, dtype=torch.float64, requires_grad=False):
     t = torch.randn(*shape, dtype=dtype)
     return t.requires_grad_(requires_grad)
+
+
+@pytest.fixture(params=["fused", "torch"])
+def lean_kind(request, monkeypatch):
+    """The evicting lean steps in both forms: fused in C (compiled once per process) and the torch operations
+    that define them. A machine with a C compiler must compile the fused steps."""
+    from attnzoo.backends import fused_decode
+
+    if request.param == "torch":
+        monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))
+    elif fused_decode.library() is None:
+        if fused_decode._compiler() is None:
+            pytest.skip("no C compiler: the fused decoding steps cannot be built here")
+        pytest.fail(fused_decode.status())
+    return request.param

@@ -13,19 +13,6 @@ SHIPPED = sorted(attnzoo.get_registry().specs)
 
 
 
-@pytest.fixture(params=["fused", "torch"])
-def lean_kind(request, monkeypatch):
-    """The evicting lean steps in both forms: fused in C (compiled once per process) and the torch operations
-    that define them. A machine with a C compiler must compile the fused steps."""
-    if request.param == "torch":
-        monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))
-    elif fused_decode.library() is None:
-        if fused_decode._compiler() is None:
-            pytest.skip("no C compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_decode.status())
-    return request.param
-
-
 def perturbed_params(variant, h, d, hkv, scale=0.5):
     params = variant.init_params(num_heads=h, head_dim=d, num_kv_heads=hkv, dtype=torch.float64)
     return {key: value + scale * torch.randn_like(value) for key, value in params.items()}

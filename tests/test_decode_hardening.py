@@ -25,17 +25,11 @@ B, H, HKV, D, PREFILL = 2, 4, 2, 8, 3
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(params=["fused", "torch"])
-def form(request, monkeypatch):
-    """The lean steps in both forms: fused in C (compiled once per process) and the torch operations."""
-    if request.param == "torch":
-        monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))
-    elif fused_decode.library() is None:
-        if fused_decode._compiler() is None:
-            pytest.skip("no C compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_decode.status())
-    return request.param
-
+@pytest.fixture
+def form(lean_kind):
+    """The lean steps in both forms: fused in C (compiled once per process) and the torch operations
+    (``lean_kind``, tests/conftest.py)."""
+    return lean_kind
 
 # -- the rows compared with the reference -------------------------------------------------------------------------
 @dataclass
