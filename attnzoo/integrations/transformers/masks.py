@@ -280,7 +280,7 @@ def _fingerprint_of(entry: Issued, pairs: Pairs) -> tuple[torch.Tensor, torch.Te
     if known is not None:
         return known
     try:
-        found = (evaluate(function, pairs.q, pairs.kv, shift), None)
+        found = (fingerprint(function, pairs, shift), None)
     except IntegrationError:
         raise
     except Exception:  # noqa: BLE001 - indices past the call's tensors: the pairs inside it
