@@ -31,3 +31,9 @@ class UnsupportedError(AttnzooError):
 
 class PluginError(AttnzooError):
     """A plugin registered something invalid (a duplicate name, a class that breaks the contract)."""
+
+
+class RankDisagreementError(AttnzooError, ValueError):
+    """The ranks of a context-parallel call were called differently (spec, transform parameters, options, dtype,
+    sizes, grad mode): every rank raises the same one line naming what differs and each rank's value, before any
+    collective that could hang on the difference."""

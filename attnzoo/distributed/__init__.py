@@ -25,6 +25,10 @@ replicated; each rank's gradient is its own queries' contribution, and the sum o
 gradient: :func:`sum_gradients` (or the data-parallel wrapper that sums the model's other replicated weights)
 adds them up, exactly as for the model's q/k/v projections.
 
+Every call first all-gathers a fixed-size fingerprint of itself (spec, transform parameters, options, grad mode,
+dtype, sizes): ranks that disagree raise the same one line (:class:`RankDisagreementError`) before any collective
+that could hang.
+
 Declined (:class:`attnzoo.UnsupportedError`, one line naming spec and cause): an accumulator whose selection is
 not declared pointwise (``AccumulatorTransform.pointwise``: S is computed one key block at a time), ``key_mask``,
 ``documents`` and ``return_accumulated`` (F is (B, N, N)). Decoding is not sharded (evictors act in decoding only).
@@ -45,9 +49,10 @@ This package never imports the reference backend.
 
 from __future__ import annotations
 
+from ..errors import RankDisagreementError
 from .exchange import CommCounter, counting
 from .layout import Layout, shard, shard_positions, unshard
 from .module import ContextParallel, ShardedAttention, sum_gradients, unsupported
 
-__all__ = ["CommCounter", "ContextParallel", "Layout", "ShardedAttention", "counting", "shard", "shard_positions",
-           "sum_gradients", "unshard", "unsupported"]
+__all__ = ["CommCounter", "ContextParallel", "Layout", "RankDisagreementError", "ShardedAttention", "counting", "shard",
+           "shard_positions", "sum_gradients", "unshard", "unsupported"]

@@ -1,16 +1,19 @@
 """The public entry points: :class:`ContextParallel` (a spec sharded over a process group),
 :class:`ShardedAttention` (an ``attnzoo.nn.Attention`` layer that runs it), :func:`sum_gradients` and
-:func:`unsupported`; the inputs of every rank checked together before any work."""
+:func:`unsupported`; the inputs of every rank checked together before any work: one all-gather of a fixed-size
+fingerprint of the call (:class:`_Fingerprint`) before any collective whose shape or sequence depends on it."""
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from ..dispatch import Variant, renamed_flag
-from ..errors import UnsupportedError
+from ..errors import RankDisagreementError, UnsupportedError
 from ..inputs import check_positions, check_qkv
 from ..nn import Attention
 from ..transforms.base import Slot
@@ -45,6 +48,137 @@ def unsupported(spec, registry=None) -> list[str]:
 
 def _decline(spec_name: str, reason: str):
     return UnsupportedError(spec_name, {"context-parallel": [reason]}, mode="context-parallel")
+
+
+# -- what every rank must agree on -----------------------------------------------------------------------------------
+_DTYPES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
+_DEVICES = {"cpu": 1, "cuda": 2}
+_METHOD_CODES = {"ring": 1, "allgather": 2, "auto": 3}
+#: the fingerprint's fields, one int64 each, in the order a disagreement is reported; "invalid" (this rank's own
+#: inputs are malformed: its error says why) and "tokens" (local lengths differ by design: the layout checks them)
+#: are checked apart, "name" only shows the spec's name (its hash is compared)
+_FIELDS = ("invalid", "tokens", "spec", "name", "name+", "backend", "device", "dtype", "batch", "heads", "kv_heads",
+           "head_dim", "parameters", "parameters+", "balanced", "method", "gather_limit", "piece_size",
+           "gradients", "positions")
+_AT = {name: i for i, name in enumerate(_FIELDS)}
+_COMPARED = [name for name in _FIELDS if name not in ("invalid", "tokens", "name", "name+")]
+_LABELS = {"spec": "the spec", "device": "the device type", "batch": "the batch size (B)", "heads": "heads (H)",
+           "kv_heads": "key/value heads (H_kv)", "head_dim": "head_dim (D)", "parameters": "the transform parameters",
+           "parameters+": "the transform parameters",
+           "gradients": "the gradients wanted (grad mode, requires_grad)"}
+
+
+def _int63(x) -> int:
+    """``x`` as a fingerprint field (an int64): at most 2^62 (an infinite limit included)."""
+    return int(x) if x < 2**62 else 2**62
+
+
+def _hash63(text: str) -> int:
+    """A short text (a backend's name, a long bit set) as a fingerprint field."""
+    return int.from_bytes(zlib.crc32(text.encode()).to_bytes(4, "little") * 2, "little") & (2**63 - 1)
+
+
+def _bytes_digest(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """Two 63-bit halves of a blake2b digest of the tensors' bytes (as the call uses them): exact, so any change
+    of a value changes it, and independent of thread counts and devices (a few microseconds for per-head
+    parameters, about a millisecond per MiB). Tensors off the CPU cross to the host in one copy."""
+    flat = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in tensors]
+    away = [t.device for t in flat if t.device.type != "cpu"]
+    if away:
+        flat = [torch.cat([t.to(away[0]) for t in flat]).cpu()]
+    digest = hashlib.blake2b(digest_size=16)
+    for t in flat:
+        digest.update(t.numel().to_bytes(8, "little"))
+        digest.update(t.numpy())
+    raw = digest.digest()
+    return (int.from_bytes(raw[:8], "little") & (2**63 - 1), int.from_bytes(raw[8:], "little") & (2**63 - 1))
+
+
+class _Fingerprint:
+    """What a rank's call must share with every other rank's, as a fixed-size int64 vector (:data:`_FIELDS`): the
+    spec (a hash of its canonical form, and its name to show), the transform parameters (:func:`_bytes_digest` of
+    their values, as the call uses them), the options (backend, balanced, method, gather_limit under "auto",
+    piece_size), the grad mode (which of q, k, v, the parameters and the per-token inputs want a gradient), the
+    dtype and device type, B, H, H_kv, D, whether positions were given, and the local length. All-gathered once per
+    call, first: its size never depends on the call, so the all-gather itself cannot mismatch."""
+
+    def __init__(self, cp: ContextParallel, q, k, v, grouped, inputs, positions, problem: str) -> None:
+        self.cp = cp
+        self.names: list[str] = []  # the tensors whose gradient bit is in "gradients", in bit order
+        values = dict.fromkeys(_FIELDS, 0)
+        values["invalid"] = int(bool(problem))
+        device = q.device if isinstance(q, torch.Tensor) else "cpu"
+        if not problem:
+            b, h, n, d = q.shape
+            name = cp.variant.spec.name.encode()[:16].ljust(16, bytes(1))
+            params = [(f"{kind}.{short}", t) for kind, group in grouped.items() for short, t in group.items()]
+            given = sorted((inputs or {}).items())
+            tensors = [t for _, t in params]
+            self.names = ["q", "k", "v", *(key for key, _ in params), *(key for key, _ in given)]
+            wanted = [t.requires_grad for t in (q, k, v, *tensors, *(t for _, t in given))]
+            bits = sum(1 << i for i, w in enumerate(wanted) if w) if torch.is_grad_enabled() else 0
+            values.update(
+                tokens=n, spec=cp._spec_hash, name=int.from_bytes(name[:8], "little") & (2**63 - 1),
+                backend=_hash63(cp.backend), device=_DEVICES.get(q.device.type, 3), dtype=_DTYPES.get(q.dtype, 5),
+                batch=b, heads=h, kv_heads=k.shape[1], head_dim=d, balanced=int(bool(cp.balanced)),
+                method=_METHOD_CODES[cp.method], gather_limit=_int63(cp.gather_limit) if cp.method == "auto" else 0,
+                piece_size=cp.piece_size or 0, positions=int(positions is not None),
+                gradients=bits if bits < 2**62 else 2**62 | _hash63(f"{bits:x}"))
+            values["name+"] = int.from_bytes(name[8:], "little") & (2**63 - 1)
+            values["parameters"], values["parameters+"] = _bytes_digest(tensors) if tensors else (0, 0)
+        self.mine = torch.tensor([values[f] for f in _FIELDS], dtype=torch.int64, device=device)
+
+    def disagreement(self, everyone: torch.Tensor) -> str:
+        """The one line every rank raises for the gathered fingerprints (world, fields), or "" when the ranks
+        agree: the same text on every rank, made from the gathered fingerprints alone."""
+        table = everyone.cpu().tolist()
+        differ = [f for f in _COMPARED if any(row[_AT[f]] != table[0][_AT[f]] for row in table)]
+        if not differ:
+            return ""
+        if "spec" in differ:  # the rest may follow from the spec (parameter names, gradients): that alone
+            differ = ["spec"]
+        parts: dict[str, str] = {}
+        for field in differ:
+            label = _LABELS.get(field, field)
+            if label in parts:
+                continue
+            shown = [self._show(field, row) for row in table]
+            ranks = [0] + [r for r in range(1, len(table)) if shown[r] != shown[0]]
+            more = f", and {len(ranks) - 4} more ranks" if len(ranks) > 4 else ""
+            parts[label] = f"{label} ({', '.join(f'rank {r}: {shown[r]}' for r in ranks[:4])}{more})"
+        return (f"context parallel: ranks disagree on {'; '.join(parts.values())}; every rank must call with the "
+                f"same spec, transform parameters, options, dtype, sizes and grad mode")
+
+    def _show(self, field: str, row: list[int]) -> str:
+        """A field's value in the error (a hash as hex digits, a name where every rank can decode it)."""
+        value = row[_AT[field]]
+        if field == "spec":
+            raw = row[_AT["name"]].to_bytes(8, "little") + row[_AT["name+"]].to_bytes(8, "little")
+            return f"'{raw.rstrip(bytes(1)).decode(errors='replace')}' {value:015x}"[:-7]
+        if field in ("parameters", "parameters+"):
+            pair = f"{row[_AT['parameters']]},{row[_AT['parameters+']]}"
+            return f"hash {zlib.crc32(pair.encode()):08x}"
+        if field == "backend":
+            known = {_hash63(name): name for name in ("auto", *self.cp.variant.registry.backends)}
+            return known.get(value, f"{value:016x}")
+        if field == "device":
+            return {code: name for name, code in _DEVICES.items()}.get(value, "other")
+        if field == "dtype":
+            return {code: str(t).removeprefix("torch.") for t, code in _DTYPES.items()}.get(value, "other")
+        if field == "method":
+            return {code: name for name, code in _METHOD_CODES.items()}.get(value, "?")
+        if field == "balanced":
+            return str(bool(value))
+        if field == "piece_size":
+            return str(value or None)
+        if field == "positions":
+            return "given" if value else "default"
+        if field == "gradients":
+            if value >= 2**62:
+                return f"{value:016x}"
+            wanted = [name for i, name in enumerate(self.names) if value >> i & 1]
+            return "+".join(wanted) or "none"
+        return str(value)
 
 
 class ContextParallel:
@@ -82,6 +216,8 @@ class ContextParallel:
                                        or piece_size < 1):
             raise ValueError(f"piece_size must be a positive int or None, got {piece_size!r}")
         self.piece_size = piece_size
+        #: the spec's identity in the fingerprint every call all-gathers (60 bits of the sha256 of its canonical form)
+        self._spec_hash = int(self.variant.spec.hash[:15], 16)
         self.group, self.balanced, self.method = group, balanced, method
         self.block_size, self.gather_limit = block_size, gather_limit
         self.last_method: str | None = None
@@ -109,9 +245,8 @@ class ContextParallel:
                              "(torch.distributed.init_process_group, e.g. under torchrun)")
         group = self.group
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        dims, layout, pos, firsts = self._agree(q, k, v, positions, world, rank, group)
+        dims, layout, pos, firsts, grouped = self._agree(q, k, v, params, positions, inputs, world, rank, group)
         b, h, n, d = q.shape
-        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, b, h, n, q)
         plan = self.plan
         qs = plan.row_scale(Slot.QUERY, q, pos.unsqueeze(1), grouped)
         ks = plan.row_scale(Slot.KEY, k, pos.unsqueeze(1), grouped)
@@ -150,44 +285,45 @@ class ContextParallel:
         out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(), *pair_params)
         return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
 
-    def _agree(self, q, k, v, positions, world, rank, group):
-        """Every rank's inputs, sizes and positions checked together (one all-gather of a few integers, one of the
-        chunk boundaries' positions), so that every rank raises the same error rather than one rank hanging."""
-        problem, pos, dims = "", None, None
+    def _agree(self, q, k, v, params, positions, inputs, world, rank, group):
+        """Every rank's call checked together before any other collective, so that every rank raises the same
+        one-line error rather than one rank hanging, aborting or computing with other values: one all-gather of
+        each rank's :class:`_Fingerprint` (this rank's malformed inputs, then any disagreement on the spec,
+        parameters, options, grad mode, dtype or sizes, then the shard lengths against the layout), then one of
+        the chunk boundaries' positions when positions are given. Returns (dims, layout, positions, the first
+        position of each batch row, the parameters and per-token inputs grouped per transform)."""
+        problem, pos, dims, grouped, split = "", None, None, None, None
         try:
             dims = check_qkv(q, k, v)
             self.plan.check_dims(dims)
             b, h, n, d = q.shape
             pos = check_positions(positions, b, n, q.device).contiguous() if positions is not None else None
-        except ValueError as exc:
+            split = self.plan.split_params(params, dims, q)
+            grouped = self.plan.add_inputs(split, inputs, b, h, n, q)
+        except (ValueError, TypeError) as exc:
             problem = str(exc)
-        device = q.device if isinstance(q, torch.Tensor) else "cpu"
-        if problem:
-            b = h = n = d = hkv = 0
-        else:
-            hkv = k.shape[1]
-        codes = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
-        meta = torch.tensor([n, b, h, hkv, d, codes.get(getattr(q, "dtype", None), 0), int(bool(problem))],
-                            dtype=torch.int64, device=device)
-        everyone = _all_gather(meta, group, world, "meta")
+        mine = _Fingerprint(self, q, k, v, split, inputs, positions, problem)
+        everyone = _all_gather(mine.mine, group, world, "meta")
         if problem:
             raise ValueError(f"rank {rank}: {problem}")
-        bad = [r for r in range(world) if int(everyone[r, 6])]
+        bad = [r for r in range(world) if int(everyone[r, _AT["invalid"]])]
         if bad:
             raise ValueError(f"rank {bad[0]}'s inputs are invalid (its error says why)")
-        for r in range(world):
-            if not torch.equal(everyone[r, 1:6], meta[1:6]):
-                raise ValueError(f"ranks disagree on (B, H, H_kv, D, dtype): rank {rank} has "
-                                 f"{tuple(meta[1:6].tolist())}, rank {r} {tuple(everyone[r, 1:6].tolist())}")
-        sizes = [int(x) for x in everyone[:, 0]]
+        differ = mine.disagreement(everyone)
+        if differ:
+            raise RankDisagreementError(differ)
+        sizes = [int(x) for x in everyone[:, _AT["tokens"]]]
         layout = Layout(sum(sizes), world, self.balanced)  # every rank raises the same error for too few tokens
-        for r, size in enumerate(sizes):
-            if size != layout.local_size(r):
-                raise ValueError(f"rank {r} holds {size} tokens but the {'balanced' if self.balanced else 'contiguous'}"
-                                 f" layout of {layout.seq_len} tokens over {world} ranks gives it "
-                                 f"{layout.local_size(r)} (shard with attnzoo.distributed.shard)")
+        wrong = [r for r, size in enumerate(sizes) if size != layout.local_size(r)]
+        if wrong:
+            r = wrong[0]
+            held = ", ".join(f"rank {i}: {size}" for i, size in enumerate(sizes[:4])) + (", ..." if world > 4 else "")
+            raise RankDisagreementError(
+                f"context parallel: ranks disagree on the sequence length: rank {r} holds {sizes[r]} tokens but the "
+                f"{'balanced' if self.balanced else 'contiguous'} layout of {layout.seq_len} tokens over {world} "
+                f"ranks gives it {layout.local_size(r)} (tokens held: {held}; shard with attnzoo.distributed.shard)")
         if pos is None:
-            return dims, layout, layout.positions(rank, b, device=q.device), torch.ones(b, dtype=torch.int64)
+            return dims, layout, layout.positions(rank, b, device=q.device), torch.ones(b, dtype=torch.int64), grouped
         # positions must increase along the whole sequence: compare the chunks' first and last positions
         ends = torch.stack([torch.stack([pos[:, start], pos[:, stop - 1]], dim=-1)
                             for _, start, stop, _ in layout.local_chunks(rank)])  # (chunks, B, 2)
@@ -200,7 +336,7 @@ class ContextParallel:
                 raise ValueError(f"positions must increase strictly along the whole sequence: in row {row}, chunk "
                                  f"{c} (rank {layout.owner(c)}) starts at {int(by_chunk[c][row, 0])} but chunk "
                                  f"{c - 1} (rank {layout.owner(c - 1)}) ends at {int(by_chunk[c - 1][row, 1])}")
-        return dims, layout, pos, by_chunk[0][:, 0].cpu()
+        return dims, layout, pos, by_chunk[0][:, 0].cpu(), grouped
 
 
 def sum_gradients(parameters, group=None) -> None:
