@@ -17,7 +17,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "nn": (".nn", None),
     "Backend": (".backends.base", "Backend"),
     "Mode": (".backends.base", "Mode"),
-    "KVCache": (".cache", "KVCache"),
+    "KVCache": (".decode.storage", "KVCache"),
     "Variant": (".dispatch", "Variant"),
     "attention": (".dispatch", "attention"),
     "compile": (".dispatch", "compile"),
@@ -75,7 +75,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static tools see; at run time the names above are imported on first use
     from . import nn
     from .backends.base import Backend, Mode
-    from .cache import KVCache
+    from .decode.storage import KVCache
     from .dispatch import Variant, attention, compile, explain
     from .errors import AttnzooError, PluginError, SpecError, UnsupportedError
     from .evictors.base import Evictor, EvictorOptions

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
 
 from .backends.base import Mode, batch_mode
-from .cache import ACCUMULATED_STATE, KVCache, accumulator_dtype
+from .decode.step import extend
+from .decode.storage import ACCUMULATED_STATE, KVCache, accumulator_dtype
 from .errors import UnsupportedError
 from .inputs import check_key_mask, check_positions, check_qkv
 from .packing import as_documents, document_positions, run_packed
@@ -96,14 +96,14 @@ class Variant:
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def __call__(self, q, k, v, params=None, positions=None, key_mask=None, return_accumulated: bool = False,
-                 return_selection: bool | None = None, inputs=None, documents=None):
+                 inputs=None, documents=None):
         """Attention over the whole sequence.
 
         q (B, H, N, D); k, v (B, H_kv, N, D) with H % H_kv == 0; params as from :meth:`init_params` (None: the
         initial values); positions (N,) or (B, N) 1-based (default 1..N); key_mask (B, N) bool, True where a key
         may be attended (padding: the positions given for padding tokens are ignored, see
         ``check_positions``). Returns (B, H, N, D); with ``return_accumulated`` also the accumulated F
-        (B, N, N), or None for a spec without an accumulator (``return_selection``: the old name, deprecated).
+        (B, N, N), or None for a spec without an accumulator.
         ``inputs``: the per-token inputs the transforms declare (``Transform.token_inputs``), ``{"<kind>.<name>":
         (B, H, N)}``, e.g. the forgetting gate's logits from the layer input (``source: input``).
         ``documents``: packed input, several documents per row (``cu_seqlens``, (B, N) document ids, a list of
@@ -113,10 +113,7 @@ class Variant:
         """
         self._case_first(q, batch_mode(_grad_given(q, k, v, params, inputs)))
         if documents is not None:
-            return self._packed(q, k, v, params, positions, key_mask, renamed_flag(return_accumulated,
-                                                                                   return_selection),
-                                inputs, documents)
-        return_accumulated = renamed_flag(return_accumulated, return_selection)
+            return self._packed(q, k, v, params, positions, key_mask, return_accumulated, inputs, documents)
         pos, mask, grouped = self._batch_inputs(q, k, v, params, positions, key_mask, inputs)
         backend = self.backend_for(q.device, q.dtype, batch_mode(_needs_grad(q, k, v, grouped)))
         return backend.forward(self.plan, q, k, v, grouped, pos, mask, return_accumulated=return_accumulated)
@@ -193,11 +190,18 @@ class Variant:
         names = list(evictor.state_names) if evictor is not None else []
         if self.plan.one(Slot.ACCUMULATOR) is not None:
             names.insert(0, ACCUMULATED_STATE)
-        cache = KVCache(batch, budget, evictor, tuple(names))
-        cache.spec_hash, cache.spec_name = self.spec.hash, self.spec.name  # refused by another spec's steps
-        if self.plan.earliest_key(1) is not None:  # a mask bounds how far back any query sees (a sliding window)
-            cache.horizon = self.plan.earliest_key
-        return cache
+        # a mask that bounds how far back any query sees (a sliding window) lets the cache drop what none will see;
+        # the spec is remembered so that another spec's steps are refused
+        horizon = self.plan.earliest_key if self.plan.earliest_key(1) is not None else None
+        return KVCache(batch, budget, evictor, tuple(names), horizon=horizon, spec=(self.spec.hash, self.spec.name))
+
+    def initial_params_for(self, dims: Dims, like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The initial parameter values for ``dims`` in ``like``'s dtype and device, made once per case (a decode
+        step without ``params`` uses them)."""
+        key = (dims, like.dtype, like.device)
+        if key not in self._initial:
+            self._initial[key] = self.plan.init_params(dims, dtype=like.dtype, device=like.device)
+        return self._initial[key]
 
     def decode(self, q_t, k_t, v_t, cache: KVCache, params=None, key_mask=None, inputs=None):
         """One new token: q_t (B, H, 1, D), k_t and v_t (B, H_kv, 1, D). Appends to ``cache``, evicts when over
@@ -205,7 +209,7 @@ class Variant:
         padding (False) as in :meth:`prefill`; ``inputs``: the new token's per-token inputs (B, H, 1) by name."""
         if q_t.dim() == 4 and q_t.shape[2] != 1:
             raise ValueError(f"decode takes one token (N = 1), got q of shape {tuple(q_t.shape)}; use prefill")
-        return self._extend(q_t, k_t, v_t, cache, params, key_mask, evict_first=True, inputs=inputs)
+        return extend(self, q_t, k_t, v_t, cache, params, key_mask, True, inputs)  # attnzoo/decode/step.py
 
     def prefill(self, q, k, v, cache: KVCache, params=None, key_mask=None, inputs=None, documents=None):
         """Several new tokens at once (B, H, T, D): they attend over the cache and each other, then the cache
@@ -221,7 +225,7 @@ class Variant:
         one batch row per document."""
         if documents is not None:
             return self._packed_prefill(q, k, v, cache, params, key_mask, inputs, documents)
-        return self._extend(q, k, v, cache, params, key_mask, evict_first=False, inputs=inputs)
+        return extend(self, q, k, v, cache, params, key_mask, False, inputs)
 
     def _packed_prefill(self, q, k, v, cache, params, key_mask, inputs, documents):
         self._case_first(q, Mode.DECODE)
@@ -248,80 +252,11 @@ class Variant:
         if inputs:
             token_inputs = {key: _left_pad(t.unsqueeze(-1), docs.segments, width).squeeze(-1)
                             for key, t in inputs.items()}
-        out_padded = self._extend(qp, kp, vp, cache, params, mask, evict_first=False, inputs=token_inputs)
+        out_padded = extend(self, qp, kp, vp, cache, params, mask, False, token_inputs)
         out = q.new_zeros(b, h, n, d)
         for i, (row, start, stop) in enumerate(docs.segments):
             out[row, :, start:stop] = out_padded[i, :, width - (stop - start):]
         return out
-
-    def _extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
-        lean = cache._lean
-        plain_call = key_mask is None and inputs is None and not _grad_wanted(q, k, v)
-        if (lean is not None and plain_call and lean[0] is self and lean[1] == _signature(q, k, v)
-                and lean[2](cache) and _fingerprint(params) == cache.params_key):
-            return lean[3](q, k, v, cache)  # what the full path checked for this signature still holds
-        out, grouped = self._full_extend(q, k, v, cache, params, key_mask, evict_first, inputs)
-        cache._lean = None
-        if plain_call and q.shape[2] == 1:
-            offer = getattr(self.backend_for(q.device, q.dtype, Mode.DECODE), "lean_step", None)
-            found = offer(self.plan, cache, grouped) if offer is not None else None
-            if found is not None:  # (ready(cache) -> bool, step(q, k, v, cache) -> out)
-                cache._lean = (self, _signature(q, k, v), *found)
-        return out
-
-    def _full_extend(self, q, k, v, cache, params, key_mask, evict_first, inputs=None):
-        if not isinstance(cache, KVCache):
-            raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
-        made_by = getattr(cache, "spec_hash", None)
-        if made_by is not None and made_by != self.spec.hash:
-            raise ValueError(f"this cache was made by spec '{cache.spec_name}' ({made_by[:12]}), not by "
-                             f"'{self.spec.name}' ({self.spec.hash[:12]}): its evictor, scores and stored rows are "
-                             f"that spec's; make one with this variant's new_cache()")
-        self._case_first(q, Mode.DECODE)
-        dims = check_qkv(q, k, v)
-        held = getattr(cache, "geometry", None)
-        if held is not None and held != (dims.num_heads, dims.num_kv_heads, dims.head_dim):
-            raise ValueError(f"this cache holds steps of {held[0]} query heads, {held[1]} key/value heads and head "
-                             f"size {held[2]}, got {dims.num_heads}, {dims.num_kv_heads} and {dims.head_dim}")
-        cache.geometry = (dims.num_heads, dims.num_kv_heads, dims.head_dim)
-        if q.shape[0] != cache.batch:
-            raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
-        mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)
-        fingerprint = _fingerprint(params)
-        if cache.params_key is None:
-            cache.params_key = fingerprint
-        elif cache.params_key != fingerprint:
-            raise ValueError("the transform parameters differ from those that transformed the keys and values "
-                             "already in this cache (it stores them transformed): start a new cache after changing "
-                             "parameters")
-        self.plan.check_dims(dims)
-        if params is None:  # the initial values, made once per shape rather than at every decoding step
-            key = (dims, q.dtype, q.device)
-            if key not in self._initial:
-                self._initial[key] = self.plan.init_params(dims, dtype=q.dtype, device=q.device)
-            params = self._initial[key]
-        grouped = self.plan.add_inputs(self.plan.split_params(params, dims, q), inputs, q.shape[0], q.shape[1],
-                                       q.shape[2], q)
-        backend = self.backend_for(q.device, q.dtype, Mode.DECODE)
-        out = backend.extend(self.plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
-        cache.drop_expired()
-        return out, grouped
-
-
-def _signature(q, k, v) -> tuple:
-    """What a lean decoding step was validated for: the shapes, dtypes and devices of q, k and v."""
-    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
-
-
-def _grad_wanted(q, k, v) -> bool:
-    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-
-
-def _fingerprint(params) -> tuple:
-    """Which parameter tensors, at which in-place version, a cache's rows were transformed with."""
-    if params is None:
-        return ("initial",)
-    return tuple(sorted((key, id(t), t._version) for key, t in params.items() if isinstance(t, torch.Tensor)))
 
 
 def _grad_given(q, k, v, params, inputs) -> bool:
@@ -386,20 +321,10 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
     chosen = next((name for name, why in result.items() if not why), None)
     lines.append(f"  auto -> {chosen}" if chosen else "  auto -> none can run this case")
     if mode == Mode.DECODE and dev.type == "cpu" and not result.get("blocked", ["absent"]):
-        from .backends import fused_decode  # compiles the fused steps (once per process) to say whether they run
+        from .decode import fused  # compiles the fused steps (once per process) to say whether they run
 
-        lines.append(f"  blocked's decode steps at a budget: {fused_decode.status()}")
+        lines.append(f"  blocked's decode steps at a budget: {fused.status()}")
     return "\n".join(lines)
-
-
-def renamed_flag(value: bool, old: bool | None) -> bool:
-    """``return_selection`` became ``return_accumulated`` (F is the accumulated selection; "selection" is S):
-    the old keyword still works, with a DeprecationWarning."""
-    if old is None:
-        return value
-    warnings.warn("return_selection is deprecated: use return_accumulated (F, the accumulated selection)",
-                  DeprecationWarning, stacklevel=3)
-    return bool(old) or value
 
 
 def _left_pad(t: torch.Tensor, segments, width: int) -> torch.Tensor:

@@ -8,14 +8,12 @@ by ``__`` (``query_temperature__token_weight``), because torch module names cann
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from .dispatch import compile as compile_spec
-from .dispatch import renamed_flag
 from .transforms.selective import memory_loss
 
 
@@ -97,12 +95,11 @@ class Attention(torch.nn.Module):
         return {key.replace("__", "."): proj(x).transpose(1, 2) for key, proj in self.token_projections.items()}
 
     def forward(self, q, k, v, positions=None, key_mask=None, return_accumulated: bool = False,
-                return_selection: bool | None = None, x: torch.Tensor | None = None, documents=None):
+                x: torch.Tensor | None = None, documents=None):
         """The batch form (training, or a whole sequence): q (B, H, N, D), k and v (B, H_kv, N, D). With
         ``return_accumulated`` also returns F (B, N, N) (None without an accumulator); inside
-        :func:`recording_accumulated` F is recorded for the memory loss either way (``return_selection``: the
-        old name, deprecated). ``documents``: packed input (docs/packing.md)."""
-        return_accumulated = renamed_flag(return_accumulated, return_selection)
+        :func:`recording_accumulated` F is recorded for the memory loss either way. ``documents``: packed input
+        (docs/packing.md)."""
         want = return_accumulated or (self._recording is not None and self.has_accumulator)
         result = self.variant(q, k, v, params=self.params(), positions=positions, key_mask=key_mask,
                               return_accumulated=want, inputs=self.token_inputs(x, q.shape[2]), documents=documents)
@@ -204,9 +201,3 @@ def recording_accumulated(model: torch.nn.Module) -> Iterator[AccumulatedRecord]
     finally:
         for layer in layers:
             layer._recording = None
-
-
-def recording_selection(model: torch.nn.Module):
-    """Deprecated name of :func:`recording_accumulated`."""
-    warnings.warn("recording_selection is deprecated: use recording_accumulated", DeprecationWarning, stacklevel=2)
-    return recording_accumulated(model)

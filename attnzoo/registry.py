@@ -118,17 +118,8 @@ class Registry:
 
 def _backend_problem(backend: Any) -> str | None:
     """A break of the backend contract visible without running it (docs/plugins.md), or None."""
-    import inspect
-
     from .backends.base import Mode
 
-    try:
-        params = list(inspect.signature(backend.supports).parameters)
-    except (TypeError, ValueError):
-        return None
-    if "requires_grad" in params:
-        return ("supports() takes (plan, device, dtype, mode) with mode 'forward', 'backward' or 'decode' "
-                "(older attnzoo passed requires_grad)")
     modes = getattr(backend, "modes", None)
     if not isinstance(modes, (set, frozenset)) or not modes or not all(isinstance(m, Mode) for m in modes):
         return f"modes must be a non-empty frozenset of attnzoo.backends.base.Mode, got {modes!r}"

@@ -299,7 +299,7 @@ def main(argv=None) -> None:
     if args.hf_one:
         print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps)))
         return
-    from attnzoo.backends import fused_decode
+    from attnzoo.decode import fused as fused_decode
 
     steps = fused_decode.status()  # compiles the fused steps now, outside every timed loop
     result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "lean_steps": steps,

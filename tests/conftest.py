@@ -25,7 +25,7 @@ def rand(*shape, dtype=torch.float64, requires_grad=False):
 def lean_kind(request, monkeypatch):
     """The evicting lean steps in both forms: fused in C (compiled once per process) and the torch operations
     that define them. A machine with a C compiler must compile the fused steps."""
-    from attnzoo.backends import fused_decode
+    from attnzoo.decode import fused as fused_decode
 
     if request.param == "torch":
         monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))

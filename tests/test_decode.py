@@ -5,8 +5,9 @@ import torch
 from broken import EvictsBosOnTie, EvictsNewest, registry_replacing, registry_with_broken_backends
 
 import attnzoo
-from attnzoo.backends import fused_decode
 from attnzoo.cache import KVCache
+from attnzoo.decode import fast as fast_steps
+from attnzoo.decode import fused as fused_decode
 from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
 
 SHIPPED = sorted(attnzoo.get_registry().specs)
@@ -320,7 +321,7 @@ def test_the_lean_step_decodes_what_the_full_path_does_and_keeps_every_refusal(l
         got = lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[0])
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert caches[0]._lean is not None and caches[1]._lean is None  # the reference never takes it
+    assert caches[0].step_state.fast is not None and caches[1].step_state.fast is None  # the reference never takes it
     assert caches[0].lean_step_kind == lean_kind
     assert caches[0].num_tokens == 10 and int(caches[0].positions[0, 0, -1]) == 10
     with pytest.raises(ValueError, match="dtype"):
@@ -353,7 +354,7 @@ def test_the_lean_step_under_a_sliding_window():
     for t in range(7, n):
         outs.append(lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], cache))
         assert cache.num_tokens == window - 1
-    assert cache._lean is not None
+    assert cache.step_state.fast is not None
     torch.testing.assert_close(torch.cat(outs, dim=2), want, rtol=1e-12, atol=1e-12)
 
 
@@ -375,7 +376,7 @@ def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, bu
         variant.prefill(q[:, :, :3], k[:, :, :3], v[:, :, :3], cache)
     took = 0
     for t in range(3, n):
-        took += caches[0]._lean is not None
+        took += caches[0].step_state.fast is not None
         got = lean.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[0])
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
@@ -387,10 +388,10 @@ def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, bu
                                        rtol=1e-10, atol=1e-10)
     assert took > n // 2  # the lean step was offered ...
     assert caches[0].lean_step_kind == lean_kind
-    ready = caches[0]._lean[2]  # ... and it is the evictor's, ready to run again
-    assert ready is {"selective-pruned": attnzoo.KVCache.lean_ready_selective,
-                     "streaming": attnzoo.KVCache.lean_ready_replacing}.get(
-                         spec, attnzoo.KVCache.lean_ready_scoring) and ready(caches[0])
+    fast = caches[0].step_state.fast  # ... and it is the evictor's, ready to run again
+    assert fast.name == caches[0].evictor.kind and fast.ready is {
+        "selective-pruned": fast_steps.ready_selective, "streaming": fast_steps.ready_replacing}.get(
+            spec, fast_steps.ready_scoring) and fast.ready(caches[0])
     assert caches[0].evicted == caches[1].evicted and caches[0].num_tokens == budget
 
 
@@ -492,7 +493,7 @@ def _decode_unread(lean, ref, caches, q, k, v, dtype, tol):
     out of position order."""
     n, took = q.shape[2], 0
     for t in range(3, n):
-        took += caches[0]._lean is not None
+        took += caches[0].step_state.fast is not None
         got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")

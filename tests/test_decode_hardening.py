@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo.backends import fused_decode
+from attnzoo.decode import fused as fused_decode
 
 B, H, HKV, D, PREFILL = 2, 4, 2, 8, 3
 NAN, INF = float("nan"), float("inf")
@@ -372,7 +372,7 @@ def test_the_step_checks_sit_where_the_step_is_set_up():
     x = torch.randn(1, 2, 20, 8, dtype=torch.float64)
     variant.prefill(x[:, :, :6], x[:, :, :6], x[:, :, :6], cache)  # at the budget
     variant.decode(x[:, :, 6:7], x[:, :, 6:7], x[:, :, 6:7], cache)  # the full path, which offers the lean step
-    step = cache._lean[3]
+    step = cache.step_state.fast
     layouts = []
     real = step._lay_out
 

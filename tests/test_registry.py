@@ -183,19 +183,6 @@ def test_flex_is_not_offered_for_decoding():
     assert "flex       no: backend 'flex' does not implement decoding" in attnzoo.explain("ssa", mode="decode")
 
 
-def test_backend_with_the_old_supports_signature_is_refused_by_name():
-    class Old(attnzoo.Backend):
-        name = "old"
-
-        def supports(self, plan, device, dtype, requires_grad):
-            return []
-
-    match = r"plugin 'old'.*backend 'old': supports\(\) takes \(plan, device, dtype, mode\)"
-    with pytest.warns(PluginWarning, match=match):
-        reg = isolated(("old", plugin("old", register_backends=lambda register: register(Old()))))
-    assert "old" not in reg.backends
-
-
 def test_hook_register_specs(tmp_path):
     path = tmp_path / "mine.yaml"
     path.write_text("name: mine\ntransforms: [{kind: softcap, cap: 3.0}]\n")

@@ -190,23 +190,13 @@ def test_a_plugin_accumulator_with_a_pointwise_selection_takes_the_fused_kernel(
         torch.testing.assert_close(got, want, rtol=0, atol=1e-11)
 
 
-def test_old_names_of_f_still_work_with_a_deprecation_warning():
-    """F is the accumulated selection: return_accumulated, KVCache.accumulated(), nn.recording_accumulated; the
-    names that called it "selection" still answer, with a DeprecationWarning."""
+def test_the_old_names_of_f_are_gone():
+    """F is the accumulated selection: return_accumulated, KVCache.accumulated(), nn.recording_accumulated. The
+    names of the unreleased 0.1 that called it "selection" are gone (issue 41)."""
     import attnzoo.nn
 
     variant = attnzoo.compile("selective")
     q, k, v = torch.randn(3, 1, 2, 9, 4, dtype=torch.float64)
-    _, want = variant(q, k, v, return_accumulated=True)
-    with pytest.warns(DeprecationWarning, match="return_accumulated"):
-        _, got = variant(q, k, v, return_selection=True)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    cache = variant.new_cache(batch=1)
-    variant.prefill(q, k, v, cache)
-    with pytest.warns(DeprecationWarning, match="accumulated"):
-        torch.testing.assert_close(cache.selection(), cache.accumulated(), rtol=0, atol=0)
-    layer = attnzoo.nn.Attention("selective", num_heads=2, head_dim=4).double()
-    with pytest.warns(DeprecationWarning, match="recording_accumulated"):
-        with attnzoo.nn.recording_selection(layer) as record:
-            layer(q, k, v)
-    assert len(record.tensors) == 1
+    with pytest.raises(TypeError, match="return_selection"):
+        variant(q, k, v, return_selection=True)
+    assert not hasattr(attnzoo.KVCache, "selection") and not hasattr(attnzoo.nn, "recording_selection")

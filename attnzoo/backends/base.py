@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 if TYPE_CHECKING:
-    from ..cache import KVCache
+    from ..decode.state import FastStep
+    from ..decode.storage import KVCache
     from ..plan import Plan
 
 #: parameters as a backend receives them: grouped per transform kind, ``{kind: {short_name: tensor}}``
@@ -91,3 +92,12 @@ class Backend:
         ``cache.key_mask()`` and ``cache.key_features()``, then :meth:`attnzoo.KVCache.settle`.
         Only called for backends whose ``modes`` include :attr:`Mode.DECODE`."""
         raise NotImplementedError(f"backend '{self.name}' does not implement decoding")
+
+    def decode_step(self, plan: Plan, cache: KVCache, params: Grouped) -> FastStep | None:
+        """A fast step for the later single-token decodes of ``cache``, or None (the default: every step takes
+        :meth:`extend`). Asked after a step of one token that went through every check and :meth:`extend`, with
+        its grouped ``params``; the step returned (an :class:`attnzoo.decode.state.FastStep`) is taken while the
+        call's shapes, dtypes, devices and parameter tensors stay those checked, no key mask or gradient is given,
+        and its own ``ready(cache)`` holds (docs/decoding.md, "A step validated once"). It must compute what
+        :meth:`extend` computes, evictions included (the blocked backend's: :mod:`attnzoo.decode.fast`)."""
+        return None

@@ -19,17 +19,14 @@ This module never imports the reference backend (it computes the same function i
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..cache import ACCUMULATED_STATE, accumulator_dtype
-from ..evictors.builtin import H2O, TOVA, Selective, SinkWindow
+from ..decode import fast
+from ..decode.fast import plain_one
+from ..decode.storage import accumulator_dtype
 from ..transforms.base import Context, Dims, Slot
-from ..transforms.selective import SelectiveMask
-from . import fused_decode
 from .base import Backend, Mode, eager_dtype_reasons
 from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
@@ -37,10 +34,6 @@ from .selective_kernel import SelectiveCausal
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
 _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
-#: masks under which a query at position i sees exactly the keys at positions earliest_key(i) .. i (and so does
-#: any intersection of them): once ``KVCache.drop_expired`` has run, a decoding step attends to every held token
-#: unmasked (the plain lean step)
-_SPAN_MASKS = frozenset({"sliding_window", "chunked"})
 #: the dtypes the fused CPU selective kernel (selective_kernel.py) runs in: its forward fails on float16 and bfloat16
 #: (``torch.neg`` into its float32 -F buffer), so those take the blocks below
 _FUSED_DTYPES = (torch.float32, torch.float64)
@@ -260,7 +253,7 @@ class BlockedBackend(Backend):
         normaliser = plan.one(Slot.NORMALISER)
         scale = plan.logit_scale(d)
         if acc is None and not logits_transforms and normaliser is None:
-            return _plain_one(qs, ks, vs, scale), None
+            return plain_one(qs, ks, vs, scale), None
         group = h // hkv
         logits = (qs.reshape(b, hkv, group, d) @ ks.transpose(-1, -2)).reshape(b, h, 1, m) * scale
         dims = Dims(h, d, hkv)
@@ -300,156 +293,11 @@ class BlockedBackend(Backend):
         out = (probs.reshape(b, hkv, group, m) @ vs).reshape(b, h, 1, d)
         return out, carry
 
-    def lean_step(self, plan, cache, params):
-        """A decoding step for ``plan`` and ``cache`` once the full path has validated its signature
-        (``Variant.decode``): ``(ready(cache) -> bool, step(q, k, v, cache) -> out)``, or None.
-
-        - No transforms, or only sliding windows and chunks (:data:`_SPAN_MASKS`), into a cache with nothing but
-          keys and values: append the row, then :meth:`decode_one`'s plain maths.
-        - Selective attention (``selective_mask`` and nothing else) with the ``selective`` evictor at its budget:
-          the new token takes the victim's slot (the largest F, never BOS, ties to the oldest position, as the
-          evictor's rule says), then :meth:`decode_one` and F updated in place: no compaction per step.
-        - Sink + window, H2O and TOVA (no transforms) at their budget: the same with the evictor's own rule.
-
-        The evicting steps run fused in C on the CPU in float32/float64 (:mod:`.fused_decode`: one call a step),
-        the torch steps here being their fallback and their definition."""
-        if not plan.causal:
-            return None
-        kinds = [t.kind for t in plan.transforms]
-        scale = plan.logit_scale(cache._k.shape[-1])
-        if (cache.evictor is None and all(kind in _SPAN_MASKS for kind in kinds)
-                and (not kinds or cache.horizon is not None)):
-            step = functools.partial(self._lean_plain, scale, bool(kinds))
-            if not kinds:  # no window: the append fused, the attention torch's
-                step = fused_decode.offer_append(step, _attend_held, cache, scale)
-            return type(cache).lean_ready, fused_decode.checked(step)
-        if kinds == ["selective_mask"] and type(cache.evictor) is Selective and cache.budget is not None:
-            acc = plan.one(Slot.ACCUMULATOR)
-            if type(acc) is SelectiveMask and cache._k.dtype in (torch.float32, torch.float64):
-                h = acc.options.selector_head
-                group = (cache.geometry[0] // cache.geometry[1]) if cache.geometry else None
-                if group is not None:  # position 1 is ruled on per row and slot, in the step (rows may differ)
-                    options = (h // group, h % group, acc.options.protect_bos, not acc.options.self_mask)
-                    step = functools.partial(self._lean_selective_fused, scale, *options)
-                    flags = int(options[2]) | (int(options[3]) << 1)
-                    return type(cache).lean_ready_selective, fused_decode.offer(
-                        "selective", step, cache, scale, (1, options[0], options[1], flags), ACCUMULATED_STATE)
-            return type(cache).lean_ready_selective, fused_decode.checked(
-                functools.partial(self._lean_selective, plan, params))
-        if not kinds and type(cache.evictor) is SinkWindow and cache.budget is not None:
-            step = functools.partial(self._lean_replacing, scale)
-            return type(cache).lean_ready_replacing, fused_decode.offer(
-                "sink_window", step, cache, scale, (cache.evictor.options.sink, 0, 0, 0))
-        if (not kinds and type(cache.evictor) in (H2O, TOVA) and cache.budget is not None
-                and cache._k.dtype in (torch.float32, torch.float64)):
-            step = functools.partial(self._lean_scoring, scale)
-            evictor = cache.evictor
-            options = (0, evictor.recent(cache.budget), 0, 0) if type(evictor) is H2O else (1, 0, 0, 0)
-            return type(cache).lean_ready_scoring, fused_decode.offer(
-                "scoring", step, cache, scale, options, evictor.state_names[0], spare=1)
-        return None
-
-    @staticmethod
-    def _lean_scoring(scale: float, q, k, v, cache):
-        """H2O or TOVA at its budget (they evict after attention, by the step's probabilities): the new token goes
-        into the spare slot, the query attends over budget + 1 tokens, the scores are updated as the evictor's
-        update() does (H2O: each key/value head adds its query heads' attention; TOVA: the mean attention over the
-        heads replaces the last), the victim is chosen by the evictor's rule (the smallest score; H2O protects its
-        recent window and chooses per head; ties to the oldest position) and the spare slot's token moves into
-        the victim's slot, which is the new token itself when it is the victim."""
-        evictor = cache.evictor
-        cache.fill_spare(k, v)
-        ks, vs, pos, state = cache.lean_slots(spare=1)
-        b, h, _, d = q.shape
-        hkv, m = ks.shape[1], ks.shape[2]
-        logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
-        probs = torch.softmax(logits, dim=-1)
-        out = (probs @ vs).reshape(b, h, 1, d)
-        if type(evictor) is H2O:
-            score = state["attention"]
-            score.add_(probs.sum(dim=2))
-            recent = evictor.recent(cache.budget)
-            newest = cache._next if isinstance(cache._next, int) else cache._next.view(-1, 1, 1)
-            protected = pos > newest - recent  # the newest position is the new token's, _next still
-            masked = score.masked_fill(protected, float("inf"))
-        else:
-            score = state["last_attention"]
-            score.copy_(probs.mean(dim=(1, 2)).unsqueeze(1).expand(b, hkv, m))
-            masked = score
-        tied = (masked == masked.amin(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmin (Evictor.victim)
-        victim = torch.where(tied, pos, _LAST).argmin(-1)  # (B, H_kv); per head for H2O, the same in every head else
-        cache.settle_spare(victim)
-        return out
-
-    @staticmethod
-    def _lean_replacing(scale: float, q, k, v, cache):
-        """Sink + window at its budget: the smallest position after the sinks leaves, the new token takes its slot
-        (the evictor's rule; positions are distinct, so there are no ties)."""
-        ks, vs, pos, _ = cache.lean_slots()  # views of the buffers: replace_slot writes into them
-        first = pos[:, 0]
-        victim = torch.where(first > cache.evictor.options.sink, first, _LAST).argmin(-1)
-        cache.replace_slot(victim, k, v)
-        return _plain_one(q, ks, vs, scale)
-
-    @staticmethod
-    def _lean_selective_fused(scale, kv_head, in_group, bos_zero, self_zero, q, k, v, cache):
-        """:meth:`_lean_selective` for ``selective_mask`` in float32/float64, its maths written out: the victim
-        by the evictor's rule (the largest F of a slot not at position 1, a NaN first, ties to the oldest
-        position; per row, so rows at different offsets each keep or lose their own first token), the new token
-        into its slot, the logits once for attention and selection, S = ReLU of the selector head's logits but 0
-        at position 1 (``protect_bos``) and at the query's own key (no ``self_mask``), F += S after it was
-        subtracted."""
-        ks, vs, pos, state = cache.lean_slots()
-        held = state[ACCUMULATED_STATE]
-        f, first = held[:, 0], pos[:, 0]
-        bos = first == 1
-        masked = f.masked_fill(bos, float("-inf"))
-        tied = (masked == masked.amax(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmax (Evictor.victim)
-        victim = torch.where(tied, first, _LAST).argmin(-1)
-        cache.replace_slot(victim, k, v)
-        b, h, _, d = q.shape
-        hkv = ks.shape[1]
-        logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
-        s = torch.relu(logits[:, kv_head, in_group])
-        if bos_zero:
-            s.masked_fill_(bos, 0.0)
-        if self_zero:
-            s.scatter_(1, victim.unsqueeze(1), 0.0)
-        out = (torch.softmax(logits - f[:, None, None, :], dim=-1) @ vs).reshape(b, h, 1, d)
-        held.add_(s.unsqueeze(1))
-        return out
-
-    def _lean_selective(self, plan, params, q, k, v, cache):
-        """Selective attention at its budget: the largest F that is not BOS leaves (ties to the oldest position,
-        the evictor's rule), the new token takes its slot with F = 0, then :meth:`decode_one`, and F is updated
-        in place. The new token never outranks an older eligible one (its F is 0, every F is >= 0, ties go to
-        the oldest), so this is the token the full path evicts."""
-        _, _, pos, state = cache.lean_slots()
-        held = state[ACCUMULATED_STATE]
-        first, f = pos[:, 0], held[:, 0]
-        masked = f.masked_fill(first == 1, float("-inf"))
-        tied = (masked == masked.amax(-1, keepdim=True)) | masked.isnan()  # a NaN first, as argmax
-        victim = torch.where(tied, first, _LAST).argmin(-1)
-        cache.replace_slot(victim, k, v)  # into the views above
-        ks, vs, _, _ = cache.lean_slots()
-        qpos = (pos.new_full((q.shape[0], 1), cache._next - 1) if isinstance(cache._next, int)
-                else (cache._next - 1).view(-1, 1))
-        out, carry = self.decode_one(plan, q, ks, vs, qpos, pos[:, :1], params, held[:, 0])
-        held.copy_(carry.unsqueeze(1).expand_as(held))
-        return out
-
-    @staticmethod
-    def _lean_plain(scale: float, window: bool, q, k, v, cache):
-        """Plain causal attention over every held token; under a sliding window or a chunk the cache holds only
-        the tokens the new query sees (the last step dropped the rest, and every row holds the same positions),
-        and the tokens that no later query sees (the one that falls out of the window, or the whole chunk once it
-        is complete) are dropped after."""
-        if window:
-            out = BlockedBackend._lean_plain(scale, False, q, k, v, cache)
-            cache.drop_expired()
-            return out
-        cache.append_one(k, v)
-        return _attend_held(q, cache, scale)
+    def decode_step(self, plan, cache, params):
+        """The fast step for later steps of this cache (``Backend.decode_step``; :mod:`attnzoo.decode.fast`): the
+        plain step (no transforms, or only windows and chunks, no evictor), and selective attention, sink + window,
+        H2O and TOVA at their budget (in C on the CPU in float32/float64, :mod:`attnzoo.decode.fused`)."""
+        return fast.offer(plan, cache, params, self.decode_one)
 
     def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
         qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
@@ -478,40 +326,6 @@ class BlockedBackend(Backend):
                                                features=query_features, key_features=key_features)
             cache.settle(carry, probs)
         return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
-
-
-#: a position larger than any held: the lean victims' tie-break to the oldest position
-_LAST = torch.iinfo(torch.int64).max
-
-
-#: below this many keys one SDPA call beats the three operations of _plain_one's products (fewer dispatches)
-_SDPA_KEYS = 256
-
-
-def _plain_one(q, ks, vs, scale: float, bias=None):
-    """Plain softmax attention of one query (B, H, 1, D) over every key (B, H_kv, M, D). From a few hundred
-    keys on, a scaled batched product (the query heads of a key/value head as the rows), a softmax and a second
-    product: measured on CPU (benchmarks/decode.py) 1.2x faster than SDPA's flash kernel at 1k keys, 1.8x at 8k
-    and 2.2x at 32k, which is built for query blocks. Fewer keys, and half precision (which SDPA accumulates in
-    float32), take SDPA. ``bias``: (B, H_kv, M), -inf at padding and 0 elsewhere (``KVCache.padding_bias``)."""
-    b, h, _, d = q.shape
-    hkv, m = ks.shape[1], ks.shape[2]
-    if q.dtype not in (torch.float32, torch.float64) or m < _SDPA_KEYS:
-        mask = None if bias is None else bias[:, :1, None, :].to(q.dtype)  # the same in every head: padding
-        return F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, scale=scale, enable_gqa=h != hkv)
-    rows = q.reshape(b * hkv, h // hkv, d)
-    base = rows.new_empty(()) if bias is None else bias.reshape(b * hkv, 1, m)
-    logits = torch.baddbmm(base, rows, ks.reshape(b * hkv, m, d).transpose(1, 2), beta=0.0 if bias is None else 1.0,
-                           alpha=scale)
-    return torch.bmm(torch.softmax(logits, dim=-1), vs.reshape(b * hkv, m, d)).view(b, h, 1, d)
-
-
-def _attend_held(q, cache, scale: float):
-    """The plain lean step's attention: one query (B, H, 1, D) over every token the cache holds, a left-padded
-    batch's padding masked (``KVCache.padding_bias``)."""
-    m = cache._m
-    bias = None if cache._valid is None else cache.padding_bias(accumulator_dtype(q.dtype))
-    return _plain_one(q, cache._k[:, :, :m], cache._v[:, :, :m], scale, bias)
 
 
 def _flat(params):

@@ -1,6 +1,7 @@
 """The pieces of the attention computation every backend computes the same way, on a :class:`~attnzoo.plan.Plan`:
-the row maps of a slot, the decoding sequence (:meth:`Composition.admit`), the transforms' context, per-token
-features, the allowed pairs, the accumulator's selection, the sink, the masks' key bounds and the logit scale.
+the row maps of a slot, the decoding sequence (:meth:`Composition.admit`, owned by :mod:`attnzoo.decode.step`),
+the transforms' context, per-token features, the allowed pairs, the accumulator's selection, the sink, the masks'
+key bounds and the logit scale.
 
 ``Plan`` inherits them (``plan.row_scale(...)``); this module holds the numerics, ``attnzoo/plan.py`` the spec
 resolved against the registry, ``attnzoo/inputs.py`` the checks of a call's inputs.
@@ -9,10 +10,10 @@ resolved against the registry, ``attnzoo/inputs.py`` the checks of a call's inpu
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
+from ..decode.step import DecodeStep, admit
 from ..transforms.base import (
     Context,
     Dims,
@@ -23,16 +24,6 @@ from ..transforms.base import (
     Transform,
     restrict_heads,
 )
-
-
-class DecodeStep(NamedTuple):
-    """What :meth:`Plan.admit` hands a decoding backend: the new queries after the query slot (B, H, T, D), their
-    positions (B, T) and their per-token features ``{"<kind>.<name>": (B, H, T)}`` (the keys' are in
-    ``cache.key_features()``)."""
-
-    queries: torch.Tensor
-    positions: torch.Tensor
-    features: dict[str, torch.Tensor]
 
 
 class Composition:
@@ -86,26 +77,12 @@ class Composition:
 
     def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
               key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
-        """The decoding sequence every backend shares: the new tokens' positions, their rows through the query,
-        key and value slots (once per token), their per-token features (cumulative ones continuing the cache's
-        running sums), then the append to ``cache`` (which evicts first when its evictor says so). ``q`` (B, H,
-        T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see :meth:`row_scale`."""
-        count = k.shape[2]
-        features: dict[str, torch.Tensor] = {}
-        featured = bool(self.feature_transforms())
-        if self.many(Slot.KEY) or self.many(Slot.VALUE) or featured:
-            positions = cache.upcoming_positions(count, key_mask, k.device)
-            k = self.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
-            v = self.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
-        if featured:
-            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
-            features = self._features(TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3],
-                                                                                      k.shape[1])),
-                                      params, cache.feature_totals)
-        positions = cache.admit(k, v, evict_first, key_mask, features)
-        if not featured:
-            qs = self.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
-        return DecodeStep(qs, positions, features)
+        """The decoding sequence every backend shares (:func:`attnzoo.decode.step.admit`): the new tokens'
+        positions, their rows through the query, key and value slots (once per token), their per-token features
+        (cumulative ones continuing the cache's running sums), then the append to ``cache`` (and eviction first
+        when its evictor says so). ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see
+        :meth:`row_scale`."""
+        return admit(self, cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=widen)
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
                 key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,

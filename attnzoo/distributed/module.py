@@ -12,7 +12,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..dispatch import Variant, renamed_flag
+from ..dispatch import Variant
 from ..errors import RankDisagreementError, UnsupportedError
 from ..inputs import check_positions, check_qkv
 from ..nn import Attention
@@ -380,10 +380,9 @@ class ShardedAttention(Attention):
         return new
 
     def forward(self, q, k, v, positions=None, key_mask=None, return_accumulated: bool = False,
-                return_selection: bool | None = None, x: torch.Tensor | None = None, documents=None):
+                x: torch.Tensor | None = None, documents=None):
         """The rank's shard of the batch form; ``return_accumulated`` and recording F for the memory loss are
         declined (F is (B, N, N))."""
-        return_accumulated = renamed_flag(return_accumulated, return_selection)
         if self._recording is not None and self.has_accumulator:
             raise _decline(self.spec.name, "recording_accumulated (the memory loss) needs F, (B, N, N), the "
                                            "memory that sharding avoids")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
 from pydantic import Field, create_model
@@ -10,7 +10,7 @@ from pydantic import Field, create_model
 from ..transforms.base import StrictModel
 
 if TYPE_CHECKING:
-    from ..cache import KVCache
+    from ..decode.storage import KVCache
 
 
 class EvictorOptions(StrictModel):
@@ -19,6 +19,21 @@ class EvictorOptions(StrictModel):
 
     evictor: str
     budget: int | None = Field(None, ge=1)
+
+
+class KernelRule(NamedTuple):
+    """An evictor's rule as the fused C decoding steps take it (``attnzoo/decode/fused_decode_body.h``), made by the
+    evictor itself (:meth:`Evictor.kernel_rule`) beside the Python rule it implements a second time.
+
+    ``kernel``: the C step ("selective", "sink_window" or "scoring"); ``options``: its leading options, from the
+    rule (the step's other options, if any, come from the spec's transforms: the selector head, ...); ``state``:
+    the per-token score the step updates, or None; ``spare``: 1 when the step puts the new token in the slot after
+    the held ones and evicts after attention."""
+
+    kernel: str
+    options: tuple[int, ...]
+    state: str | None = None
+    spare: int = 0
 
 
 class Evictor:
@@ -80,13 +95,20 @@ class Evictor:
         """Tokens the rule never evicts: (B, H_kv, M) bool. Default: none."""
         return torch.zeros_like(cache.positions, dtype=torch.bool)
 
+    def kernel_rule(self, budget: int) -> KernelRule | None:
+        """This rule's second implementation, the fused C decoding step, as its options (:class:`KernelRule`), or
+        None: no fast step (the default). Only the built-in evictors have one; it is honoured only for a class that
+        defines it itself (a subclass that changes the rule and not this gets no fast step), and
+        ``attnzoo.decode.check.check_fast_step`` holds the C step to :meth:`update` and :meth:`victim`."""
+        return None
+
     def victim(self, cache: KVCache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
+        fill = float("-inf") if self.largest else float("inf")
+        masked = self.score(cache).masked_fill(self.protected(cache), fill)
         if getattr(cache, "ordered", False):  # the oldest of tied slots is the first: argmax/argmin decide
-            fill = float("-inf") if self.largest else float("inf")
-            masked = self.score(cache).masked_fill(self.protected(cache), fill)
             return masked.argmax(-1) if self.largest else masked.argmin(-1)
-        return pick(self.score(cache), ~self.protected(cache), cache.positions, largest=self.largest)
+        return _oldest_best(masked, cache.positions, self.largest)  # slots in any order (a fast step's)
 
     @classmethod
     def options_model(cls) -> type[EvictorOptions]:
@@ -105,18 +127,44 @@ class Evictor:
 
 def pick(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool,
          ordered: bool = False) -> torch.Tensor:
-    """Among eligible slots, the one with the largest (or smallest) score; ties go to the oldest position.
+    """Among eligible slots, the one with the largest (or smallest) score; ties go to the oldest position. A NaN
+    score outranks every number (as torch's ``argmax``/``argmin`` rank it), the oldest NaN first.
 
     score, eligible, positions: (B, H_kv, M) → (B, H_kv) slot indices. Every row must have an eligible slot.
     ``ordered``: positions increase along the slots (a cache's invariant), so the oldest of tied slots is the
-    first one, which is what ``argmax``/``argmin`` return.
+    first one, which is what ``argmax``/``argmin`` return. Slots in any order (a fast step's) take the tie-break.
     """
-    if ordered:
-        masked = score.masked_fill(~eligible, float("-inf") if largest else float("inf"))
-        return masked.argmax(-1) if largest else masked.argmin(-1)
     fill = float("-inf") if largest else float("inf")
-    masked = torch.where(eligible, score, torch.full_like(score, fill))
+    masked = score.masked_fill(~eligible, fill)
+    if ordered:
+        return masked.argmax(-1) if largest else masked.argmin(-1)
+    return _oldest_best(masked, positions, largest)
+
+
+def _oldest_best(masked: torch.Tensor, positions: torch.Tensor, largest: bool) -> torch.Tensor:
+    """The slot of the largest (smallest) of ``masked`` (protected slots already filled with -inf/+inf), NaN first,
+    ties to the oldest position, for slots in any order."""
     best = masked.amax(-1, keepdim=True) if largest else masked.amin(-1, keepdim=True)
-    tied = eligible & (masked == best)
-    oldest = torch.where(tied, positions, torch.full_like(positions, torch.iinfo(torch.int64).max))
-    return oldest.argmin(-1)
+    tied = (masked == best) | masked.isnan()  # a NaN best (amax/amin propagate it): the NaN-scored slots tie
+    return torch.where(tied, positions, _NEWEST).argmin(-1)
+
+
+#: a position past any held: the tie-break to the oldest position
+_NEWEST = torch.iinfo(torch.int64).max
+
+
+def eviction_order(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool,
+                   padding: torch.Tensor | None = None) -> torch.Tensor:
+    """Every slot, in the order the rule of :func:`pick` evicts them when removing one changes no other's score
+    (``Evictor.independent_scores``): padding first, then eligible slots by score (largest first when
+    ``largest``; NaN first), ties to the oldest position, then the protected ones. (B, H_kv, M) slot indices; the
+    first k of each row are the k victims."""
+    if not largest:
+        score = -score
+    order = positions.argsort(dim=-1, stable=True)
+    order = order.gather(-1, score.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
+    order = order.gather(-1, eligible.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True, stable=True))
+    if padding is not None:
+        pad = padding.gather(-1, order).to(torch.int8)
+        order = order.gather(-1, pad.argsort(dim=-1, descending=True, stable=True))
+    return order

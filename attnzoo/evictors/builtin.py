@@ -1,13 +1,20 @@
-"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3)."""
+"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3).
+
+Each rule is written once, here, in Python (``score``, ``protected``, ``largest``, ``update``): the full decode
+path and the torch fast steps (attnzoo/decode/fast.py) call it. ``kernel_rule`` hands the same rule's options to
+its second, faster implementation, the fused C step (attnzoo/decode/fused_decode_body.h), which
+``attnzoo.decode.check.check_fast_step`` holds to it. Changing a rule: edit it here (and its ``kernel_rule``) and in
+the C body.
+"""
 
 from __future__ import annotations
 
 import torch
 from pydantic import Field
 
-from ..cache import ACCUMULATED_STATE
+from ..decode.storage import ACCUMULATED_STATE
 from ..hookspecs import hookimpl
-from .base import Evictor, EvictorOptions
+from .base import Evictor, EvictorOptions, KernelRule
 
 
 class Selective(Evictor):
@@ -33,6 +40,9 @@ class Selective(Evictor):
 
     def protected(self, cache):
         return cache.positions == 1
+
+    def kernel_rule(self, budget):
+        return KernelRule("selective", (1,), ACCUMULATED_STATE)  # OPT0 1: position 1 is never the victim
 
 
 class H2OOptions(EvictorOptions):
@@ -75,6 +85,9 @@ class H2O(Evictor):
         newest = cache.positions.amax(-1, keepdim=True)
         return cache.positions > newest - self.recent(cache.budget)
 
+    def kernel_rule(self, budget):
+        return KernelRule("scoring", (0, self.recent(budget)), "attention", spare=1)  # OPT1: the recent window
+
 
 class TOVA(Evictor):
     """Token Omission Via Attention: drop the token the current query attends to least, averaged over heads;
@@ -95,6 +108,9 @@ class TOVA(Evictor):
 
     def score(self, cache):
         return cache.state["last_attention"]
+
+    def kernel_rule(self, budget):
+        return KernelRule("scoring", (1,), "last_attention", spare=1)  # OPT0 1: TOVA's update, nothing protected
 
 
 class SinkWindowOptions(EvictorOptions):
@@ -121,6 +137,9 @@ class SinkWindow(Evictor):
 
     def protected(self, cache):
         return cache.positions <= self.options.sink
+
+    def kernel_rule(self, budget):
+        return KernelRule("sink_window", (self.options.sink,))
 
 
 BUILTIN_EVICTORS = (Selective, H2O, TOVA, SinkWindow)

@@ -1,9 +1,11 @@
-"""Fused decoding steps on the CPU: one C call per lean step (docs/decoding.md, "A step validated once").
+"""Fused decoding steps on the CPU: one C call per fast step (docs/decoding.md, "A step validated once").
 
-A lean step of the blocked backend (selective attention, sink + window, H2O, TOVA at their budget) is some 15-25
-small torch operations, each costing more than the attention over a small cache. Here each is one call into C
-(``fused_decode.c`` and ``fused_decode_body.h`` beside this file): the evictor's victim, the new token into its
-slot, attention over the held tokens and the scores updated in place, for float32 and float64 on the CPU.
+A torch fast step (:mod:`attnzoo.decode.fast`: selective attention, sink + window, H2O, TOVA at their budget) is
+some 15-25 small torch operations, each costing more than the attention over a small cache. Here each is one call
+into C (``fused_decode.c`` and ``fused_decode_body.h`` beside this file): the evictor's victim, the new token into
+its slot, attention over the held tokens and the scores updated in place, for float32 and float64 on the CPU. The C
+body is each evictor's rule written a second time; its options come from the evictor (``Evictor.kernel_rule``),
+and :func:`attnzoo.decode.check.check_fast_step` holds it to the Python rule.
 
 The C source is compiled once per process, by the first step that can use it, with the system's C compiler
 (``$CC``, else ``cc``, ``gcc`` or ``clang``; ``$ATTNZOO_FUSED_CFLAGS`` adds flags, e.g. ``-fsanitize=address``)
@@ -38,6 +40,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from .state import FastStep, check_inputs, extent
 
 _SOURCE = Path(__file__).with_name("fused_decode.c")
 _FLAGS = ["-O3", "-std=c11", "-fPIC", "-shared", "-fopenmp-simd"]
@@ -122,14 +126,6 @@ def library() -> ctypes.CDLL | None:
     return _LOADED[0]
 
 
-def _extent(t: torch.Tensor) -> int:
-    """Bytes from the start of ``t``'s storage to the end of its last element (0 when it has none)."""
-    if t.numel() == 0:
-        return 0
-    last = t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
-
-
 def _disjoint(t: torch.Tensor) -> bool:
     """No two elements of ``t`` share memory (strides sorted ascending, each past the span of the smaller ones:
     sufficient, and what every buffer the cache makes satisfies); an expanded view (a stride 0) fails."""
@@ -147,33 +143,6 @@ def _plain(t) -> bool:
     return type(t) is torch.Tensor and t.is_cpu and not t.is_neg() and not t.is_conj()
 
 
-def _uncovered(name: str, t: torch.Tensor, need: int) -> ValueError:
-    have = t.untyped_storage().nbytes()
-    return ValueError(f"{name} of shape {tuple(t.shape)} needs {need} bytes of storage but its storage holds {have} "
-                      f"(freed or resized after it was made?): the lean decoding step does not read past it")
-
-
-_PYTHON_KEY = torch._C.DispatchKey.Python
-
-
-def check_inputs(q, k, v) -> None:
-    """One line (a ValueError) if the storage of q, k or v does not cover its view (freed or resized after the view
-    was made). torch checks a view's storage when it makes a view, not when a kernel reads one, and the lean steps
-    hand their inputs to kernels (``scatter_``, SDPA, the C steps) without making one first. A tensor whose
-    operations go to a ``__torch_dispatch__`` (a fake tensor, a wrapper subclass) is left to it."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if type(t) is not torch.Tensor and torch._C._dispatch_keys(t).has(_PYTHON_KEY):
-            continue
-        if t.dim() == 4:  # the steps' inputs: spelled out, a quarter of the generic sum's cost
-            (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
-            last = t.storage_offset() + (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + (n3 - 1) * s3
-            need = (last + 1) * t.element_size() if n0 and n1 and n2 and n3 else 0
-        else:
-            need = _extent(t)
-        if need > t.untyped_storage().nbytes():
-            raise _uncovered(name, t, need)
-
-
 def status() -> str:
     """One line: whether the blocked backend's lean decoding steps on the CPU run fused in C, or why not."""
     lib = library()
@@ -182,40 +151,21 @@ def status() -> str:
     return f"torch lean steps: the fused C steps are unavailable: {_LOADED[1]}"
 
 
-class CheckedStep:
-    """A torch lean step ``fallback`` with its inputs' storages checked at every call (:func:`check_inputs`): the
-    lean steps' form where the fused C steps are unavailable, and the base of the fused ones."""
+class FusedStep(FastStep):
+    """A fast step in C for one cache: ``step(q, k, v, cache) -> out``, with its torch form ``torch_step`` (the
+    same maths, calling the evictor's Python rule) taken, its inputs checked (:class:`~.state.FastStep`), for
+    anything the C code was not laid out for.
 
-    kind_name = "torch"
-
-    def __init__(self, fallback) -> None:
-        self.fallback = fallback
-
-    def __call__(self, q, k, v, cache):
-        check_inputs(q, k, v)
-        return self.fallback(q, k, v, cache)
-
-
-def checked(step):
-    """The lean step ``step`` with its inputs checked at every call (a :class:`CheckedStep`), once."""
-    return step if isinstance(step, CheckedStep) else CheckedStep(step)
-
-
-class FusedStep(CheckedStep):
-    """A fused lean step for one cache: ``step(q, k, v, cache) -> out``, with the torch lean step ``fallback``
-    (the same maths) taken, its inputs checked (:class:`CheckedStep`), for anything the C code was not laid out
-    for.
-
-    ``kind``: "selective", "sink_window" or "scoring"; ``options``: the step's four options (fused_decode.c);
+    ``kernel``: "selective", "sink_window" or "scoring"; ``options``: the step's four options (fused_decode.c);
     ``state``: the name of the per-token score the step updates, or None; ``spare``: 1 when the step uses the slot
     after the held ones (H2O, TOVA)."""
 
-    kind_name = "fused"
+    kind = "fused"
 
-    def __init__(self, kind: str, fn_by_dtype: dict, fallback, scale: float, options: tuple[int, int, int, int],
-                 state: str | None, spare: int) -> None:
-        super().__init__(fallback)
-        self.kind = kind
+    def __init__(self, name: str, ready, torch_step, kernel: str, fn_by_dtype: dict, scale: float,
+                 options: tuple[int, int, int, int], state: str | None, spare: int) -> None:
+        super().__init__(name, ready, torch_step)
+        self.kernel = kernel
         self.fn_by_dtype = fn_by_dtype
         self.scale = float(scale)
         self.options = options
@@ -244,7 +194,7 @@ class FusedStep(CheckedStep):
         dtype = keys.dtype
         rows = [keys, values]
         per_token = [pos] + ([scores] if scores is not None else [])
-        if (dtype not in _SUFFIX or (self.state is not None and scores is None) or cache.geometry is None
+        if (dtype not in _SUFFIX or (self.state is not None and scores is None) or cache.step_state.geometry is None
                 or not all(_plain(t) for t in rows + per_token)
                 or any(t.dim() != 4 or t.dtype != dtype or t.shape[:2] != (b, hkv) or t.shape[2] < need
                        or t.shape[3] != d or t.stride(3) != 1 or t.stride(2) != d for t in rows)
@@ -254,11 +204,11 @@ class FusedStep(CheckedStep):
                 or not all(_disjoint(t) for t in rows + per_token)):  # the step writes every one of them
             return False
         for name, t in zip(("keys", "values", "positions", "scores"), rows + per_token, strict=False):
-            if _extent(t) > t.untyped_storage().nbytes():
+            if extent(t) > t.untyped_storage().nbytes():
                 raise ValueError(f"the cache's {name} buffer no longer covers its tokens (its storage was freed or "
                                  f"resized through a view?): start a new cache")
-        h = cache.geometry[0]
-        if self.kind == "selective" and not (self.options[0] < m and self.options[1] < hkv
+        h = cache.step_state.geometry[0]
+        if self.kernel == "selective" and not (self.options[0] < m and self.options[1] < hkv
                                              and self.options[2] < h // hkv):
             return False  # the victim is chosen after the skipped slots; the selector head is one of the query heads
         lay = self.layout
@@ -286,16 +236,16 @@ class FusedStep(CheckedStep):
                                                         0 if scores is None else scores.data_ptr())
                 ) and not self._lay_out(cache):
             self.held = ()
-            return CheckedStep.__call__(self, q, k, v, cache)
+            return FastStep.__call__(self, q, k, v, cache)
         qshape, kvshape, dtype, itemsize = self.shapes
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return CheckedStep.__call__(self, q, k, v, cache)  # a subclass, a fake tensor: data_ptr() is no data
+            return FastStep.__call__(self, q, k, v, cache)  # a subclass, a fake tensor: data_ptr() is no data
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         # float32/float64 only (the dtype check): the conjugate bit, which only complex dtypes carry, cannot be set
         if (q.dtype != dtype or k.dtype != dtype or v.dtype != dtype or q.shape != qshape or k.shape != kvshape
                 or v.shape != kvshape or qs[3] != 1 or ks[3] != 1 or vs[3] != 1 or not q.is_cpu or not k.is_cpu
                 or not v.is_cpu or q.is_neg() or k.is_neg() or v.is_neg()):
-            return CheckedStep.__call__(self, q, k, v, cache)
+            return FastStep.__call__(self, q, k, v, cache)
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         b1, h1, hkv1, d = self.extents
         qst, kst, vst = q.untyped_storage(), k.untyped_storage(), v.untyped_storage()
@@ -303,19 +253,15 @@ class FusedStep(CheckedStep):
                 or kp + (b1 * ks[0] + hkv1 * ks[1] + d) * itemsize > kst.data_ptr() + kst.nbytes()
                 or vp + (b1 * vs[0] + hkv1 * vs[1] + d) * itemsize > vst.data_ptr() + vst.nbytes()):
             check_inputs(q, k, v)  # raises its one line
-            return self.fallback(q, k, v, cache)
+            return self.torch_step(q, k, v, cache)
         found = self._next_rows(cache, qshape[0])  # one position per row: the C step moves each on in place
         if found is None:
-            return self.fallback(q, k, v, cache)  # its inputs checked above
+            return self.torch_step(q, k, v, cache)  # its inputs checked above
         scalar, rows = found
         out = torch.empty(qshape, dtype=dtype)  # every element written (the C step first fills it with NaN)
         self.fn(self.address, qp, qs[0], qs[1], kp, ks[0], ks[1], vp, vs[0], vs[1], out.data_ptr(), scalar, rows,
                 self.scale)
-        cache._scrambled = True
-        if rows == 0:
-            cache._next += 1
-        cache._last = None
-        cache.evicted += 1
+        cache.kernel_stepped(rows != 0)
         return out
 
     def _next_rows(self, cache, batch: int) -> tuple[int, int] | None:
@@ -332,19 +278,19 @@ class FusedStep(CheckedStep):
         """Whether the cache's per-row next positions can be read and moved on by the C step: (B,) int64,
         contiguous, on the CPU (the cache owns it: ``KVCache.next_position`` copies in and out)."""
         if (_plain(nxt) and nxt.dtype == torch.int64 and nxt.shape == (batch,) and nxt.is_contiguous()
-                and _extent(nxt) <= nxt.untyped_storage().nbytes()):
+                and extent(nxt) <= nxt.untyped_storage().nbytes()):
             self.nexts = nxt
             return True
         return False
 
 
 class FusedAppend(FusedStep):
-    """The plain lean step (no evictor, no transforms) with its append fused: the new token's key, value and
+    """The plain fast step (no evictor, no transforms) with its append fused: the new token's key, value and
     position written by one C call (three torch copies otherwise), then ``attend(q, cache, scale)`` over the
-    tokens held (the blocked backend's, which masks a left-padded batch's padding)."""
+    tokens held (which masks a left-padded batch's padding)."""
 
-    def __init__(self, fn_by_dtype: dict, fallback, attend, scale: float) -> None:
-        super().__init__("append", fn_by_dtype, fallback, scale, (0, 0, 0, 0), None, 1)
+    def __init__(self, ready, torch_step, fn_by_dtype: dict, attend, scale: float) -> None:
+        super().__init__("plain", ready, torch_step, "append", fn_by_dtype, scale, (0, 0, 0, 0), None, 1)
         self.attend = attend
         self.capacity = 0
 
@@ -357,17 +303,17 @@ class FusedAppend(FusedStep):
                  and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(), 0)) or m >= self.capacity):
             if not self._lay_out(cache, need=m + 1):
                 self.held = ()
-                return CheckedStep.__call__(self, q, k, v, cache)
+                return FastStep.__call__(self, q, k, v, cache)
             self.capacity = min(t.shape[2] for t in self.held[:3])
         qshape, kvshape, dtype, itemsize = self.shapes
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-            return CheckedStep.__call__(self, q, k, v, cache)
+            return FastStep.__call__(self, q, k, v, cache)
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         found = self._next_rows(cache, kvshape[0])
         if (found is None or k.dtype != dtype or v.dtype != dtype or k.shape != kvshape or v.shape != kvshape
                 or q.shape != qshape or ks[3] != 1 or vs[3] != 1 or not k.is_cpu or not v.is_cpu
                 or k.is_neg() or v.is_neg()):  # float32/float64: no conjugate bit (see FusedStep)
-            return CheckedStep.__call__(self, q, k, v, cache)
+            return FastStep.__call__(self, q, k, v, cache)
         qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
         b1, h1, hkv1, d = self.extents
         qst, kst, vst = q.untyped_storage(), k.untyped_storage(), v.untyped_storage()
@@ -377,12 +323,9 @@ class FusedAppend(FusedStep):
                 or kp + (b1 * ks[0] + hkv1 * ks[1] + d) * itemsize > kst.data_ptr() + kst.nbytes()
                 or vp + (b1 * vs[0] + hkv1 * vs[1] + d) * itemsize > vst.data_ptr() + vst.nbytes()):
             check_inputs(q, k, v)  # raises its one line
-            return self.fallback(q, k, v, cache)
+            return self.torch_step(q, k, v, cache)
         self.fn(self.address, m, kp, ks[0], ks[1], vp, vs[0], vs[1], *found)
-        cache._m = m + 1
-        if found[1] == 0:
-            cache._next += 1
-        cache._last = None
+        cache.kernel_appended(found[1] != 0)
         return self.attend(q, cache, self.scale)
 
 
@@ -403,18 +346,19 @@ def _functions(kind: str, cache) -> dict | None:
     return {dtype: getattr(lib, f"attnzoo_{kind}_{suffix}") for dtype, suffix in _SUFFIX.items()}
 
 
-def offer_append(fallback, attend, cache, scale: float):
-    """The plain lean step ``fallback`` with its append fused (:class:`FusedAppend`), or ``fallback`` itself with
-    its inputs checked (:class:`CheckedStep`)."""
+def offer_append(ready, torch_step, attend, cache, scale: float) -> FastStep:
+    """The plain fast step ``torch_step`` with its append fused (:class:`FusedAppend`), or the torch step alone
+    (a :class:`~.state.FastStep`: its inputs checked) when the C steps are unavailable."""
     fns = _functions("append", cache)
-    return checked(fallback) if fns is None else FusedAppend(fns, fallback, attend, scale)
+    return FastStep("plain", ready, torch_step) if fns is None else FusedAppend(ready, torch_step, fns, attend, scale)
 
 
-def offer(kind: str, fallback, cache, scale: float, options=(0, 0, 0, 0), state: str | None = None,
-          spare: int = 0):
-    """The fused form of a torch lean step ``fallback`` for ``cache``, or ``fallback`` itself with its inputs
-    checked (:class:`CheckedStep`; see :func:`_functions`)."""
-    fns = _functions(kind, cache)
+def offer(name: str, ready, torch_step, cache, scale: float, kernel: str, options=(0, 0, 0, 0),
+          state: str | None = None, spare: int = 0) -> FastStep:
+    """The fast step ``name`` in C (kernel ``kernel`` with ``options``, padded to four) for ``cache``, or its torch
+    form ``torch_step`` alone (a :class:`~.state.FastStep`; see :func:`_functions`)."""
+    fns = _functions(kernel, cache)
     if fns is None:
-        return checked(fallback)
-    return FusedStep(kind, fns, fallback, scale, tuple(int(x) for x in options), state, spare)
+        return FastStep(name, ready, torch_step)
+    options = (tuple(int(x) for x in options) + (0, 0, 0, 0))[:4]
+    return FusedStep(name, ready, torch_step, kernel, fns, scale, options, state, spare)

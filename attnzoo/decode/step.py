@@ -1,0 +1,213 @@
+"""The decode step (docs/decoding.md, "Who owns what"): everything ``Variant.decode`` and ``Variant.prefill`` do to
+a cache, in one place.
+
+:func:`extend` is the step: the fast step a backend offered for this cache (:mod:`attnzoo.decode.fast`) while the
+checks the full path made still hold (:class:`~attnzoo.decode.state.StepState`), else :func:`full_step`: every
+check, then the backend's ``extend``, which calls :func:`admit` (the new tokens' rows through the row maps, their
+features, the append, eviction first for an evictor that works before attention) and ``cache.settle``
+(:func:`settle`: the running F stored, the evictor's scores updated, eviction to the budget), then
+:func:`drop_expired` (window expiry); then the backend is asked for a fast step (``Backend.decode_step``).
+
+Eviction calls the evictor's Python rule (``Evictor.victim``, or for many victims at once its ``score``,
+``protected`` and ``largest`` through :func:`attnzoo.evictors.base.eviction_order`); the cache's storage
+(:mod:`attnzoo.decode.storage`) only removes the slots it is told to.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..backends.base import Mode
+from ..evictors.base import Evictor, eviction_order
+from ..inputs import check_key_mask, check_qkv
+from ..transforms.base import Dims, Slot, TokenRows
+from .storage import KVCache, accumulator_dtype
+
+
+class DecodeStep(NamedTuple):
+    """What :func:`admit` (``Plan.admit``) hands a decoding backend: the new queries after the query slot
+    (B, H, T, D), their positions (B, T) and their per-token features ``{"<kind>.<name>": (B, H, T)}`` (the keys'
+    are in ``cache.key_features()``)."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    features: dict[str, torch.Tensor]
+
+
+# -- the step -------------------------------------------------------------------------------------------------------
+def extend(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=None):
+    """One ``decode`` (T = 1) or ``prefill`` of ``variant`` into ``cache``: the fast step when it was validated
+    for this variant and call signature and is ready, else :func:`full_step` and a new offer of a fast step."""
+    try:
+        state = cache.step_state
+        fast = state.fast
+    except AttributeError:  # not a KVCache: full_step says so
+        fast = None
+    # a call the fast step may take: no key mask, no inputs, no gradient wanted (spelled out: this runs per token)
+    plain_call = key_mask is None and inputs is None and not (
+        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+    if (fast is not None and plain_call and state.variant is variant and state.signature == _signature(q, k, v)
+            and fast.ready(cache) and _fingerprint(params) == state.params_key):
+        return fast(q, k, v, cache)  # what the full path checked for this signature still holds
+    out, grouped = full_step(variant, q, k, v, cache, params, key_mask, evict_first, inputs)
+    cache.step_state.forget()
+    chosen = None
+    if plain_call and q.shape[2] == 1:
+        offer = getattr(variant.backend_for(q.device, q.dtype, Mode.DECODE), "decode_step", None)
+        chosen = offer(variant.plan, cache, grouped) if offer is not None else None
+    cache.step_state.choose(chosen, variant, _signature(q, k, v) if chosen is not None else None)
+    return out
+
+
+def full_step(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=None):
+    """Every check of a step (the cache's spec, geometry, batch and parameters, the inputs), the backend's
+    ``extend``, then window expiry. Returns (out, the parameters and inputs grouped per transform)."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
+    state = cache.step_state
+    state.check_spec(variant.spec)
+    variant._case_first(q, Mode.DECODE)
+    dims = check_qkv(q, k, v)
+    state.check_geometry(dims)
+    if q.shape[0] != cache.batch:
+        raise ValueError(f"cache was made for batch {cache.batch}, got q of batch {q.shape[0]}")
+    mask = check_key_mask(key_mask, q.shape[0], q.shape[2], q.device)
+    state.check_params(_fingerprint(params))
+    plan = variant.plan
+    plan.check_dims(dims)
+    if params is None:  # the initial values, made once per shape rather than at every decoding step
+        params = variant.initial_params_for(dims, q)
+    grouped = plan.add_inputs(plan.split_params(params, dims, q), inputs, q.shape[0], q.shape[1], q.shape[2], q)
+    backend = variant.backend_for(q.device, q.dtype, Mode.DECODE)
+    out = backend.extend(plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
+    drop_expired(cache)
+    return out, grouped
+
+
+def _signature(q, k, v) -> tuple:
+    """What a fast step was validated for: the shapes, dtypes and devices of q, k and v."""
+    return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device)
+
+
+def _fingerprint(params) -> tuple:
+    """Which parameter tensors, at which in-place version, a cache's rows were transformed with."""
+    if params is None:
+        return ("initial",)
+    return tuple(sorted((key, id(t), t._version) for key, t in params.items() if isinstance(t, torch.Tensor)))
+
+
+# -- the parts a backend's extend calls -----------------------------------------------------------------------------
+def admit(plan, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
+          key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
+    """The decoding sequence every backend shares (``Plan.admit``): the new tokens' positions, their rows through
+    the query, key and value slots (once per token), their per-token features (cumulative ones continuing the
+    cache's running sums), the append to ``cache``, then eviction for an evictor that works before attention.
+    ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see ``Composition.row_scale``."""
+    count = k.shape[2]
+    features: dict[str, torch.Tensor] = {}
+    totals = None
+    featured = bool(plan.feature_transforms())
+    if plan.many(Slot.KEY) or plan.many(Slot.VALUE) or featured:
+        positions = cache.upcoming_positions(count, key_mask, k.device)
+        k = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
+        v = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
+    if featured:
+        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+        totals = dict(cache.feature_totals)  # the running sums go on from here; the cache takes them with the rows
+        features = plan._features(TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3], k.shape[1])),
+                                  params, totals)
+    positions = cache.append(k, v, key_mask, features, totals)
+    evictor = cache.evictor
+    if evict_first and evictor is not None and not evictor.evict_after_attention:
+        evict_to_budget(cache)
+    if not featured:
+        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+    return DecodeStep(qs, positions, features)
+
+
+def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | None) -> None:
+    """After attending (``cache.settle``): store the new running F (B, M), update the evictor's scores from the new
+    queries' attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
+
+    F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys (at
+    least float32): a backend that computed either in half precision cannot round the running state."""
+    cache.end_step()
+    if accumulated is not None:
+        cache.store_accumulated(accumulated)
+    evictor = cache.evictor
+    if evictor is not None:
+        if not evictor.needs_probabilities:
+            probs = None
+        elif probs is None:
+            raise ValueError(f"evictor '{evictor.kind}' needs the attention probabilities, and the backend passed "
+                             "none to settle()")
+        wide = accumulator_dtype(cache.keys.dtype)
+        evictor.update(cache, probs.detach().to(wide) if probs is not None else None)
+    if evictor is not None or cache.valid is not None:
+        evict_to_budget(cache)
+
+
+# -- eviction and expiry --------------------------------------------------------------------------------------------
+def evict_one(cache) -> None:
+    """Drop one token per row (and head): a padding token first (the oldest), else the evictor's victim."""
+    victim = cache.evictor.victim(cache) if cache.evictor is not None else None
+    valid = cache.valid
+    if valid is not None:
+        padding = ~valid
+        first_pad = padding.to(torch.int8).argmax(-1)
+        victim = first_pad if victim is None else torch.where(padding.any(-1), first_pad, victim)
+    cache.remove(victim)
+
+
+def evict_to_budget(cache) -> None:
+    """Evict until the budget holds: padding first, then by the evictor's rule. An evictor that declares
+    ``independent_scores`` (removing a token changes no other token's score or protection) and keeps the default
+    :meth:`~attnzoo.Evictor.victim` has all its victims chosen at once, by the same rule
+    (:func:`~attnzoo.evictors.base.eviction_order`: the same tokens, in one gather instead of one per token); any
+    other evicts one token at a time."""
+    excess = cache.num_tokens - cache.budget if cache.budget is not None else 0
+    if excess <= 0:
+        return
+    evictor = cache.evictor
+    rule_only = getattr(getattr(evictor, "victim", None), "__func__", None) is Evictor.victim
+    if excess == 1 or not rule_only or not evictor.independent_scores:
+        while cache.over_budget():
+            evict_one(cache)
+    else:
+        valid = cache.valid
+        order = eviction_order(evictor.score(cache), ~evictor.protected(cache), cache.positions, evictor.largest,
+                               padding=None if valid is None else ~valid)
+        doomed = torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(-1, order[..., :excess],
+                                                                                          True)
+        kept = cache.num_tokens - excess
+        cache.keep(torch.argsort(doomed.to(torch.int8), dim=-1, stable=True)[..., :kept])
+    cache.compact()
+
+
+def drop_expired(cache) -> None:
+    """Drop the tokens that no later query can see: under a window mask (``cache.horizon``), a token before the
+    earliest key visible from a row's next position, and padding. Every row and head drops the same number (the
+    fewest any of them can spare, oldest first), so the cache stays dense; what one row keeps beyond its window is
+    masked as before. Between steps a window layer then holds at most ``window - 1`` tokens per row (once every
+    row has seen that many, exactly that), as transformers' sliding-window cache does; a ``chunked`` layer holds
+    each row's tokens of its current chunk, at most ``chunk - 1``. Counted in ``cache.expired``."""
+    m = cache.num_tokens
+    if cache.horizon is None or m == 0:
+        return
+    firsts = [cache.horizon(int(p)) for p in cache.next_position.tolist()]
+    positions = cache.positions
+    earliest = torch.tensor(firsts, dtype=torch.int64, device=positions.device).view(-1, 1, 1)
+    expired = positions < earliest
+    if cache.valid is not None:
+        expired |= ~cache.valid
+    spare = int(expired.sum(-1).min())
+    if spare == 0:
+        return
+    if bool(expired[..., :spare].all()):  # the oldest slots of every row and head: a shift, no gather
+        keep = torch.arange(spare, m, device=positions.device).expand(*expired.shape[:2], -1)
+    else:  # drop each row's first `spare` expired slots, keep the rest in order
+        doomed = expired & (expired.cumsum(-1) <= spare)
+        keep = torch.argsort(doomed.to(torch.int8), dim=-1, stable=True)[..., :m - spare]
+    cache.keep(keep.contiguous(), expired=True)
