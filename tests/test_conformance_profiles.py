@@ -124,12 +124,13 @@ def test_a_declined_spec_is_one_case_per_dtype(tmp_path):
     assert all("declines spec 'mine', which was named for it" in r.message and "not a pointwise score_mod"
                in r.message for r in fails)
     # beside it only the checks that do not apply to the spec at all (it has no evictor), with their own reason
-    assert {(r.check, r.message) for r in named if r.status != "fail"} == {("evictor", "spec has no cache evictor")}
+    not_applicable = {(check, "spec has no cache evictor") for check in ("evictor", "evicted-decode")}
+    assert {(r.check, r.message) for r in named if r.status != "fail"} == not_applicable
     assert len(runner.failure_lines(named)) == 4
     # not named: one unsupported case per dtype, with the reason, and no failure
     cases = runner.build_cases(reg, ["mine"], None, ALL_DTYPES)
     flex = runner.run_suite([c for c in cases if c.backend == "flex"])
-    assert [r.check for r in flex if r.check != "evictor"] == ["all-checks"] * 4
+    assert [r.check for r in flex if r.check not in ("evictor", "evicted-decode")] == ["all-checks"] * 4
     assert {r.status for r in flex} == {"unsupported"} and not runner.failure_lines(flex)
     assert "not a pointwise score_mod" in runner.matrix(flex)["mine"]["flex"]
     # an expected-failures pattern still covers it
@@ -159,7 +160,8 @@ def test_cli_declined_plugin_spec_prints_one_fail_line_per_dtype(tmp_path, monke
     assert [line.split(": ", 1)[0] for line in fails] == ["FAIL flex::mine::all-checks[float64]",
                                                           "FAIL flex::mine::all-checks[float32]"], out
     assert "nothing was checked" not in out and "FAILED: 2 failed" in out
-    assert "4 cases: 0 pass, 2 fail, 2 unsupported, 0 xfail, 0 xpass" in out  # the evictor: not applicable
+    # the evictor checks (evictor, evicted-decode): not applicable
+    assert "6 cases: 0 pass, 2 fail, 4 unsupported, 0 xfail, 0 xpass" in out
 
 
 # -- FAIL lines and summaries ---------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def test_pytest_collection_count_equals_the_listed_items(tmp_path):
     assert len(conformance) == len(expected) and len(listed) == len(expected) + 1
     assert f"{len(listed)} tests collected" in run.stdout, run.stdout[-500:]
     # -k deselects among them, and the count says so
-    run = _pytest(tmp_path, "--attnzoo-quick", "--collect-only", "-q", "-k", "not decode and not plain")
+    run = _pytest(tmp_path, "--attnzoo-quick", "--collect-only", "-q", "-k", "not causality and not plain")
     kept = [line for line in run.stdout.splitlines() if "::" in line]
     assert len(kept) == len(listed) - 2 and f"{len(kept)}/{len(listed)} tests collected (2 deselected)" in run.stdout
 

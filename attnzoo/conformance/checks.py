@@ -248,32 +248,38 @@ def _fragment_culprit(plan, q, k, v, params, positions, key_mask=None) -> str | 
 
 def _compare(target: Target, name: str, got: dict, truth: dict, low: dict | None, inputs: dict | None = None
              ) -> None:
-    """``check_close`` of every result; a non-finite one is traced to the transform whose term first goes
-    non-finite: its torch maths (in float64, then the tested dtype), then, on the triton backend, its Triton
-    fragment rendered in torch at the pairs that may attend; else the message says the backend produced it."""
+    """:func:`_close` of every result (``<name>: <key>``)."""
     for key in truth:
-        try:
-            check_close(f"{name}: {key}", got[key], truth[key], low[key] if low else None, target.dtype)
-        except AssertionError as exc:
-            if inputs is None or "non-finite" not in str(exc):
-                raise
-            for dtype in dict.fromkeys((torch.float64, target.dtype)):
-                blame = _trace(target, inputs, dtype)
-                if blame:
-                    raise AssertionError(f"{name}: {key}: {blame} (the transform's own maths, not the "
-                                         f"backend)") from None
-            fragments = _runs_fragments(target)
-            if fragments:
-                blame = _fragment_culprit(*_traced_inputs(target, inputs, target.dtype))
-                if blame:
-                    raise AssertionError(f"{name}: {key}: {blame}") from None
-            unwritten = "(an unwritten or overflowing element)"
-            if str(exc).endswith(unwritten):
-                traced = "torch maths or Triton fragment" if fragments else "own maths"
-                raise AssertionError(f"{str(exc).removesuffix(unwritten).rstrip()}, and no transform's {traced} "
-                                     f"gives non-finite values on these inputs: the backend produced it "
-                                     f"{unwritten}") from None
+        _close(target, f"{name}: {key}", got[key], truth[key], low[key] if low else None, inputs)
+
+
+def _close(target: Target, name: str, got: torch.Tensor, truth: torch.Tensor, low: torch.Tensor | None,
+           inputs: dict | None = None) -> None:
+    """``check_close``; a non-finite result (or truth) is traced, on ``inputs`` in batch form, to the transform
+    whose term first goes non-finite: its torch maths (in float64, then the tested dtype; :func:`culprit`), then,
+    on the triton backend, its Triton fragment rendered in torch at the pairs that may attend; else the message
+    says the backend produced it."""
+    try:
+        check_close(name, got, truth, low, target.dtype)
+    except AssertionError as exc:
+        if inputs is None or "non-finite" not in str(exc):
             raise
+        for dtype in dict.fromkeys((torch.float64, target.dtype)):
+            blame = _trace(target, inputs, dtype)
+            if blame:
+                raise AssertionError(f"{name}: {blame} (the transform's own maths, not the backend)") from None
+        fragments = _runs_fragments(target)
+        if fragments:
+            blame = _fragment_culprit(*_traced_inputs(target, inputs, target.dtype))
+            if blame:
+                raise AssertionError(f"{name}: {blame}") from None
+        unwritten = "(an unwritten or overflowing element)"
+        if str(exc).endswith(unwritten):
+            traced = "torch maths or Triton fragment" if fragments else "own maths"
+            raise AssertionError(f"{str(exc).removesuffix(unwritten).rstrip()}, and no transform's {traced} "
+                                 f"gives non-finite values on these inputs: the backend produced it "
+                                 f"{unwritten}") from None
+        raise
 
 
 def _runs_fragments(target: Target) -> bool:
@@ -394,7 +400,7 @@ def check_packed(target: Target, grad: bool) -> None:
         low = _memo(target, ("packed", grad, target.dtype),
                     lambda: _documents_alone(target.reference(), inputs, target.dtype, grad))
     got = run_batch(target.variant(), inputs, target.dtype, grad, target.device, documents=list(PACKED_LENGTHS))
-    _compare(target, f"packed documents {PACKED_LENGTHS}", got, truth, low)
+    _compare(target, f"packed documents {PACKED_LENGTHS}", got, truth, low, inputs)
 
 
 def _prefill_documents(variant, inputs: dict, dtype, device, budget, packed: bool) -> torch.Tensor:
@@ -428,7 +434,7 @@ def check_packed_prefill(target: Target) -> None:
     truth = _memo(target, ("packed-prefill", torch.float64),
                   lambda: _prefill_documents(target.reference(), inputs, torch.float64, "cpu", budget, False))
     got = _prefill_documents(target.variant(), inputs, target.dtype, target.device, budget, True)
-    check_close(f"packed prefill {PACKED_LENGTHS}, budget {budget}", got, truth, None, target.dtype)
+    _close(target, f"packed prefill {PACKED_LENGTHS}, budget {budget}", got, truth, None, inputs)
 
 
 def check_causality(target: Target) -> None:
@@ -448,7 +454,7 @@ def check_causality(target: Target) -> None:
     variant = target.variant()
     a = run_batch(variant, inputs, target.dtype, False, target.device)["out"][:, :, :25]
     b = run_batch(variant, changed, target.dtype, False, target.device)["out"][:, :, :25]
-    check_close("causality: outputs before the perturbed tokens", b, a.to(torch.float64), None, target.dtype)
+    _close(target, "causality: outputs before the perturbed tokens", b, a.to(torch.float64), None, inputs)
 
 
 def check_batch_invariance(target: Target) -> None:
@@ -461,14 +467,16 @@ def check_batch_invariance(target: Target) -> None:
         alone = {k: (v[row:row + 1] if k in ("q", "k", "v") or k.startswith("input.") else v)
                  for k, v in inputs.items()}
         one = run_batch(variant, alone, target.dtype, False, target.device)["out"]
-        check_close(f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, target.dtype)
+        _close(target, f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, inputs)
 
 
 def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_position=1, watch=False,
-            keep=(0, "")):
+            keep=(0, ""), trail=None):
     """Prefill the first ``prefill`` tokens, then decode the rest one by one. Returns (out, cache, problems):
     ``problems`` lists budget overruns, protected tokens evicted (with ``watch``) and positions 1..k of
-    ``keep = (k, why)`` (:func:`eviction.must_keep`) missing after a step."""
+    ``keep = (k, why)`` (:func:`eviction.must_keep`) missing after a step. ``trail``: a list that gets, after the
+    prefill and after each step, (the step's output on CPU, :func:`eviction.kept_positions`, tokens evicted so
+    far)."""
     q, k, v = (inputs[n].to(device=device, dtype=dtype) for n in ("q", "k", "v"))
     params = {key: p.to(device) for key, p in params_of(inputs, dtype).items()}
     cache = variant.new_cache(batch=q.shape[0], budget=budget)
@@ -480,9 +488,13 @@ def _decode(variant, inputs, dtype, device="cpu", budget=None, prefill=0, first_
         if prefill:
             outs.append(variant.prefill(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], cache, params,
                                         inputs=_token_inputs(inputs, dtype, device, slice(0, prefill))))
+            if trail is not None:
+                trail.append((outs[-1].cpu(), eviction.kept_positions(cache), cache.evicted))
         for i in range(prefill, q.shape[2]):
             outs.append(variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache, params,
                                        inputs=_token_inputs(inputs, dtype, device, slice(i, i + 1))))
+            if trail is not None:
+                trail.append((outs[-1].cpu(), eviction.kept_positions(cache), cache.evicted))
             if budget is not None and cache.num_tokens > budget and not problems:
                 problems.append(f"cache holds {cache.num_tokens} tokens after step {i + 1}, over its budget "
                                 f"{budget}")
@@ -546,7 +558,7 @@ def check_evictor(target: Target) -> None:
         low = _memo(target, ("evict-low", n, target.dtype),
                     lambda: run_batch(target.reference(), inputs, target.dtype, False))["out"]
     full, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=n, watch=True)
-    check_close("budget >= N", full, truth, low, target.dtype)
+    _close(target, "budget >= N", full, truth, low, inputs)
     if cache.evicted or problems:
         raise AssertionError(f"budget >= N: {cache.evicted} tokens evicted {'; '.join(problems)}")
     keep = eviction.must_keep(target.spec)
@@ -558,6 +570,82 @@ def check_evictor(target: Target) -> None:
         if cache.num_tokens != budget or not cache.evicted:
             raise AssertionError(f"budget {budget}: cache holds {cache.num_tokens} tokens after {n} steps, "
                                  f"{cache.evicted} evicted")
+
+
+#: decode steps after the prefill in :func:`check_evicted_decode` (at least; twice the budget when that is more)
+EVICTED_STEPS = 12
+
+
+def evicted_runs(budgets: list[int]) -> list[tuple[int, int, int]]:
+    """(budget, prefill, tokens) of each run of :func:`check_evicted_decode`: per budget, a prefill shorter than the
+    budget (half of it, at least one token) and one longer (budget + 3: the prefill itself evicts), then
+    max(:data:`EVICTED_STEPS`, 2 x budget) decode steps, each of which evicts."""
+    return [(budget, prefill, prefill + max(EVICTED_STEPS, 2 * budget))
+            for budget in budgets for prefill in sorted({max(1, budget // 2), budget + 3})]
+
+
+def _evicted_trail(variant, inputs, dtype, device, budget, prefill) -> list:
+    trail: list = []
+    _decode(variant, inputs, dtype, device, budget=budget, prefill=prefill, trail=trail)
+    return trail
+
+
+def _first_difference(got: torch.Tensor, want: torch.Tensor) -> tuple[int, int]:
+    """The (batch row, key/value head) of the first row of kept positions that differs."""
+    for i in range(want.shape[0]):
+        for j in range(want.shape[1]):
+            if got.shape[2] != want.shape[2] or not torch.equal(got[i, j], want[i, j]):
+                return i, j
+    return 0, 0
+
+
+def check_evicted_decode(target: Target) -> None:
+    """Decoding past eviction on the backend under test equals the reference backend's decoding of the same spec,
+    inputs and budget, step by step: the output of the prefill and of every decode step (the tolerance rule against
+    the reference's float64 decoding, floor only, as for decode vectors) and the positions the cache keeps after
+    each (exactly). At the budgets :func:`eviction.budgets_for` derives from the evictor, with a prefill shorter
+    and one longer than the budget (:func:`evicted_runs`). Needs no stored vectors: plugin specs get it too.
+
+    Where the reference run in the tested dtype itself keeps other positions than in float64 (a near tie that
+    precision cannot settle), that run is compared up to the step before."""
+    spec = target.spec
+    if spec.cache is None:
+        raise Unsupported("spec has no cache evictor")
+    if not spec.attention.causal:
+        raise Unsupported("spec is not causal: no decoding")
+    target.require(decode=True)
+    variant = target.variant()
+    factory = lambda: variant.plan.evictor_cls(spec.cache)  # noqa: E731 - a fresh evictor per use
+    evicting = 0
+    for budget, prefill, n in evicted_runs(eviction.budgets_for(factory, "accumulator" in spec.slots())):
+        inputs = _random_case(target, Shape(f"evicted-decode-n{n}", 2, 4, 2, n, 8))
+        run = ("evicted-decode", budget, prefill, n)
+        truth = _memo(target, (*run, torch.float64), lambda inputs=inputs, budget=budget, prefill=prefill:
+                      _evicted_trail(target.reference(), inputs, torch.float64, "cpu", budget, prefill))
+        same = truth
+        if target.dtype != torch.float64:
+            same = _memo(target, (*run, target.dtype), lambda inputs=inputs, budget=budget, prefill=prefill:
+                         _evicted_trail(target.reference(), inputs, target.dtype, "cpu", budget, prefill))
+        got = _evicted_trail(variant, inputs, target.dtype, target.device, budget, prefill)
+        where = f"decode past eviction (spec '{spec.name}', budget {budget}, prefill {prefill} of {n} tokens)"
+        steps = zip(got, truth, same, strict=True)
+        for step, ((out, kept, _), (want, want_kept, evicted), (_, near, _)) in enumerate(steps):
+            if not torch.equal(near, want_kept):
+                break  # the reference itself keeps other positions in this precision: a near tie
+            label = (f"the prefill of {prefill} tokens" if step == 0
+                     else f"step {step} (the token at position {prefill + step})")
+            label += f", {evicted} token{'s' if evicted != 1 else ''} evicted so far"
+            if not torch.equal(kept, want_kept):
+                i, j = _first_difference(kept, want_kept)
+                raise AssertionError(f"{where}: after {label}: the cache keeps "
+                                     f"positions {kept[i, j].tolist()} (batch row {i}, key/value head {j}) where "
+                                     f"the reference keeps {want_kept[i, j].tolist()}")
+            _close(target, f"{where}: {label}: out", out, want, None, inputs)
+            evicting += evicted > 0
+    if not evicting:
+        raise AssertionError(f"decode past eviction (spec '{spec.name}'): not run, because no step after an "
+                             f"eviction could be compared (the reference's float64 and "
+                             f"{str(target.dtype).removeprefix('torch.')} decoding keep different positions)")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

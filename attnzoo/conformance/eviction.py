@@ -178,6 +178,21 @@ def check_bulk_eviction(evictor_factory, cache: KVCache, budget: int) -> None:
                              f"independent_scores = False)")
 
 
+def kept_positions(cache: KVCache) -> torch.Tensor:
+    """The positions the cache holds, (B, H_kv, M) on CPU, sorted along M. Read from the slots as they are: the
+    public ``positions`` view would put slots that fast decoding steps left out of position order back in order,
+    and so change what the next step starts from (a bug that only shows in scrambled slots would never show). A
+    cache without those slots (another storage) is read through ``positions``."""
+    raw, held = getattr(cache, "_pos", None), getattr(cache, "_m", None)
+    if isinstance(raw, torch.Tensor) and raw.dim() == 3 and isinstance(held, int):
+        positions = raw[:, :, :held]
+    else:
+        positions = cache.positions
+    if positions is None:
+        return torch.empty(cache.batch, 0, 0, dtype=torch.int64)
+    return positions.sort(dim=-1).values.cpu()
+
+
 class WatchedVictims:
     """Wraps an evictor instance's ``victim`` during a real decode: every victim must be unprotected when chosen."""
 

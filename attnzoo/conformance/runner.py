@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from . import checks
+from .frames import plugin_frame
 from .vectors import VECTOR_DIR, cases_for
 
 DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -131,8 +132,8 @@ ALL_CHECKS = "all-checks"
 #: Seconds per case in Triton's interpreter (TRITON_INTERPRET=1) for a spec without an accumulator, measured on a
 #: 2-core AMD EPYC (float32): checks without a shape. Differential shapes: :func:`_interpreter_cost`.
 INTERPRETER_SECONDS = {"vectors": 0.3, "accumulated": 0.5, "decode": 3.5, "causality": 0.1, "batch-invariance": 0.15,
-                       "evictor": 0.9, "determinism": 0.3, "packed/outputs": 0.7, "packed/gradients": 2.7,
-                       "packed/prefill": 3.7}
+                       "evictor": 0.9, "evicted-decode": 2.5, "determinism": 0.3, "packed/outputs": 0.7,
+                       "packed/gradients": 2.7, "packed/prefill": 3.7}
 #: the interpreter's start (its first kernels), paid once per run
 INTERPRETER_START_SECONDS = 1.5
 
@@ -191,6 +192,7 @@ def _planned(target: checks.Target, profile: str) -> list[_Planned]:
     out += [_Planned("causality", ("causality",), checks.check_causality, ()),
             _Planned("batch-invariance", ("batch",), checks.check_batch_invariance, ()),
             _Planned("evictor", ("eviction", "protected"), checks.check_evictor, ()),
+            _Planned("evicted-decode", ("eviction", "decode"), checks.check_evicted_decode, ()),
             _Planned("determinism", ("determinism",), checks.check_determinism, ()),
             _Planned("packed/outputs", ("packing",), checks.check_packed, (False,)),
             _Planned("packed/gradients", ("packing",), checks.check_packed, (True,)),
@@ -206,6 +208,8 @@ def _not_applicable(check: str, target: checks.Target) -> bool:
         return "accumulator" not in spec.slots()
     if check == "evictor":
         return spec.cache is None
+    if check == "evicted-decode":
+        return spec.cache is None or not spec.attention.causal
     if check in ("decode", "packed/prefill", "causality"):
         return not spec.attention.causal
     if check == "determinism":
@@ -398,8 +402,14 @@ def run_case(case: Case, expected_failure: bool = False) -> Result:
         status, message = "unsupported", str(exc)
     except AssertionError as exc:
         status, message = "fail", " ".join(str(exc).split()) or "assertion failed"
+        raised = plugin_frame(exc, innermost_only=True)
+        if raised:  # a plugin's own assert, not a check's verdict
+            message = f"{type(exc).__name__}: {message} (raised at {raised})"
     except Exception as exc:  # a crash inside a backend is a failure of that backend, reported in one line
         status, message = "fail", f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        raised = plugin_frame(exc)
+        if raised:
+            message += f" (raised at {raised})"
     if expected_failure:
         status = {"fail": "xfail", "pass": "xpass"}.get(status, status)
         if status == "xpass":

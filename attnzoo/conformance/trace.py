@@ -3,6 +3,13 @@
 When a check meets NaN or inf, the suite replays the spec's transforms one slot at a time, with the reference's
 torch maths, on the same inputs in the same dtype, and names the first transform that turns finite inputs into
 non-finite values. That separates "the plugin's formula overflows (its own bug)" from "the backend disagrees".
+
+What counts as non-finite: NaN and +/-inf anywhere in rows (query, key, value, output slots), features and the
+accumulator's selection. In the logits, -inf is how a transform masks a pair, so a logits transform is named when
+it gives NaN or +inf, or when it leaves a row whose allowed pairs (the spec's masks, causality and the key mask:
+``plan.allowed``) are all -inf although one of them was finite before it. Such a row is 0/0 in the softmax (NaN),
+unless the spec has a normaliser (a sink), whose extra logit keeps every row finite. A -inf at some allowed pairs
+of a row, or at pairs the masks exclude anyway, is never blamed.
 """
 
 from __future__ import annotations
@@ -16,6 +23,15 @@ def _bad(t: torch.Tensor, allow_neg_inf: bool = False) -> bool:
     if allow_neg_inf:
         return bool((torch.isnan(t) | torch.isposinf(t)).any())
     return not bool(torch.isfinite(t).all())
+
+
+def _emptied_row(before: torch.Tensor, after: torch.Tensor, allowed: torch.Tensor) -> tuple | None:
+    """The (b, h, i) of the first row whose allowed logits are all -inf in ``after`` but not in ``before``, or None
+    (a row with no allowed pair is a masked row: it gives zeros, whatever its logits)."""
+    allowed = allowed.expand_as(after)
+    dead = lambda x: (torch.isneginf(x) | ~allowed).all(-1)  # noqa: E731
+    hits = (dead(after) & ~dead(before)).nonzero()
+    return tuple(int(i) for i in hits[0].tolist()) if len(hits) else None
 
 
 def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
@@ -43,12 +59,19 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
         ctx = plan.context(positions, pos, dims, key_mask, features, features)
         group = dims.num_heads // dims.num_kv_heads
         logits = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
+        allowed = plan.allowed(ctx, key_mask)
+        sink = plan.one(Slot.NORMALISER) is not None
         for t in plan.many(Slot.LOGITS):
             before = _bad(logits, allow_neg_inf=True)
-            logits = t.apply(logits, ctx, params[t.kind])
+            previous, logits = logits, t.apply(logits, ctx, params[t.kind])
             if not before and _bad(logits, allow_neg_inf=True):
                 return f"transform '{t.kind}' (logits slot) gives non-finite logits in {dtype}"
-        allowed = plan.allowed(ctx, key_mask)
+            row = None if before or sink else _emptied_row(previous, logits, allowed)
+            if row is not None:
+                b, h, i = row
+                return (f"transform '{t.kind}' (logits slot) gives -inf at every pair of a row the spec's masks "
+                        f"allow (query position {int(positions[b, i])}, batch row {b}, head {h}), so the row's "
+                        f"softmax is 0/0, in {dtype}")
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None and not _bad(logits, allow_neg_inf=True):
             index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
