@@ -7,7 +7,7 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
-.PHONY: demo test lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
+.PHONY: demo test test-fast lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
 	bench-vllm
 
 # serving through vLLM (docs/vllm.md) in its own environment: vLLM's CPU build pins torch 2.13.0+cpu and
@@ -60,6 +60,12 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n auto
 	$(MAKE) test-vllm
+
+# the unit tier, for the edit loop: every test without a tier mark (pyproject.toml's markers; docs/testing.md)
+FAST_TIER := not (slow or interpreter or distributed or subprocess or release)
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n auto -m "$(FAST_TIER)"
 
 demo: $(STAMP)
 	$(BIN)/python -m attnzoo.demo $(if $(DETAILS),--details,)

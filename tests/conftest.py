@@ -34,3 +34,15 @@ def lean_kind(request, monkeypatch):
             pytest.skip("no C compiler: the fused decoding steps cannot be built here")
         pytest.fail(fused_decode.status())
     return request.param
+
+
+TIERS = ("slow", "interpreter", "distributed", "subprocess", "release")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers (pyproject.toml's markers, docs/testing.md): a file marks its tier with ``pytestmark``, a single test
+    with a decorator; a test that runs the conformance suite is ``slow`` wherever it lives. ``make test-fast``
+    runs what carries no tier mark."""
+    for item in items:
+        if "conformance" in item.name and not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(pytest.mark.slow)

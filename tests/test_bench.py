@@ -6,6 +6,8 @@ import pytest
 
 from attnzoo.bench import Config, cpu_model, main, run_benchmark, to_markdown
 
+pytestmark = pytest.mark.slow
+
 
 def test_tiny_benchmark_reports_ratios():
     cfg = Config(specs=("vanilla", "selective"), lengths=(64,), memory_lengths=(), repeats=1,

@@ -62,10 +62,12 @@ def test_vector_metadata_names_cases_and_flags():
     assert ids["gqa-17"]["comment"] and ids["gqa-17"]["seed"] and meta["spec_hash"]
 
 
-def test_reference_passes_the_whole_suite():
-    results = run(attnzoo.get_registry(), None, ["reference"])
+@pytest.mark.parametrize("spec", sorted(attnzoo.get_registry().specs))
+def test_reference_passes_the_whole_suite(spec):
+    """One item per registered spec, so xdist spreads the suite's cases over its workers."""
+    results = run(attnzoo.get_registry(), [spec], ["reference"])
     assert not runner.failed(results), [r for r in results if r.status == "fail"][:3]
-    assert sum(r.status == "pass" for r in results) > 500
+    assert sum(r.status == "pass" for r in results) >= 10, spec
     unsupported = {r.message for r in results if r.status == "unsupported"}
     not_decoded = ("transform 'forgetting_gate' computes per-token features, which decoding does not keep in the "
                    "cache yet")

@@ -23,6 +23,8 @@ import attnzoo
 from attnzoo.distributed import ContextParallel, Layout
 from attnzoo.errors import RankDisagreementError
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 2
 #: what every rank calls with, unless its case changes it (rank 1 only)
 BASE = dict(world=WORLD, spec="selective", n=16, heads=2, kv_heads=2, head_dim=4, dtype=torch.float64, balanced=True,

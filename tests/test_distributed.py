@@ -32,6 +32,8 @@ from attnzoo.distributed import (
 )
 from attnzoo.registry import new_registry
 
+pytestmark = pytest.mark.distributed
+
 SHIPPED = [p.stem for p in shipped_spec_files()]
 #: the forgetting gate fed from the layer input: a per-token input (B, H, N) and a cumulative feature
 FORGETTING_INPUT = {"name": "forgetting-input", "attention": {"causal": True},

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 pytest.importorskip("transformers")
 
 VOCAB, N = 64, 23

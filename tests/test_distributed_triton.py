@@ -22,6 +22,8 @@ import torch.multiprocessing as mp
 import attnzoo
 from attnzoo.distributed import ContextParallel, Layout, sum_gradients
 
+pytestmark = [pytest.mark.distributed, pytest.mark.interpreter]
+
 pytest.importorskip("triton")
 
 #: a window of 6 over 4 chunks of 7-8 tokens: masks across the shard boundaries, and pairs where some queries

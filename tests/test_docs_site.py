@@ -20,6 +20,8 @@ pytest.importorskip("mkdocstrings")
 sys.path.insert(0, str(ROOT / "docs"))
 import hooks  # noqa: E402 - docs/hooks.py, the mkdocs hooks that generate the reference pages
 
+pytestmark = pytest.mark.release
+
 
 def test_the_site_builds_strictly(tmp_path):
     # the families page sweeps three families here (an exact, a refused, one transformers cannot build), not all

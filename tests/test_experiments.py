@@ -14,6 +14,8 @@ from attnzoo import experiments
 from attnzoo.cli import main
 from attnzoo.experiments import common, denoising, graph, language_model, pruning, variable_assignment
 
+pytestmark = pytest.mark.slow
+
 
 def test_variable_assignment_answers_the_latest_value():
     gen = torch.Generator().manual_seed(0)

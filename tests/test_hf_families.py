@@ -244,6 +244,7 @@ def test_cli_native_spec_of_a_config(tmp_path, capsys):
     assert "\n" not in err and "bad.json" in err
 
 
+@pytest.mark.slow
 def test_output_attentions_are_the_models_probabilities_and_compile_runs_around_attnzoo():
     torch.manual_seed(5)
     eager = matrix.tiny_model("gemma2")  # softcap and a window: the probabilities of the native spec

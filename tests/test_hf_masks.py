@@ -20,6 +20,8 @@ from transformers.masking_utils import (  # noqa: E402
 from attnzoo.integrations import transformers as zt  # noqa: E402
 from attnzoo.integrations.transformers import masks  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 VOCAB, PAD, BOS, SIZE = 64, 0, 1, 4
 BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=256, pad_token_id=PAD, bos_token_id=BOS,

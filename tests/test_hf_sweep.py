@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 
 from attnzoo.integrations.transformers import sweep  # noqa: E402
 
+pytestmark = [pytest.mark.release, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():

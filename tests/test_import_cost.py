@@ -6,6 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+pytestmark = pytest.mark.subprocess
+
 
 def test_pytest_plugin_imports_nothing_heavy(tmp_path):
     (tmp_path / "test_probe.py").write_text(textwrap.dedent("""

@@ -14,6 +14,8 @@ import pytest
 from attnzoo.cli import main
 from attnzoo.scaffold import names
 
+pytestmark = [pytest.mark.release, pytest.mark.subprocess]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

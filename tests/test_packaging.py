@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.release, pytest.mark.subprocess]
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

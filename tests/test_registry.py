@@ -266,6 +266,7 @@ def _fake_distribution(root: Path, module_source: str) -> None:
     (info / "entry_points.txt").write_text("[attnzoo]\nbroken = broken_plugin\n")
 
 
+@pytest.mark.subprocess
 def test_plugin_that_raises_on_import_is_reported_by_name(tmp_path):
     _fake_distribution(tmp_path, "raise ImportError('needs a GPU library that is not installed')\n")
     env = {"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"}

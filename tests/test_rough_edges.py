@@ -68,6 +68,7 @@ def test_conformance_takes_spec_files(tmp_path, capsys):
     assert not [r for r in data["results"] if r["status"] == "fail"]
 
 
+@pytest.mark.subprocess
 def test_pytest_plugin_with_an_unknown_plugin_is_one_line_and_exit_2(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--attnzoo-conformance",
                           "--attnzoo-plugin", "nonexistent"], capture_output=True, text=True, cwd=tmp_path)
@@ -154,6 +155,7 @@ def test_misspelled_hook_is_named_and_the_plugins_other_hooks_still_work():
     assert reg.plugins["typo"].hooks == ["register_backends"]
 
 
+@pytest.mark.slow
 def test_demo_tells_the_story_in_one_screen(capsys):
     from attnzoo import demo
 

@@ -129,6 +129,7 @@ def test_load_spec_raises_spec_error(name, tmp_path, monkeypatch):
     assert not any((tmp_path / m).exists() for m in MARKERS)
 
 
+@pytest.mark.subprocess
 def test_validate_all_in_a_subprocess(tmp_path):
     big = tmp_path / "big.yaml"
     big.write_bytes(b"name: big\nsummary: " + b"a" * (20 * 1024 * 1024) + b"\n")

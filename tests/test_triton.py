@@ -26,6 +26,8 @@ from attnzoo.transforms.base import LogitsTransform, Slot  # noqa: E402
 from attnzoo.transforms.logits import Softcap  # noqa: E402
 from attnzoo.transforms.lowering import TritonLogits  # noqa: E402
 
+pytestmark = pytest.mark.interpreter
+
 
 def _plan(name, registry=None):
     registry = registry or get_registry()

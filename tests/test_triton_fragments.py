@@ -21,6 +21,8 @@ from attnzoo.registry import new_registry  # noqa: E402
 from attnzoo.transforms.base import LogitsTransform, ParamSpec, Slot  # noqa: E402
 from attnzoo.transforms.lowering import TritonLogits  # noqa: E402
 
+pytestmark = pytest.mark.interpreter
+
 LQ = "tl.log(qp.to(tl.float32))"
 LK = "tl.log(kp.to(tl.float32))"
 

@@ -19,6 +19,8 @@ import urllib.request
 import pytest
 import torch
 
+pytestmark = [pytest.mark.slow, pytest.mark.subprocess]
+
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
