@@ -53,18 +53,18 @@ test-vllm: $(VLLM_STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_throughput.py --out benchmarks/results
 
+# ruff, and the import contracts of .importlinter (no cycles, the layers of docs/architecture.md, the oracle)
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
-test: $(STAMP)
-	$(BIN)/ruff check .
+test: lint
 	$(BIN)/python -m pytest -q -n auto
 	$(MAKE) test-vllm
 
 # the unit tier, for the edit loop: every test without a tier mark (pyproject.toml's markers; docs/testing.md)
 FAST_TIER := not (slow or interpreter or distributed or subprocess or release)
-test-fast: $(STAMP)
-	$(BIN)/ruff check .
+test-fast: lint
 	$(BIN)/python -m pytest -q -n auto -m "$(FAST_TIER)"
 
 demo: $(STAMP)

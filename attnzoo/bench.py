@@ -262,7 +262,7 @@ def plot(result: dict, path: Path) -> bool:
 
 
 def build_parser():
-    from .cli import Parser, int_in
+    from .cli_input import Parser, int_in
 
     parser = Parser(prog="attnzoo bench", description=__doc__)
     length = int_in(1, MAX_LENGTH)
@@ -278,7 +278,7 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    from .cli import folder_for_writing, int_in
+    from .cli_input import folder_for_writing, int_in
 
     args = build_parser().parse_args(argv)
     length = int_in(1, MAX_LENGTH)
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     except SpecError as exc:
         print(f"attnzoo bench: {exc}", file=sys.stderr)
         return 2
-    from .cli import BadInput
+    from .cli_input import BadInput
 
     try:
         folder_for_writing(args.out, "--out")

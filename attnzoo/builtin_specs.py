@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .hookspecs import hookimpl
-from .spec import SUFFIXES
+from .spec_data import SUFFIXES
 
 SPEC_DIR = Path(__file__).parent / "specs"
 

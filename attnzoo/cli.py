@@ -7,93 +7,23 @@ import json
 import sys
 from collections.abc import Sequence
 
+from .cli_input import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    BadInput,
+    Parser,
+    clip_message,
+    device_named,
+    dtype_named,
+    folder_for_writing,
+    int_in,
+    read_config,
+    same_file,
+    setting,
+    writable,
+)
 from .errors import AttnzooError
-
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class BadInput(Exception):
-    """Raised by a command for input it cannot use; main() prints its one line and exits 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with its refusals on one line (exit 2): ``attnzoo build: error: ... (see attnzoo build --help)``
-    instead of a usage block; its subcommands' parsers are of this class too."""
-
-    def error(self, message: str):
-        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {' '.join(message.split())} (see {self.prog} --help)\n")
-
-
-def int_in(low: int, high: int):
-    """An argparse ``type``: an integer from ``low`` to ``high``, else one line naming the range."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"'{text[:40]}' is not an integer") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{value} is out of range: an integer from {low:,} to {high:,}")
-        return value
-
-    parse.__name__ = "integer"  # argparse names the type in its message
-    return parse
-
-
-def _dtype(name: str, floating: bool = True):
-    """The torch dtype ``name`` (a floating one unless ``floating`` is False), else one line."""
-    import torch
-
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise BadInput(f"unknown dtype '{name[:40]}' (e.g. float32, float64, float16, bfloat16)")
-    if floating and not value.is_floating_point:
-        raise BadInput(f"dtype '{name}' is not a floating dtype (e.g. float32, float64, float16, bfloat16)")
-    return value
-
-
-def _device(name: str) -> str:
-    """A device name torch knows and this machine has (one line otherwise)."""
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise BadInput(f"unknown device '{name}' (e.g. cpu, cuda, cuda:1)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput(f"device '{name}' is not available here (torch sees no CUDA GPU)")
-    if device.type not in ("cpu", "cuda"):
-        module = getattr(torch, device.type, None)
-        if module is None or not getattr(module, "is_available", lambda: False)():
-            raise BadInput(f"device '{name}' is not available here")
-    return str(device)
-
-
-def _writable(path: str) -> None:
-    """One line (exit 2) unless ``path`` can be written: its folder exists and takes files, it is not a folder."""
-    import os
-    from pathlib import Path
-
-    target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
-    if target.is_dir():
-        raise BadInput(f"--report {path}: is a directory")
-    if not folder.is_dir():
-        raise BadInput(f"--report {path}: no such directory '{folder}'")
-    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise BadInput(f"--report {path}: not writable")
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether paths ``a`` and ``b`` name one file: the same file on disk, or the same resolved path."""
-    import os
-
-    try:
-        if os.path.exists(a) and os.path.exists(b):
-            return os.path.samefile(a, b)
-        return os.path.realpath(a) == os.path.realpath(b)
-    except OSError:
-        return False
 
 
 def cmd_list(args) -> int:
@@ -158,7 +88,7 @@ def cmd_validate(args) -> int:
 def cmd_explain(args) -> int:
     from .dispatch import explain
 
-    print(explain(args.spec, device=_device(args.device), dtype=_dtype(args.dtype, floating=False),
+    print(explain(args.spec, device=device_named(args.device), dtype=dtype_named(args.dtype, floating=False),
                   requires_grad=args.grad, mode=args.mode))
     return EXIT_OK
 
@@ -172,22 +102,22 @@ def cmd_conformance(args) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from .conformance import runner
+    from .conformance import planning, runner
     from .registry import get_registry
     from .spec import names_a_file
 
     reg = get_registry()
-    dtypes = tuple(_dtype(d) for d in args.dtype) if args.dtype else runner.DEFAULT_DTYPES
+    dtypes = tuple(dtype_named(d) for d in args.dtype) if args.dtype else runner.DEFAULT_DTYPES
     files = [s for s in args.specs or [] if names_a_file(s)]
-    args.specs = runner.with_files(reg, args.specs)
-    specs, backends = runner.select(reg, args.specs, args.backend, args.plugin)
+    args.specs = planning.with_files(reg, args.specs)
+    specs, backends = planning.select(reg, args.specs, args.backend, args.plugin)
     expected = runner.read_expected_failures(args.expected_failures)
-    device = _device(args.device)
+    device = device_named(args.device)
     inputs = [*files, args.expected_failures or ""]
     for i, path in enumerate(args.report or []):  # before the run: a report that cannot be written would waste it
-        _writable(path)
+        writable(path)
         for other in [*inputs, *args.report[:i]]:
-            if other and _same_file(path, other):
+            if other and same_file(path, other):
                 raise BadInput(f"--report {path}: names {other}, an input of this run (or another report); "
                                f"a report never overwrites what it reports on")
     cases = runner.build_cases(reg, args.specs, args.backend, dtypes, plugin=args.plugin, seed=args.seed,
@@ -353,45 +283,15 @@ def _print_compiled(rows) -> None:
                   + ("" if not failed else "  FAILED: " + "; ".join(failed)))
 
 
-def _setting(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` from --set: VALUE read as JSON when it parses (numbers, lists), else kept as a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise BadInput(f"--set {text}: expected KEY=VALUE, e.g. --set batch=32")
-    try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
-        return key, value
-
-
 #: training longer than this (at the measured step rate) asks for --yes first
 LONG_RUN_SECONDS = 3600
-
-
-def folder_for_writing(path: str, flag: str) -> None:
-    """One line (exit 2) unless ``path`` is, or can be made, a folder to write into: checked before any work."""
-    import os
-    from pathlib import Path
-
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise BadInput(f"{flag} {path}: exists and is not a folder")
-    existing = target
-    while not existing.exists():
-        if existing.is_symlink():
-            raise BadInput(f"{flag} {path}: '{existing}' is a dangling symbolic link")
-        existing = existing.parent
-    if not existing.is_dir():
-        raise BadInput(f"{flag} {path}: '{existing}' is not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise BadInput(f"{flag} {path}: '{existing}' is not writable")
 
 
 def cmd_experiment(args) -> int:
     from . import experiments
     from .dispatch import compile as compile_spec
 
-    overrides = dict(_setting(s) for s in args.set or [])
+    overrides = dict(setting(s) for s in args.set or [])
     for flag, key, value in (("--spec", "specs", args.spec), ("--seed", "seeds", args.seed),
                              ("--steps", "steps", args.steps)):
         if value is None:
@@ -418,90 +318,6 @@ def cmd_experiment(args) -> int:
     return EXIT_OK
 
 
-#: How deep a config.json may nest objects and arrays (transformers writes a few levels: sub-configurations,
-#: rope_scaling, tagged floats); deeper is refused before it is parsed (Python's JSON parser recurses).
-CONFIG_DEPTH = 32
-
-
-def _clip(value, limit: int = 80) -> str:
-    """``value`` as text, cut to ``limit`` characters with an ellipsis: what a message echoes of an input."""
-    text = str(value)
-    return text if len(text) <= limit else text[:limit - 1] + "…"
-
-
-def _clip_message(message, limit: int) -> str:
-    """Another library's message about an input, on one line, with every word (an echoed value) cut to 80 characters
-    and the whole to ``limit``."""
-    import re
-
-    return _clip(re.sub(r"(\S{79})\S+", "\\1…", " ".join(str(message).split())), limit)
-
-
-def _nests_deeper(text: str, limit: int) -> bool:
-    """Whether JSON ``text`` nests objects and arrays more than ``limit`` deep (brackets inside strings do not
-    count): a scan in linear time that does not recurse, before a parser that does."""
-    import re
-
-    depth = 0
-    for bracket in re.sub(r"[^\[\]{}]+", "", re.sub(r'"[^"\\]*(?:\\.[^"\\]*)*"?', "", text)):
-        if bracket in "[{":
-            depth += 1
-            if depth > limit:
-                return True
-        else:
-            depth -= 1
-    return False
-
-
-def _read_config(path: str):
-    """A transformers ``config.json`` (or a checkpoint folder holding one) as its ``PretrainedConfig``, read as
-    ``AutoConfig.from_pretrained`` reads a local file (transformers' own JSON loader: its ``{"__float__": "Infinity"}``
-    tags become floats), but size- and depth-limited, with no code run and nothing downloaded. The attnzoo record of
-    a checkpoint saved after ``apply()`` (its ``attnzoo`` key) is checked as every host checks it
-    (:func:`~attnzoo.integrations.transformers.records.check_record`): a malformed one is refused."""
-    import os
-
-    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
-    if not os.path.isfile(file):
-        raise BadInput(f"{file}: {'not a regular file' if os.path.exists(file) else 'no such file'}")
-    if os.path.getsize(file) > (1 << 22):
-        raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
-    try:
-        with open(file, encoding="utf-8") as fh:
-            text = fh.read((1 << 22) + 1)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BadInput(f"{file}: not readable JSON ({_clip_message(exc, 240)})") from None
-    if len(text) > (1 << 22):
-        raise BadInput(f"{file}: larger than 4 MiB, not a model configuration")
-    if _nests_deeper(text, CONFIG_DEPTH):
-        raise BadInput(f"{file}: objects and arrays nested more than {CONFIG_DEPTH} deep, not a model configuration")
-    try:
-        from transformers import CONFIG_MAPPING, PretrainedConfig
-    except ImportError:
-        raise BadInput("native-spec needs transformers: pip install 'attnzoo[transformers]'") from None
-    try:  # transformers' reader of a local config.json (what from_pretrained and from_json_file call)
-        data = PretrainedConfig._dict_from_json_file(file)
-    except (OSError, ValueError, RecursionError, MemoryError) as exc:  # ValueError: JSON, and ints over 4,300 digits
-        raise BadInput(f"{file}: not readable JSON ({_clip_message(exc, 240)})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise BadInput(f"{file}: a transformers config.json names its model_type")
-    if data["model_type"] not in CONFIG_MAPPING:
-        raise BadInput(f"{file}: model_type '{_clip(data['model_type'])}' is not one transformers knows")
-    data.pop("attn_implementation", None)  # an attnzoo checkpoint's guard
-    if "attnzoo" in data:  # an attnzoo checkpoint's record: read as zt.from_pretrained and vLLM read it
-        from .integrations.transformers import IntegrationError
-        from .integrations.transformers.records import check_record
-
-        try:
-            data["attnzoo"] = check_record(data["attnzoo"], file)
-        except IntegrationError as exc:  # one line naming the file and the field, its values clipped
-            raise BadInput(str(exc)) from None
-    try:
-        return file, CONFIG_MAPPING[data["model_type"]].from_dict(data)
-    except Exception as exc:  # noqa: BLE001 - transformers' own refusal, in one line
-        raise BadInput(f"{file}: transformers rejects it ({_clip_message(exc, 240)})") from None
-
-
 def _cli_prefer(message: str) -> str:
     """A composition conflict's message as the CLI says it: its ``--prefer`` option, not ``apply()``'s argument."""
     import re
@@ -514,18 +330,18 @@ def cmd_native_spec(args) -> int:
     from .integrations.transformers.core import config_native_layers
     from .spec import load_spec
 
-    file, config = _read_config(args.config)
+    file, config = read_config(args.config)
     user = load_spec(args.spec) if args.spec else None  # a bad --spec is refused before the model is built
     try:
         layers = config_native_layers(config)
     except IntegrationError as exc:
-        raise BadInput(f"{file}: {_clip_message(exc, 400)}") from None
+        raise BadInput(f"{file}: {clip_message(exc, 400)}") from None
     rows = []
     for layer in layers:
         try:
             spec, bound = (compose(layer, user, args.prefer) if user is not None else (layer.spec(), layer.bound))
         except IntegrationError as exc:
-            raise BadInput(f"{file}: {_clip_message(_cli_prefer(str(exc)), 400)}") from None
+            raise BadInput(f"{file}: {clip_message(_cli_prefer(str(exc)), 400)}") from None
         c = layer.call
         rows.append({"layer": c.layer, "module": c.module, "num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads,
                      "head_dim": c.head_dim, "spec": spec.model_dump(mode="json", exclude={"summary"}),

@@ -6,9 +6,11 @@ from typing import Any
 
 import torch
 
-from .backends.base import Mode, batch_mode
+from .core.contract import Mode, batch_mode
+from .core.numerics import accumulator_dtype
+from .decode.create import UNSET, new_cache
 from .decode.step import extend
-from .decode.storage import ACCUMULATED_STATE, KVCache, accumulator_dtype
+from .decode.storage import KVCache
 from .errors import UnsupportedError
 from .inputs import check_key_mask, check_positions, check_qkv
 from .packing import as_documents, document_positions, run_packed
@@ -170,30 +172,10 @@ class Variant:
         return run_packed(forward, q, k, v, grouped, pos, docs, token_inputs, return_accumulated, f_dtype=f_dtype)
 
     # -- decoding -------------------------------------------------------------------------------------------------
-    def new_cache(self, batch: int, budget: int | None = _UNSET) -> KVCache:
+    def new_cache(self, batch: int, budget: int | None = UNSET) -> KVCache:
         """A decode-time KV cache with the spec's evictor. ``budget`` defaults to the spec's ``cache.budget``;
-        None never evicts."""
-        if not self.plan.causal:
-            raise ValueError(f"spec '{self.spec.name}' is not causal: token-by-token decoding needs causal attention")
-        options = self.spec.cache
-        if budget is _UNSET:
-            budget = options.budget if options is not None else None
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 1):
-            raise ValueError(f"budget must be an int >= 1 or None, got {budget!r}")
-        evictor = self.plan.evictor_cls(options) if options is not None else None
-        if budget is not None and evictor is None:
-            raise ValueError(f"spec '{self.spec.name}' has no cache evictor, so a budget cannot be kept")
-        if evictor is not None:
-            problem = evictor.check_budget(budget)
-            if problem:
-                raise ValueError(problem)
-        names = list(evictor.state_names) if evictor is not None else []
-        if self.plan.one(Slot.ACCUMULATOR) is not None:
-            names.insert(0, ACCUMULATED_STATE)
-        # a mask that bounds how far back any query sees (a sliding window) lets the cache drop what none will see;
-        # the spec is remembered so that another spec's steps are refused
-        horizon = self.plan.earliest_key if self.plan.earliest_key(1) is not None else None
-        return KVCache(batch, budget, evictor, tuple(names), horizon=horizon, spec=(self.spec.hash, self.spec.name))
+        None never evicts (:func:`attnzoo.decode.create.new_cache`)."""
+        return new_cache(self.plan, batch, budget)
 
     def initial_params_for(self, dims: Dims, like: torch.Tensor) -> dict[str, torch.Tensor]:
         """The initial parameter values for ``dims`` in ``like``'s dtype and device, made once per case (a decode
@@ -321,9 +303,9 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
     chosen = next((name for name, why in result.items() if not why), None)
     lines.append(f"  auto -> {chosen}" if chosen else "  auto -> none can run this case")
     if mode == Mode.DECODE and dev.type == "cpu" and not result.get("blocked", ["absent"]):
-        from .decode import fused  # compiles the fused steps (once per process) to say whether they run
+        from .decode import fused_build  # compiles the fused steps (once per process) to say whether they run
 
-        lines.append(f"  blocked's decode steps at a budget: {fused.status()}")
+        lines.append(f"  blocked's decode steps at a budget: {fused_build.status()}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """A spec resolved against the registry: transform instances by slot, the evictor, parameter declarations.
 
 Backends consume a :class:`Plan`; it holds no backend-specific state. The steps every backend computes the same
-way live in ``attnzoo/backends/composition.py`` (inherited: ``plan.row_scale(...)``), the checks of a call's
+way live in ``attnzoo/core/composition.py`` (held: ``plan.composition.row_scale(...)``), the checks of a call's
 inputs in ``attnzoo/inputs.py``.
 """
 
@@ -12,20 +12,29 @@ from typing import Any
 
 import torch
 
-from .backends.composition import Composition, DecodeStep
+from .core.composition import Composition
+from .decode.step import DecodeStep, admit
 from .transforms.base import Dims, ParamSpec, Slot, TokenInput, Transform
 
 __all__ = ["DecodeStep", "Plan"]
 
 
 @dataclass
-class Plan(Composition):
+class Plan:
     spec: Any
     transforms: list[Transform]
     causal: bool
     scale: float | None
     by_slot: dict[Slot, list[Transform]] = field(default_factory=dict)
     evictor_cls: type | None = None
+    composition: Composition = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.composition = Composition(self.transforms, self.by_slot, self.causal, self.scale)
+
+    def logit_scale(self, head_dim: int) -> float:
+        """The scale of the logits: the spec's ``attention.scale``, else 1/sqrt(D) (as the composition's)."""
+        return self.composition.logit_scale(head_dim)
 
     @classmethod
     def from_spec(cls, spec, registry) -> Plan:
@@ -35,6 +44,15 @@ class Plan(Composition):
             by_slot.setdefault(t.slot, []).append(t)
         evictor_cls = registry.evictors[spec.cache.evictor] if spec.cache is not None else None
         return cls(spec, transforms, spec.attention.causal, spec.attention.scale, by_slot, evictor_cls)
+
+    def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
+              key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
+        """The decoding sequence every backend shares (:func:`attnzoo.decode.step.admit`): the new tokens'
+        positions, their rows through the query, key and value slots (once per token), their per-token features
+        (cumulative ones continuing the cache's running sums), then the append to ``cache`` (and eviction first
+        when its evictor says so). ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see
+        :meth:`~attnzoo.core.composition.Composition.row_scale`."""
+        return admit(self, cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=widen)
 
     def one(self, slot: Slot) -> Transform | None:
         items = self.by_slot.get(slot, [])

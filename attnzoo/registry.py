@@ -72,7 +72,7 @@ class Registry:
     def spec_model(self) -> type:
         """The pydantic model of a spec file, with ``transforms`` a union over the registered transform kinds."""
         if self._spec_model is None:
-            from .spec import build_spec_model
+            from .spec_data import build_spec_model
 
             self._spec_model = build_spec_model(self.transforms, self.evictors)
         return self._spec_model
@@ -97,7 +97,7 @@ class Registry:
 
             name = _check_class(item, Evictor, "evictor")
         elif category == "backends":
-            from .backends.base import Backend
+            from .core.contract import Backend
 
             if not isinstance(item, Backend):
                 raise PluginError(f"register_backends expects a Backend instance, got {item!r}")
@@ -118,7 +118,7 @@ class Registry:
 
 def _backend_problem(backend: Any) -> str | None:
     """A break of the backend contract visible without running it (docs/plugins.md), or None."""
-    from .backends.base import Mode
+    from .core.contract import Mode
 
     modes = getattr(backend, "modes", None)
     if not isinstance(modes, (set, frozenset)) or not modes or not all(isinstance(m, Mode) for m in modes):
@@ -172,7 +172,7 @@ def new_registry(
         reg.plugins[name] = info
         unknown = _unknown_hooks(obj)
         if unknown:  # report each misspelled hook, and register the plugin's other hooks
-            from .spec import did_you_mean
+            from .spec_data import did_you_mean
 
             for hook in unknown:
                 info.errors.append(f"cannot register: unknown hook '{hook}'{did_you_mean(hook, _HOOK_NAMES)} "
@@ -243,7 +243,7 @@ def _collect(reg: Registry, category: str, plugin: str, function: Callable) -> N
         return
     if category == "specs":
         from .errors import SpecError
-        from .spec import load_spec
+        from .spec_data import load_spec
 
         for path in staged.values():
             try:

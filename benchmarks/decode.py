@@ -299,9 +299,9 @@ def main(argv=None) -> None:
     if args.hf_one:
         print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps)))
         return
-    from attnzoo.decode import fused as fused_decode
+    from attnzoo.decode import fused_build
 
-    steps = fused_decode.status()  # compiles the fused steps now, outside every timed loop
+    steps = fused_build.status()  # compiles the fused steps now, outside every timed loop
     result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "lean_steps": steps,
               "config": {k: v for k, v in vars(args).items() if k != "out"}}
     lines = [f"# Decoding ({result['cpu']}, {args.threads} threads, torch {torch.__version__})", "",

@@ -173,8 +173,8 @@ def _candidates(spec_name, q, k, v, grad, device):
         def flex_run():
             # row scales (SSA) are applied as in attnzoo's flex backend: a pre-scale of q and v
             grouped = plan.split_params(params, Dims(h, d, k.shape[1]), q)
-            qs = plan.row_scale(Slot.QUERY, q, positions, grouped)
-            vs = plan.row_scale(Slot.VALUE, v, positions, grouped)
+            qs = plan.composition.row_scale(Slot.QUERY, q, positions, grouped)
+            vs = plan.composition.row_scale(Slot.VALUE, v, positions, grouped)
             out = compiled(qs, k, vs, score_mod=score_mod if has_acc else None, block_mask=block_mask,
                            scale=scale, enable_gqa=k.shape[1] != h)
             finish(out)

@@ -5,9 +5,21 @@ import tempfile
 # any generated kernel module loads. Artifacts go to a per-run directory, not the user's cache.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("ATTNZOO_CACHE_DIR", tempfile.mkdtemp(prefix="attnzoo-test-cache-"))
+# the fused decoding steps' library (built by torch.utils.cpp_extension, ~30 s) is keyed by its sources, flags,
+# compiler, torch and CPU: a per-user directory keeps one build for every test run on this machine
+os.environ.setdefault("ATTNZOO_FUSED_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"attnzoo-fused-{os.getuid()}"))
+
+# xdist runs one worker per core: torch's default of one thread per core in every worker (and in the process groups
+# the distributed tests spawn) oversubscribes the cores, and OpenMP's spinning barriers then make small-tensor tests
+# ten times slower. One thread per worker; the tests of threaded code set their own count.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
@@ -23,16 +35,16 @@ def rand(*shape, dtype=torch.float64, requires_grad=False):
 
 @pytest.fixture(params=["fused", "torch"])
 def lean_kind(request, monkeypatch):
-    """The evicting lean steps in both forms: fused in C (compiled once per process) and the torch operations
-    that define them. A machine with a C compiler must compile the fused steps."""
-    from attnzoo.decode import fused as fused_decode
+    """The evicting lean steps in both forms: fused in C++ (torch ops, built once per machine into the build cache)
+    and the torch operations that define them. A machine with a C++ compiler must build the fused steps."""
+    from attnzoo.decode import fused_build
 
     if request.param == "torch":
-        monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off in this test"))
-    elif fused_decode.library() is None:
-        if fused_decode._compiler() is None:
-            pytest.skip("no C compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_decode.status())
+        monkeypatch.setattr(fused_build, "_LOADED", (None, "switched off in this test"))
+    elif fused_build.library() is None:
+        if fused_build._compiler() is None:
+            pytest.skip("no C++ compiler: the fused decoding steps cannot be built here")
+        pytest.fail(fused_build.status())
     return request.param
 
 

@@ -114,12 +114,12 @@ def test_private_flash_op_still_matches_its_contract():
 
 @pytest.fixture
 def unprobed(monkeypatch):
-    """The selective kernel's flash-op module with no probe verdict yet (as in a fresh process); restored
-    afterwards."""
-    from attnzoo.backends import selective_tiles
+    """The flash-op module (attnzoo.core.flash, which the selective kernel and the distributed pairs call) with no
+    probe verdict yet (as in a fresh process); restored afterwards."""
+    from attnzoo.core import flash
 
-    monkeypatch.setattr(selective_tiles, "_PROBED", {})
-    return selective_tiles
+    monkeypatch.setattr(flash, "PROBED", {})
+    return flash
 
 
 def test_eager_equivalent_when_the_private_op_is_unusable(monkeypatch, unprobed):
@@ -137,7 +137,7 @@ def test_missing_private_op_falls_back_to_eager_with_a_warning(monkeypatch, unpr
     def missing(*args, **kwargs):  # what torch.ops.aten.<name> raises for an op this torch lacks
         raise AttributeError("'_OpNamespace' 'aten' object has no attribute '_scaled_dot_product_flash_...'")
 
-    monkeypatch.setattr(unprobed, "_flash_op", missing)
+    monkeypatch.setattr(unprobed, "flash_op", missing)
     q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
     variant = attnzoo.compile("selective", backend="blocked")
     with pytest.warns(RuntimeWarning, match="unusable for float64 \\(AttributeError"):
@@ -189,7 +189,7 @@ def test_earliest_key_is_a_promise_the_mask_keeps(mask):
     plan = attnzoo.compile(spec).plan
     transform = plan.many(attnzoo.Slot.MASK)[0]
     pos = torch.arange(1, 30)
-    ctx = plan.context(pos.view(1, -1), pos.view(1, 1, -1), attnzoo.Dims(2, 4, 2))
+    ctx = plan.composition.context(pos.view(1, -1), pos.view(1, 1, -1), attnzoo.Dims(2, 4, 2))
     allowed = transform.allowed(ctx).expand(1, 2, 29, 29)
     for i in range(29):
         earliest = transform.earliest_key(int(pos[i]))

@@ -8,6 +8,7 @@ import stat
 
 import pytest
 
+from attnzoo import buildcache
 from attnzoo.backends.triton import aot
 from attnzoo.backends.triton import build as builder
 from attnzoo.cli import main
@@ -164,9 +165,9 @@ def test_group_writable_is_refused_unless_a_private_group(tmp_path, monkeypatch)
     root = tmp_path / "cache"
     builder.build(SPEC, root=root)
     root.chmod(0o770)
-    monkeypatch.setattr(builder, "_private_group", lambda gid, uid: True)  # the group is the owner alone
+    monkeypatch.setattr(buildcache, "private_group", lambda gid, uid: True)  # the group is the owner alone
     assert builder.build(SPEC, root=root).hit
-    monkeypatch.setattr(builder, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(buildcache, "private_group", lambda gid, uid: False)
     with pytest.raises(builder.CacheError, match="other users can write it"):
         builder.build(SPEC, root=root)
 
@@ -175,7 +176,7 @@ def test_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     builder.build(SPEC, root=root)
     owner = root.stat().st_uid
-    monkeypatch.setattr(builder, "_trusted_owners", lambda: {owner + 1})  # as seen by another user (not root)
+    monkeypatch.setattr(buildcache, "trusted_owners", lambda: {owner + 1})  # as seen by another user (not root)
     with pytest.raises(builder.CacheError) as caught:
         builder.build(SPEC, root=root)
     assert f"{root}: owned by another user (uid {owner})" in _one_line(caught)

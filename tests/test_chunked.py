@@ -84,7 +84,7 @@ def test_the_mask_is_the_definition_and_earliest_key_its_exact_first_key(chunk):
     mask = plan.many(attnzoo.Slot.MASK)[0]
     n = 30
     pos = torch.arange(1, n + 1)
-    ctx = plan.context(pos.view(1, -1), pos.view(1, 1, -1), attnzoo.Dims(2, 4, 2))
+    ctx = plan.composition.context(pos.view(1, -1), pos.view(1, 1, -1), attnzoo.Dims(2, 4, 2))
     got = mask.allowed(ctx).expand(1, 2, n, n)
     want = hand_allowed(pos.view(1, -1), torch.ones(1, n, dtype=torch.bool), chunk)
     assert torch.equal(got, want[:, None].expand(1, 2, n, n))
@@ -93,7 +93,7 @@ def test_the_mask_is_the_definition_and_earliest_key_its_exact_first_key(chunk):
     assert firsts == sorted(firsts)
     for i in range(n):
         assert not bool(got[:, :, i:, pos < firsts[i]].any())
-    assert plan.earliest_key(1) == 1  # a bound exists: decoding caches get a horizon
+    assert plan.composition.earliest_key(1) == 1  # a bound exists: decoding caches get a horizon
 
 
 @pytest.mark.parametrize("chunk", [1, 4, 7, 64])

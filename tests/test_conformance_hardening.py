@@ -1,6 +1,7 @@
 """Conformance on plugins' specs, transforms and backends (issue 40, round 3): decoding past eviction is compared with
 the reference for any spec with an evictor (no stored vectors needed), a transform that makes a whole row of logits
--inf is named like one that gives NaN, and an exception raised in plugin code says where."""
+-inf is named like one that gives NaN, and an exception raised in plugin code says where. The backend's fast decoding
+step is held to the full path's Python rule (``fast-step``, issue 41)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import torch
 
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
-from attnzoo.conformance import checks, frames, runner, trace
+from attnzoo.conformance import checks, checks_decode, frames, runner, trace
+from attnzoo.decode.fast import SlotView
+from attnzoo.evictors.base import KernelRule
+from attnzoo.evictors.builtin import H2O
 from attnzoo.registry import new_registry
 from attnzoo.transforms.base import LogitsTransform, Slot
 
@@ -109,10 +113,10 @@ def test_correct_backends_pass_decoding_past_eviction(tmp_path, cache):
 
 
 def test_decode_past_eviction_runs_evict_many_times_at_small_sizes():
-    runs = checks.evicted_runs([2, 8])
+    runs = checks_decode.evicted_runs([2, 8])
     assert runs == [(2, 1, 13), (2, 5, 17), (8, 4, 20), (8, 11, 27)]
     assert all(prefill < budget or prefill > budget for budget, prefill, _ in runs)  # shorter and longer
-    assert all(n - prefill >= max(checks.EVICTED_STEPS, 2 * budget) for budget, prefill, n in runs)
+    assert all(n - prefill >= max(checks_decode.EVICTED_STEPS, 2 * budget) for budget, prefill, n in runs)
 
 
 def test_decode_past_eviction_is_in_the_quick_profile_and_not_for_specs_without_an_evictor():
@@ -123,6 +127,61 @@ def test_decode_past_eviction_is_in_the_quick_profile_and_not_for_specs_without_
     assert "evicted-decode" not in [c.check for c in half]
     results = runner.run_suite(runner.build_cases(reg, ["vanilla"], ["reference"], F64, shapes=["evicted-decode"]))
     assert [(r.status, r.message) for r in results] == [("unsupported", "spec has no cache evictor")]
+
+
+# -- the fast decoding step against the Python rule (attnzoo.decode.check.check_fast_step) ---------------------------
+def _fast_step(specs, backends, dtypes=DTYPES):
+    cases = runner.build_cases(attnzoo.get_registry(), specs, backends, dtypes, shapes=["fast-step"])
+    return runner.run_suite(cases)
+
+
+def test_the_fast_step_check_passes_on_h2o(lean_kind):
+    results = _fast_step(["h2o"], ["blocked"])
+    assert [(r.id, r.status) for r in results] == [("blocked::h2o::fast-step[float64]", "pass"),
+                                                   ("blocked::h2o::fast-step[float32]", "pass")], \
+        runner.failure_lines(results)
+
+
+def _victim_after_the_rules(rule):
+    """H2O's victim as the fast (torch) step sees it (over a :class:`SlotView`): the slot after the one the Python
+    rule names; the full path (over the cache itself) keeps the rule's."""
+    return lambda self, cache: ((rule(self, cache) + 1) % cache.positions.shape[-1] if isinstance(cache, SlotView)
+                                else rule(self, cache))
+
+
+def test_the_suite_fails_on_a_fast_step_that_parts_from_the_python_rule(monkeypatch, lean_kind):
+    """A difference planted in the fast step alone fails `fast-step`, naming the budget, the dtype, the step and the
+    kind of fast step: in the C step, the options the evictor hands the kernel (H2O's recent window one larger, as
+    in tests/test_decode_fast_rule.py); in the torch step, the victim it evicts."""
+    if lean_kind == "fused":
+        monkeypatch.setattr(H2O, "kernel_rule",
+                            lambda self, budget: KernelRule("scoring", (0, self.recent(budget) + 1), "attention", 1))
+    else:
+        monkeypatch.setattr(H2O, "victim", _victim_after_the_rules(H2O.victim))
+    results = _fast_step(["h2o"], ["blocked"])
+    assert [r.status for r in results] == ["fail", "fail"], [r.message for r in results]
+    for r, dtype in zip(results, ("float64", "float32"), strict=True):
+        assert re.search(rf"fast step against the full path \(budget \d+, {dtype}\): spec 'h2o', step \d+, fast "
+                         rf"step '{lean_kind}': (keeps positions|outputs differ)", r.message), r.message
+
+
+def test_the_fast_step_check_is_unsupported_where_no_fast_step_is_offered():
+    """With the reason: a backend that offers no fast step at all (the reference), a spec the blocked backend's
+    fast steps do not cover (selective-ssa: an evictor, but a row map beside the accumulator), and a backend that
+    switches its fast step off (``decode_step = None``)."""
+    results = _fast_step(["h2o", "selective-ssa"], ["reference", "blocked"], F64)
+    assert {r.id: (r.status, r.message) for r in results} == {
+        "reference::h2o::fast-step[float64]":
+            ("unsupported", "backend 'reference' offers no fast decoding step (Backend.decode_step)"),
+        "reference::selective-ssa::fast-step[float64]":
+            ("unsupported", "backend 'reference' offers no fast decoding step (Backend.decode_step)"),
+        "blocked::h2o::fast-step[float64]": ("pass", ""),
+        "blocked::selective-ssa::fast-step[float64]":
+            ("unsupported", "backend 'blocked' offers no fast decoding step for this spec in float64 at budgets 2, 8: "
+                            "every step takes the full path")}
+    assert not checks_decode.offers_fast_steps(TooLargeAfterEviction())
+    assert "fast-step" not in [c.check for c in runner.build_cases(attnzoo.get_registry(), ["h2o"], ["blocked"],
+                                                                   (torch.float16,))]
 
 
 # -- non-finite culprits: -inf ----------------------------------------------------------------------------------------
@@ -174,7 +233,7 @@ def test_neg_inf_the_masks_explain_is_not_blamed():
         spec = attnzoo.load_spec({"name": "t", "transforms": transforms}, registry=reg)
         target = checks.Target(spec, "reference", torch.float64, reg)
         for shape in (checks.Shape("n9", 2, 2, 1, 9, 8), checks.Shape("masked-rows-n9", 2, 2, 1, 9, 8, True)):
-            inputs = checks._random_case(target, shape)
+            inputs = checks.random_case(target, shape)
             blame = checks._trace(target, inputs, torch.float64)
             if shape.masked_rows and transforms[0]["kind"] == "mask_two_test":
                 # the key mask leaves query 2 of row 1 only key 2, which the transform masks: that row is 0/0

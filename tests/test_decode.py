@@ -7,7 +7,7 @@ from broken import EvictsBosOnTie, EvictsNewest, registry_replacing, registry_wi
 import attnzoo
 from attnzoo.cache import KVCache
 from attnzoo.decode import fast as fast_steps
-from attnzoo.decode import fused as fused_decode
+from attnzoo.decode import fused_build
 from attnzoo.evictors.builtin import H2O, TOVA, Selective, SinkWindow
 
 SHIPPED = sorted(attnzoo.get_registry().specs)
@@ -498,7 +498,7 @@ def _decode_unread(lean, ref, caches, q, k, v, dtype, tol):
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
     assert took >= n - 6 and caches[0]._scrambled
-    fused = fused_decode.library() is not None and dtype in (torch.float32, torch.float64)
+    fused = fused_build.library() is not None and dtype in (torch.float32, torch.float64)
     assert caches[0].lean_step_kind == ("fused" if fused else "torch")
 
 
@@ -537,16 +537,16 @@ def test_fused_steps_take_any_strides_odd_sizes_and_changes_of_buffers(spec, lea
 
 def test_the_fused_steps_say_why_they_are_unavailable(monkeypatch):
     """No compiler, a compiler that fails, or the switch: one line each, and the torch lean steps run."""
-    if fused_decode.library() is not None:
+    if fused_build.library() is not None:
         assert "decode steps at a budget: fused C steps" in attnzoo.explain("h2o", mode="decode")
     assert "decode steps" not in attnzoo.explain("h2o", mode="forward")
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    lib, why = fused_decode._compile()
-    assert lib is None and "/nonexistent/cc could not compile fused_decode.c" in why and "\n" not in why
+    lib, why = fused_build._compile()
+    assert lib is None and "/nonexistent/cc could not compile fused_decode.cpp" in why and "\n" not in why
     monkeypatch.setenv("ATTNZOO_FUSED_DECODE", "0")
-    assert fused_decode._compile() == (None, "switched off (ATTNZOO_FUSED_DECODE=0)")
-    monkeypatch.setattr(fused_decode, "_LOADED", (None, "switched off (ATTNZOO_FUSED_DECODE=0)"))
-    assert fused_decode.status() == ("torch lean steps: the fused C steps are unavailable: switched off "
+    assert fused_build._compile() == (None, "switched off (ATTNZOO_FUSED_DECODE=0)")
+    monkeypatch.setattr(fused_build, "_LOADED", (None, "switched off (ATTNZOO_FUSED_DECODE=0)"))
+    assert fused_build.status() == ("torch lean steps: the fused C steps are unavailable: switched off "
                                      "(ATTNZOO_FUSED_DECODE=0)")
     assert "torch lean steps" in attnzoo.explain("h2o", mode="decode")
     variant = attnzoo.compile("h2o", backend="blocked")
@@ -618,5 +618,5 @@ def test_the_plain_lean_step_masks_padding_in_every_float_dtype(dtype, tol):
         got = lean.decode(*(x[:, :, t:t + 1].to(dtype) for x in (q, k, v)), caches[0])
         want = ref.decode(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], caches[1])
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=f"step {t}")
-    fused = dtype == torch.float32 and fused_decode.library() is not None
+    fused = dtype == torch.float32 and fused_build.library() is not None
     assert kinds[1:] == ["fused" if fused else "torch"] * (n - 7) and torch.equal(caches[0].valid, caches[1].valid)

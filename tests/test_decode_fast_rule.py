@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnzoo.decode import fused
+import attnzoo
+from attnzoo.decode import fused_build
 from attnzoo.decode.check import check_fast_step
 from attnzoo.evictors.base import KernelRule
 from attnzoo.evictors.builtin import H2O, Selective, SinkWindow
@@ -25,7 +26,7 @@ def fused_only(lean_kind):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("spec", SPECS)
 def test_the_fast_steps_decode_what_the_python_rule_decides(spec, dtype, lean_kind):
-    report = check_fast_step(spec, budget=6, dtype=dtype)
+    report = check_fast_step(attnzoo.compile(spec, backend="blocked"), budget=6, dtype=dtype)
     assert report["kinds"] == [lean_kind] and report["fast_steps"] >= report["steps"] - 4
 
 
@@ -37,7 +38,7 @@ def test_the_fast_steps_decode_what_the_python_rule_decides(spec, dtype, lean_ki
 def test_a_difference_planted_in_the_kernels_options_is_caught(evictor, rule, spec, monkeypatch, fused_only):
     monkeypatch.setattr(evictor, "kernel_rule", rule)
     with pytest.raises(AssertionError, match=f"spec '{spec}', step .*fast step 'fused'"):
-        check_fast_step(spec, budget=6)
+        check_fast_step(attnzoo.compile(spec, backend="blocked"), budget=6)
 
 
 def _recent_one_less(self, cache):
@@ -52,21 +53,21 @@ def test_a_difference_planted_in_the_python_rule_is_caught(monkeypatch, lean_kin
     monkeypatch.setattr(H2O, "protected", _recent_one_less)
     if lean_kind == "fused":
         with pytest.raises(AssertionError, match="keeps positions"):
-            check_fast_step("h2o", budget=6)
+            check_fast_step(attnzoo.compile("h2o", backend="blocked"), budget=6)
     else:
-        assert check_fast_step("h2o", budget=6)["kinds"] == ["torch"]
+        assert check_fast_step(attnzoo.compile("h2o", backend="blocked"), budget=6)["kinds"] == ["torch"]
 
 
 def test_a_difference_planted_in_the_c_body_is_caught(tmp_path, monkeypatch, fused_only):
     """The C body compiled with H2O's recent window one larger (``>=`` for ``>``) parts from the Python rule."""
-    body = (fused._SOURCE.parent / "fused_decode_body.h").read_text()
+    body = (fused_build._SOURCE.parent / "fused_decode_body.h").read_text()
     planted = "(!tova && ph[j] >= newest_unprotected)"
     assert body.count("(!tova && ph[j] > newest_unprotected)") == 1
     (tmp_path / "fused_decode_body.h").write_text(body.replace("(!tova && ph[j] > newest_unprotected)", planted))
-    (tmp_path / "fused_decode.c").write_text(fused._SOURCE.read_text())
-    monkeypatch.setattr(fused, "_SOURCE", tmp_path / "fused_decode.c")
-    monkeypatch.setattr(fused, "_LOADED", None)
-    assert fused.library() is not None, fused.status()
+    (tmp_path / "fused_decode.cpp").write_text(fused_build._SOURCE.read_text())
+    monkeypatch.setattr(fused_build, "_SOURCE", tmp_path / "fused_decode.cpp")
+    monkeypatch.setattr(fused_build, "_LOADED", None)
+    assert fused_build.library() is not None, fused_build.status()
     with pytest.raises(AssertionError, match="spec 'h2o'.*fast step 'fused'"):
-        check_fast_step("h2o", budget=6)
-    check_fast_step("tova", budget=6)  # the planted line is H2O's alone
+        check_fast_step(attnzoo.compile("h2o", backend="blocked"), budget=6)
+    check_fast_step(attnzoo.compile("tova", backend="blocked"), budget=6)  # the planted line is H2O's alone

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import attnzoo
-from attnzoo.decode import fused as fused_decode
+from attnzoo.decode import fused_build
 
 B, H, HKV, D, PREFILL = 2, 4, 2, 8, 3
 NAN, INF = float("nan"), float("inf")
@@ -209,7 +209,7 @@ MEMORY = {
 
 
 def _memory_case(name: str, form: str, loaded) -> dict:
-    fused_decode._LOADED = loaded if form == "fused" else (None, "switched off in this case")
+    fused_build._LOADED = loaded if form == "fused" else (None, "switched off in this case")
     if isinstance(MEMORY[name], Row):
         try:
             _compare(name, MEMORY[name], form)
@@ -245,11 +245,11 @@ MEMORY_RUNS = [(name, form) for name in MEMORY for form in ("fused", "torch")]
 def _memory_child(first: int = 0) -> None:
     """The memory cases in both forms from ``MEMORY_RUNS[first]`` on, one JSON line before and after each (a crash
     leaves a start alone)."""
-    loaded = (fused_decode.library(), fused_decode._LOADED[1])
+    loaded = (fused_build.library(), fused_build._LOADED[1])
     for name, form in MEMORY_RUNS[first:]:
         print(json.dumps({"case": name, "form": form, "start": True}), flush=True)
         if form == "fused" and loaded[0] is None:
-            result = {"outcome": "skipped", "message": fused_decode.status()}
+            result = {"outcome": "skipped", "message": fused_build.status()}
         else:
             result = _memory_case(name, form, loaded)
         print(json.dumps({"case": name, "form": form, **result}), flush=True)
@@ -328,15 +328,15 @@ def _fork_child(patience: float = 30.0) -> None:
             return None, "the parent's compile"
         return None, "the child's own compile"
 
-    fused_decode._LOADED = None
-    fused_decode._compile = slow_compile
-    compiling = threading.Thread(target=fused_decode.library)
+    fused_build._LOADED = None
+    fused_build._compile = slow_compile
+    compiling = threading.Thread(target=fused_build.library)
     compiling.start()
     assert inside.wait(30)
     pid = os.fork()
     if pid == 0:
-        fused_decode.library()
-        os._exit(0 if fused_decode._LOADED == (None, "the child's own compile") else 3)
+        fused_build.library()
+        os._exit(0 if fused_build._LOADED == (None, "the child's own compile") else 3)
     start = time.monotonic()
     status = None
     while time.monotonic() - start < patience:
@@ -365,8 +365,8 @@ def test_a_fork_during_the_compile_does_not_block_the_child():
 def test_the_step_checks_sit_where_the_step_is_set_up():
     """The fused step lays its buffers out once, re-checking them only when they change (identity or address),
     and reads no view of the cache per step: many steps, one layout."""
-    if fused_decode.library() is None:
-        pytest.skip(fused_decode.status())
+    if fused_build.library() is None:
+        pytest.skip(fused_build.status())
     variant = attnzoo.compile("h2o", backend="blocked")
     cache = variant.new_cache(1, budget=6)
     x = torch.randn(1, 2, 20, 8, dtype=torch.float64)

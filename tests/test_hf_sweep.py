@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from attnzoo.integrations.transformers import sweep  # noqa: E402
+from attnzoo.integrations.transformers import sweep, sweep_models  # noqa: E402
 
 pytestmark = [pytest.mark.release, pytest.mark.slow]
 
@@ -36,17 +36,19 @@ def test_vanilla_is_the_models_attention_or_refused(model_type):
 
 
 def test_the_configurations_are_tiny_and_cross_windows():
-    cfg = sweep.config("llama4_text")  # chunked attention on 3 of every 4 layers: all four kept
-    assert cfg.num_hidden_layers == 4 and cfg.attention_chunk_size == sweep.WINDOW
+    cfg = sweep_models.config("llama4_text")  # chunked attention on 3 of every 4 layers: all four kept
+    assert cfg.num_hidden_layers == 4 and cfg.attention_chunk_size == sweep_models.WINDOW
     assert sorted(set(cfg.layer_types)) == ["chunked_attention", "full_attention"]
-    gemma = sweep.config("gemma3_text")  # 5 window layers to 1 full: the first of each kind
-    assert gemma.layer_types == ["sliding_attention", "full_attention"] and gemma.sliding_window == sweep.WINDOW
-    gpt2 = sweep.config("gpt2")  # aliases: n_embd, n_head, n_layer
-    assert (gpt2.n_embd, gpt2.n_head, gpt2.n_layer, gpt2.vocab_size) == (64, 4, sweep.LAYERS, sweep.VOCAB)
-    deepseek = sweep.config("deepseek_v3")  # latent attention: every head its keys, keys wider than values
+    gemma = sweep_models.config("gemma3_text")  # 5 window layers to 1 full: the first of each kind
+    assert gemma.layer_types == ["sliding_attention", "full_attention"]
+    assert gemma.sliding_window == sweep_models.WINDOW
+    gpt2 = sweep_models.config("gpt2")  # aliases: n_embd, n_head, n_layer
+    assert (gpt2.n_embd, gpt2.n_head, gpt2.n_layer) == (64, 4, sweep_models.LAYERS)
+    assert gpt2.vocab_size == sweep_models.VOCAB
+    deepseek = sweep_models.config("deepseek_v3")  # latent attention: every head its keys, keys wider than values
     assert deepseek.num_key_value_heads == deepseek.num_attention_heads
     assert deepseek.qk_nope_head_dim + deepseek.qk_rope_head_dim > deepseek.v_head_dim
-    assert min(sweep.PROMPT, *sweep.ROWS) >= 3 * sweep.WINDOW
+    assert min(sweep.PROMPT, *sweep.ROWS) >= 3 * sweep_models.WINDOW
 
 
 def test_a_family_transformers_cannot_build_says_why():

@@ -44,7 +44,7 @@ class CausalityLeak(ReferenceBackend):
 
     def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None):
         def allowed(ctx, mask):
-            return plan.allowed(dataclasses.replace(ctx, qpos=ctx.qpos + 1), mask)
+            return plan.composition.allowed(dataclasses.replace(ctx, qpos=ctx.qpos + 1), mask)
 
         return super().attend(_PlanWith(plan, allowed=allowed), q, k, v, qpos, kpos, params, key_mask, carry)
 

@@ -45,8 +45,10 @@ def test_wheel_carries_the_data_and_the_metadata(wheel):
     assert len([n for n in names if n.startswith("attnzoo/conformance/vectors/")]) == len(
         list((ROOT / "attnzoo/conformance/vectors").iterdir()))
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
-    # the fused decoding steps' C source, compiled by the installed package on first use
-    assert {"attnzoo/decode/fused_decode.c", "attnzoo/decode/fused_decode_body.h"} <= set(names)
+    # the fused decoding steps' C++ source and its one layout definition, built by the installed package on first
+    # use into the build cache
+    assert {"attnzoo/decode/fused_decode.cpp", "attnzoo/decode/fused_decode_body.h",
+            "attnzoo/decode/layout.py"} <= set(names)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Python: >=3.11" in meta and "License-Expression: Apache-2.0" in meta
 
@@ -57,8 +59,8 @@ def test_installed_wheel_imports(wheel, tmp_path):
                    check=True, capture_output=True, timeout=300)
     env = {**os.environ, "PYTHONPATH": str(target)}
     code = ("import attnzoo, sys; print(attnzoo.__file__); print(sorted(attnzoo.get_registry().specs)[:2]); "
-            "from attnzoo.decode import fused; print(fused._compiler() is None or "
-            "fused.library() is not None, fused.status())")
+            "from attnzoo.decode import fused_build; print(fused_build._compiler() is None or "
+            "fused_build.library() is not None, fused_build.status())")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

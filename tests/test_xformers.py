@@ -49,14 +49,14 @@ def test_the_bias_materialised_on_cpu_gives_the_reference(spec, kind, padded):
         key_mask[1, :9] = False
     grouped = plan.split_params(params, Dims(h, d, hkv), q)
     pos = positions.unsqueeze(1)
-    qs, ks, vs = (plan.row_scale(slot, t, pos, grouped) for slot, t in
+    qs, ks, vs = (plan.composition.row_scale(slot, t, pos, grouped) for slot, t in
                   ((Slot.QUERY, q), (Slot.KEY, k), (Slot.VALUE, v)))
     ks, vs = ks.repeat_interleave(h // hkv, dim=1), vs.repeat_interleave(h // hkv, dim=1)
     bias, has_key = attention_bias(plan, qs, ks, vs, positions, key_mask, grouped)
     assert isinstance(bias, kind)
     dense = bias if isinstance(bias, torch.Tensor) else bias.materialize((b, h, n, n), dtype=torch.float64)
     got = eager(qs, ks, vs, dense, has_key, plan.logit_scale(d))
-    got = plan.row_scale(Slot.OUTPUT, got, pos, grouped)
+    got = plan.composition.row_scale(Slot.OUTPUT, got, pos, grouped)
     want = variant(q, k, v, params=params, key_mask=key_mask)
     keep = key_mask[:, None, :, None] if key_mask is not None else torch.ones((), dtype=torch.bool)
     torch.testing.assert_close(torch.where(keep, got, 0.0), torch.where(keep, want, 0.0), rtol=0, atol=1e-12)

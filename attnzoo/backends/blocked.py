@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ..core.composition import checked_logits
+from ..core.numerics import accumulator_dtype, f_from_s, subtract_f
 from ..decode import fast
 from ..decode.fast import plain_one
-from ..decode.storage import accumulator_dtype
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode, eager_dtype_reasons
-from .composition import checked_logits
 from .selective_kernel import SelectiveCausal
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
@@ -39,7 +39,7 @@ _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
 _FUSED_DTYPES = (torch.float32, torch.float64)
 
 
-def _pointwise(acc):
+def fusable_pointwise(acc):
     """The accumulator's pointwise selection when the fused CPU kernel can take it (one selector head, no
     parameters), else None."""
     if acc is None or len(acc.heads()) != 1 or acc.parameters():
@@ -47,7 +47,7 @@ def _pointwise(acc):
     return acc.pointwise()
 
 
-def _consecutive(positions: torch.Tensor) -> bool:
+def consecutive_positions(positions: torch.Tensor) -> bool:
     """Positions p0, p0 + 1, ... with the same p0 in every batch row (index causality == position causality)."""
     n = positions.shape[-1]
     steps = torch.arange(n, device=positions.device)
@@ -74,11 +74,11 @@ class BlockedBackend(Backend):
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         d = q.shape[-1]
-        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params)
-        ks = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
-        vs = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
+        qs = plan.composition.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params)
+        ks = plan.composition.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
+        vs = plan.composition.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
         simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
-                  and plan.one(Slot.NORMALISER) is None and plan.causal and _consecutive(positions)
+                  and plan.one(Slot.NORMALISER) is None and plan.causal and consecutive_positions(positions)
                   and not return_accumulated)
         acc = plan.one(Slot.ACCUMULATOR)
         if simple and acc is None:
@@ -86,18 +86,18 @@ class BlockedBackend(Backend):
                                                  enable_gqa=q.shape[1] != k.shape[1])
             accumulated = None
         elif (simple and qs.device.type == "cpu" and qs.dtype in _FUSED_DTYPES
-              and (pointwise := _pointwise(acc)) is not None):
+              and (pointwise := fusable_pointwise(acc)) is not None):
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
                                         int(positions[0, 0]), self.block_size)
             accumulated = None
         else:
-            features = plan.token_features(qs, ks, vs, positions, key_mask, params)  # once, for either path
+            features = plan.composition.token_features(qs, ks, vs, positions, key_mask, params)  # once, for either path
             out = self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features)
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_accumulated, features=features)
-        out = plan.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
+        out = plan.composition.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
 
     def _key_bias_sdpa(self, plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features):
@@ -110,10 +110,11 @@ class BlockedBackend(Backend):
         transforms = plan.many(Slot.LOGITS)
         if (not transforms or key_mask is not None or return_accumulated or plan.many(Slot.MASK)
                 or plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.NORMALISER) is not None
-                or not plan.causal or qs.dtype not in _FOLDED_RANGE or not _consecutive(positions)):
+                or not plan.causal or qs.dtype not in _FOLDED_RANGE or not consecutive_positions(positions)):
             return None
         b, h, n, d = qs.shape
-        ctx = plan.context(positions, positions.unsqueeze(1), Dims(h, d, ks.shape[1]), None, features, features)
+        ctx = plan.composition.context(positions, positions.unsqueeze(1), Dims(h, d, ks.shape[1]), None, features,
+                                       features)
         col = torch.zeros((), dtype=qs.dtype, device=qs.device)
         for t in transforms:
             terms = t.separable(ctx, params[t.kind], qs.dtype)
@@ -132,6 +133,10 @@ class BlockedBackend(Backend):
         k2 = torch.cat([ks, (col / scale).unsqueeze(-1)], dim=-1)
         v2 = F.pad(vs, (0, 1))
         return F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scale)[..., :d]
+
+    def attend_rows(self, plan, qs, ks, vs, qpos, kpos, params, key_mask=None):
+        """The contract's :meth:`~attnzoo.core.contract.Backend.attend_rows`: :meth:`blocks` with no carry."""
+        return self.blocks(plan, qs, ks, vs, qpos, kpos, params, key_mask, None)[0]
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_accumulated=False,
                want_probs=False, use_sdpa=True, features=None, key_features=None):
@@ -160,7 +165,7 @@ class BlockedBackend(Backend):
             # are skipped (kpos ascending along Nk)
             visible = int((kpos <= qpos_blk.max()).sum(-1).max()) if plan.causal else nk
             visible = max(visible, 1)
-            earliest = plan.earliest_key(int(qpos_blk.min()))
+            earliest = plan.composition.earliest_key(int(qpos_blk.min()))
             first = min(int((kpos < earliest).sum(-1).min()), visible - 1) if earliest is not None else 0
             keys = slice(first, visible)
             args = (qs[:, :, start:stop], ks[:, :, keys], vs[:, :, keys], qpos_blk,
@@ -195,21 +200,19 @@ class BlockedBackend(Backend):
         hkv = k.shape[1]
         group = h // hkv
         scale = plan.logit_scale(d)
-        ctx = plan.context(qpos, kpos, Dims(h, d, hkv), key_mask, query_features, key_features)
-        allowed = plan.allowed(ctx, key_mask)
+        ctx = plan.composition.context(qpos, kpos, Dims(h, d, hkv), key_mask, query_features, key_features)
+        allowed = plan.composition.allowed(ctx, key_mask)
 
         f_blk = colsum = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            s = plan.selection(acc, q, k, allowed, ctx, params, scale)  # (B, 1, Bq, Nk)
-            s = s.to(accumulator_dtype(s.dtype))  # sums over queries in at least float32 (numerics contract)
-            within = F.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
-            f_blk = (within + carry[:, None, None, :])[:, 0]
-            colsum = s.sum(dim=2)[:, 0]
+            s = plan.composition.selection(acc, q, k, allowed, ctx, params, scale)  # (B, 1, Bq, Nk)
+            f_blk = f_from_s(s, carry)[:, 0]  # sums over queries in at least float32 (numerics contract)
+            colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
 
         allowed = allowed.expand(b, allowed.shape[1], nq, allowed.shape[-1])
         has_key = allowed.any(-1, keepdim=True)
-        sink = plan.sink(ctx.heads, params, q)  # (1, H, 1, 1) or None
+        sink = plan.composition.sink(ctx.heads, params, q)  # (1, H, 1, 1) or None
         biases = [t.bias(ctx, params[t.kind], q.dtype) for t in plan.many(Slot.LOGITS)]
         if use_sdpa and not want_probs and all(bias is not None for bias in biases):
             # every logits transform is additive: the whole block is SDPA with a float mask
@@ -232,7 +235,7 @@ class BlockedBackend(Backend):
         for t in plan.many(Slot.LOGITS):
             logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
         if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
-            logits = (logits.to(f_blk.dtype) - f_blk[:, None]).to(logits.dtype)
+            logits = subtract_f(logits, f_blk[:, None])
         logits = logits.masked_fill(~allowed, float("-inf"))
         if sink is not None:
             column = sink.expand(b, h, nq, 1)
@@ -286,7 +289,7 @@ class BlockedBackend(Backend):
                 logits = (logits.to(wide) - carry[:, None, None, :]).to(logits.dtype)
                 carry = carry + s.to(wide)[:, 0, 0]
         if normaliser is not None:
-            sink = plan.sink(heads, params, logits).expand(b, h, 1, 1)
+            sink = plan.composition.sink(heads, params, logits).expand(b, h, 1, 1)
             probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
         else:
             probs = torch.softmax(logits, dim=-1)
@@ -310,7 +313,7 @@ class BlockedBackend(Backend):
         plain = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                  and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS)
                  and plan.one(Slot.NORMALISER) is None)
-        if plain and count > 1 and cache.num_tokens == count and _consecutive(qpos):
+        if plain and count > 1 and cache.num_tokens == count and consecutive_positions(qpos):
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
                                                  enable_gqa=q.shape[1] != ks.shape[1])
@@ -325,7 +328,7 @@ class BlockedBackend(Backend):
                                                want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
                                                features=query_features, key_features=key_features)
             cache.settle(carry, probs)
-        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
 
 def _flat(params):

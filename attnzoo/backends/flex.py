@@ -60,9 +60,9 @@ class FlexBackend(Backend):
         b, h, n, d = q.shape
         hkv = k.shape[1]
         pos = positions.unsqueeze(1)
-        qs = plan.row_scale(Slot.QUERY, q, pos, params)
-        ks = plan.row_scale(Slot.KEY, k, pos, params)
-        vs = plan.row_scale(Slot.VALUE, v, pos, params)
+        qs = plan.composition.row_scale(Slot.QUERY, q, pos, params)
+        ks = plan.composition.row_scale(Slot.KEY, k, pos, params)
+        vs = plan.composition.row_scale(Slot.VALUE, v, pos, params)
         # Pad N to a multiple of FlexAttention's block: torch's compiled CPU kernel was seen returning garbage or
         # NaN for lengths that are not (caught by the conformance suite); padded keys are masked, padded query
         # rows dropped. It also means one compiled kernel per 128 tokens of length, not per length.
@@ -75,7 +75,7 @@ class FlexBackend(Backend):
         masks = plan.many(Slot.MASK)
         # per-token features are captured (B, H, M) tensors the score_mod indexes, as FlexAttention allows
         features = {name: F.pad(f, (0, m - n)) for name, f in
-                    plan.token_features(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], positions, key_mask,
+                    plan.composition.token_features(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], positions, key_mask,
                                         params).items()}
 
         def context(batch, head, q_idx, kv_idx):
@@ -105,5 +105,5 @@ class FlexBackend(Backend):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None,
                                  block_mask=block_mask, scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
-        out = plan.row_scale(Slot.OUTPUT, out, pos, params)
+        out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_accumulated else out

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import accumulator_dtype
+from ..core.composition import checked_logits
 from ..transforms.base import Dims, Slot
 from .base import Backend, Mode, eager_dtype_reasons
-from .composition import checked_logits
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,9 +46,9 @@ class ReferenceBackend(Backend):
     def accumulate(self, selection: torch.Tensor) -> torch.Tensor:
         """F[i] = sum of S over strictly earlier queries: a shifted cumulative sum along the QUERY axis (dim 2).
 
-        selection S (B, 1, Nq, Nk) in the input dtype → F of the same shape in ``accumulator_dtype`` (at least
+        selection S (B, 1, Nq, Nk) in the input dtype → F of the same shape in the accumulator's dtype (at least
         float32: the numerics contract, docs/backends.md)."""
-        wide = selection.to(accumulator_dtype(selection.dtype))
+        wide = selection.to(torch.promote_types(selection.dtype, torch.float32))  # written here: the oracle
         return torch.nn.functional.pad(wide[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
 
     def query_positions(self, cache, count: int, batch: int) -> torch.Tensor:
@@ -75,25 +74,26 @@ class ReferenceBackend(Backend):
         hkv = k.shape[1]
         dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
 
-        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = k if transformed_kv else plan.row_scale(Slot.KEY, k, kpos, params)
-        vs = v if transformed_kv else plan.row_scale(Slot.VALUE, v, kpos, params)
-        if features is None and plan.feature_transforms():  # the batch form: queries and keys are the same tokens
-            features = (plan.token_features(qs, ks, vs, qpos, key_mask, params),) * 2
+        qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = k if transformed_kv else plan.composition.row_scale(Slot.KEY, k, kpos, params)
+        vs = v if transformed_kv else plan.composition.row_scale(Slot.VALUE, v, kpos, params)
+        # the batch form: queries and keys are the same tokens
+        if features is None and plan.composition.feature_transforms():
+            features = (plan.composition.token_features(qs, ks, vs, qpos, key_mask, params),) * 2
         group = h // hkv
         ks = ks.repeat_interleave(group, dim=1)
         vs = vs.repeat_interleave(group, dim=1)
-        ctx = plan.context(qpos, kpos, dims, key_mask, *(features or ({}, {})))
+        ctx = plan.composition.context(qpos, kpos, dims, key_mask, *(features or ({}, {})))
 
         logits = (qs @ ks.transpose(-1, -2)) * plan.logit_scale(d)
         for t in plan.many(Slot.LOGITS):
             logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
-        allowed = plan.allowed(ctx, key_mask)
+        allowed = plan.composition.allowed(ctx, key_mask)
 
         selection = accumulated = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
+            index, sel_allowed, sel_ctx = plan.composition.selector_view(acc, allowed, ctx)
             selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
             accumulated = self.accumulate(selection)
             if carry is not None:
@@ -101,9 +101,9 @@ class ReferenceBackend(Backend):
             # subtract in F's (wider) dtype, round the logits once
             logits = (logits.to(accumulated.dtype) - accumulated).to(logits.dtype)
 
-        probs = masked_softmax(logits, allowed, plan.sink(ctx.heads, params, logits))
+        probs = masked_softmax(logits, allowed, plan.composition.sink(ctx.heads, params, logits))
         out = probs @ vs
-        out = plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        out = plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):

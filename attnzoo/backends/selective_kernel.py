@@ -8,7 +8,7 @@ the span's own keys with the op's causal flag (which skips the tiles above the d
 their log-sum-exps, which are kept for the backward pass.
 
 Backward: the blocks in reverse. Each recomputes its probabilities from the saved log-sum-exp in tiles of 4 heads
-× 1,024 keys (:func:`_tiles_backward`: a tile stays in cache between the products that make and use it), and
+× 1,024 keys (:func:`tiles_backward`: a tile stays in cache between the products that make and use it), and
 carries the gradient of the running column sums (the "reverse carry") back into earlier blocks' selector
 logits. Extra state: the carry before each block, O(N · N / block) per batch row, and the log-sum-exp, O(H · N);
 the forward's span mask is O(span · N) and transient.
@@ -27,21 +27,21 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..cache import accumulator_dtype
+from ..core.numerics import accumulator_dtype
 from ..transforms.base import PointwiseSelection
 from .selective_tiles import (  # noqa: F401 - Keys, negligible_f, flash_available and flash_block are used by name
     NEGLIGIBLE,
     Keys,
-    _exclude,
-    _neg_f_into,
-    _phase,
-    _selection,
-    _span_attention,
-    _tiles_backward,
+    block_selection,
+    exclude_unselectable,
     flash_available,
     flash_block,
     forward_span,
+    neg_f_into,
     negligible_f,
+    phase,
+    span_attention,
+    tiles_backward,
 )
 
 
@@ -129,7 +129,7 @@ class Pair:
         return keys.upto(first + hi) if own else keys
 
     def selection(self, q_sel, k_sel, bq, has_first):
-        return _selection(q_sel, k_sel, bq, self.scale, self.pointwise, self.bos and has_first, self.diagonal)
+        return block_selection(q_sel, k_sel, bq, self.scale, self.pointwise, self.bos and has_first, self.diagonal)
 
 
 def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = None, accumulate: bool = False,
@@ -163,7 +163,7 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
     start = 0
     while start < nq:
         stop = min(start + span, nq)
-        with _phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
+        with phase("forward: live keys"):  # the earlier keys still worth visiting, then the span's
             keys = pair.keys(carry, nq, nk, start, stop)
         # -F for the span's queries against those keys; each block of ``block`` queries computes its part
         # from its own carry, exactly as the backward pass recomputes it
@@ -179,19 +179,19 @@ def pair_forward(pair: Pair, q, ke, ve, carry, out, lse, carries: list | None = 
                 carries.append(carry[:, :upto.stop].clone())
             if upto.count == 0:
                 continue
-            with _phase("forward: selection"):
+            with phase("forward: selection"):
                 s = pair.selection(q[:, pair.sel, lo:hi], upto.take(ke[:, pair.sel], 1), hi - lo, upto.has_first)[0]
-            with _phase("forward: -F and carry"):
-                _neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), pair.limit)
+            with phase("forward: -F and carry"):
+                neg_f_into(mask[:, lo - start:hi - start], s, upto.take(carry, 1), pair.limit)
                 upto.add_into(carry, s.sum(dim=2, dtype=wide), 1)
         if accumulate:  # this span's attention, then merged into what out and lse hold
             o = torch.empty(b, h, stop - start, d, dtype=q.dtype, device=q.device)
             l = torch.empty(b, h, stop - start, dtype=wide, device=q.device)
-            _span_attention(q[:, :, start:stop], ke, ve, keys, mask.unsqueeze(1), pair.scale, 0, stop - start, o,
-                            l, pair.diagonal)
-            _accumulate(out[:, :, start:stop], lse[:, :, start:stop], o, l)
+            span_attention(q[:, :, start:stop], ke, ve, keys, mask.unsqueeze(1), pair.scale, 0, stop - start, o,
+                           l, pair.diagonal)
+            merge_lse(out[:, :, start:stop], lse[:, :, start:stop], o, l)
         else:
-            _span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
+            span_attention(q, ke, ve, keys, mask.unsqueeze(1), pair.scale, start, stop, out, lse, pair.diagonal)
         start = stop
     if final is not None:
         final.copy_(carry)
@@ -217,7 +217,7 @@ def _bos_forward(pair: Pair, q, ke, ve, f0, out, lse, accumulate: bool) -> None:
     logits = _bos_logits(pair, q, ke, f0)
     o = ve[:, :, :1].expand_as(q)
     if accumulate:
-        _accumulate(out, lse, o, logits)
+        merge_lse(out, lse, o, logits)
     else:
         out.copy_(o)
         lse.copy_(logits)
@@ -235,7 +235,7 @@ def _bos_backward(pair: Pair, q, ke, ve, f0, grad_out, lse, neg_delta, dq, dk, d
     dcarry[:, 0] -= dl.sum(dim=(1, 2)).to(dcarry.dtype)
 
 
-def _accumulate(out, lse, o, l) -> None:
+def merge_lse(out, lse, o, l) -> None:
     """Merge attention (o, l) over more keys into (out, lse), in place, by log-sum-exp (-inf: no key). The
     sharded path's merge too (``attnzoo.distributed.pairs``)."""
     total = torch.logaddexp(lse, l.to(lse.dtype))
@@ -266,32 +266,32 @@ def pair_backward(pair: Pair, q, ke, ve, grad_out, lse, neg_delta, carries, dq, 
         start = starts[index]
         stop = min(start + pair.block, nq)
         carry = carries[index]
-        with _phase("backward: live keys"):
+        with phase("backward: live keys"):
             keys = pair.keys(carry, nq, nk, start, stop)
         if keys.count == 0:
             continue
-        with _phase("backward: selection"):
+        with phase("backward: selection"):
             s, l_sel = pair.selection(q[:, sel, start:stop], keys.take(ke[:, sel], 1), stop - start, keys.has_first)
-        with _phase("backward: -F"):
+        with phase("backward: -F"):
             neg_f = torch.empty(b, stop - start, keys.count, dtype=q.dtype, device=q.device)
-            _neg_f_into(neg_f, s, keys.take(carry, 1), pair.limit)
-        with _phase("backward: softmax tiles"):
+            neg_f_into(neg_f, s, keys.take(carry, 1), pair.limit)
+        with phase("backward: softmax tiles"):
             k_c, v_c = keys.take(ke, 2), keys.take(ve, 2)
             dk_c, dv_c = keys.grad_buffer(dk, 2), keys.grad_buffer(dv, 2)
             # dL/dF (queries × keys), summed over heads: F enters every head's logits with a minus sign
-            d_f = _tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop], lse[:, :, start:stop],
-                                  neg_delta[:, :, start:stop], neg_f, pair.scale, dq[:, :, start:stop], dk_c, dv_c,
-                                  pair.diagonal)
+            d_f = tiles_backward(q[:, :, start:stop], k_c, v_c, grad_out[:, :, start:stop], lse[:, :, start:stop],
+                                 neg_delta[:, :, start:stop], neg_f, pair.scale, dq[:, :, start:stop], dk_c, dv_c,
+                                 pair.diagonal)
             keys.add_into(dk, dk_c, 2, buffer=True)
             keys.add_into(dv, dv_c, 2, buffer=True)
-        with _phase("backward: reverse carry and selector"):
+        with phase("backward: reverse carry and selector"):
             # F = carry + exclusive cumsum over queries of S; the next carry = carry + sums over queries of S
             d_f = d_f.transpose(1, 2)  # (B, Nk, Bq), like S^T
             total = d_f.sum(dim=2, keepdim=True)
             d_s = total - torch.cumsum(d_f, dim=2) + keys.take(dcarry, 1)[:, :, None].to(d_f.dtype)
             keys.add_into(dcarry, total[:, :, 0].to(dcarry.dtype), 1)
-            d_sel = d_s.mul_(_exclude(pair.pointwise.derivative(l_sel), stop - start, pair.pointwise,
-                                      pair.bos and keys.has_first, pair.diagonal))
+            d_sel = d_s.mul_(exclude_unselectable(pair.pointwise.derivative(l_sel), stop - start, pair.pointwise,
+                                                  pair.bos and keys.has_first, pair.diagonal))
             _selector_grads(pair, d_sel, q[:, sel, start:stop], keys, ke[:, sel], dq[:, sel, start:stop],
                             dk[:, sel])
 
@@ -345,7 +345,7 @@ def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:
         # the diagonal block's exclusions apply to the last (hi - lo) keys only when every key is kept
         d_sel = pair.pointwise.derivative(l_sel)
         if dense:
-            d_sel = _exclude(d_sel, hi - lo, pair.pointwise, pair.bos, pair.diagonal)
+            d_sel = exclude_unselectable(d_sel, hi - lo, pair.pointwise, pair.bos, pair.diagonal)
         else:
             _exclude_indexed(d_sel, index, first + lo, pair, own)
         d_sel.mul_(keys.take(later, 1)[:, :, None].to(d_sel.dtype))
@@ -353,7 +353,7 @@ def pair_later(pair: Pair, q_sel, k_sel, later, dq_sel, dk_sel) -> None:
 
 
 def _exclude_indexed(t, index, first_query_key: int, pair: Pair, own: int) -> None:
-    """:func:`_exclude` for the keys ``index`` (ascending) of a block whose first query's own key is
+    """:func:`exclude_unselectable` for the keys ``index`` (ascending) of a block whose first query's own key is
     ``first_query_key``: key j is excluded for query i (0-based in the block) when j > first_query_key + i
     (j >= unless self-selection is allowed), and BOS."""
     if own:

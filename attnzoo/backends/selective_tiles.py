@@ -3,88 +3,21 @@ flash-attention op and its probe, the keys a block of queries visits (:class:`Ke
 ones), the selector's selection and -F of one block, a span's attention by flash calls merged by log-sum-exp, and
 the backward's tiles.
 
-The flash op is private (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``). Whether it is usable is
-decided once per dtype, by a probe on tiny inputs, with and without its causal flag, checked against the eager
-maths (:func:`flash_available`): when the op is missing, its signature changed or its results differ,
-:func:`flash_block` computes the same two results eagerly and warns once, saying why. An error from a real call
-(out of memory, say) propagates: it never switches the process to the slow path.
+The flash op is private: its probe and guard are in :mod:`attnzoo.core.flash` (one home; the distributed pairs use
+it too), re-exported here as :func:`flash_available` and :func:`flash_block`.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 import torch.nn.functional as F
 
+from ..core.flash import flash_available, flash_block  # noqa: F401 - the kernel's names for them
+
 #: names the phases for torch's profiler (benchmarks/selective_phases.py); next to nothing when it is off
-_phase = torch.profiler.record_function
-
-#: Probe verdicts per dtype: True (use the op) or False (eager). Tests reset it.
-_PROBED: dict[torch.dtype, bool] = {}
-
-
-def _flash_op(q, k, v, mask, scale, causal=False):
-    """torch's private op: (out (B, H, Bq, D), lse (B, H, Bq)). A wrapper so the probe and tests can replace it.
-    ``causal``: also hide key j > query i (top-left aligned: used on square blocks only)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
-                                                                      scale=scale)[:2]
-
-
-def _eager_block(q, k, v, mask, scale, causal=False):
-    logits = (q @ k.transpose(-1, -2)) * scale + mask
-    if causal:
-        future = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu_(1)
-        logits = logits.masked_fill(future, float("-inf"))
-    lse = torch.logsumexp(logits, dim=-1)
-    return torch.exp(logits - lse.unsqueeze(-1)) @ v, lse
-
-
-def _probe(dtype: torch.dtype) -> str | None:
-    """Why the op cannot be used for ``dtype`` (missing, another signature, wrong results), or None if it can."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen).to(dtype) for _ in range(3))
-    mask = torch.randn(1, 1, 3, 3, generator=gen).to(dtype)
-    tol = 1e-5 if dtype in (torch.float32, torch.float64) else 5e-2
-    for causal in (False, True):
-        try:
-            with torch.no_grad():
-                out, lse = _flash_op(q, k, v, mask, 0.5, causal)
-        except (AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
-            return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-        want_out, want_lse = _eager_block(q.double(), k.double(), v.double(), mask.double(), 0.5, causal)
-        if (not isinstance(out, torch.Tensor) or not isinstance(lse, torch.Tensor)
-                or out.shape != want_out.shape or lse.shape != want_lse.shape
-                or not torch.allclose(out.double(), want_out, rtol=tol, atol=tol)
-                or not torch.allclose(lse.double(), want_lse, rtol=tol, atol=tol)):
-            return (f"its results on a probe {'with' if causal else 'without'} its causal flag differ from softmax "
-                    f"attention (its contract changed)")
-    return None
-
-
-def flash_available(dtype: torch.dtype) -> bool:
-    """Whether :func:`flash_block` uses torch's private op for ``dtype``: probed on the first call for each dtype,
-    with a RuntimeWarning that says why when it cannot."""
-    if dtype not in _PROBED:
-        why = _probe(dtype)
-        _PROBED[dtype] = why is None
-        if why is not None:
-            warnings.warn(f"attnzoo blocked backend: torch's private flash-attention CPU op is unusable for "
-                          f"{str(dtype).removeprefix('torch.')} ({why}); using the eager equivalent (slower)",
-                          RuntimeWarning, stacklevel=3)
-    return _PROBED[dtype]
-
-
-def flash_block(q, k, v, mask, scale, causal=False):
-    """(out, lse) of softmax(q k^T * scale + mask) v; q (B, H, Bq, D), k/v (B, H, Nk, D), mask (B, 1, Bq, Nk);
-    ``causal``: key j > query i hidden too (for square blocks).
-
-    Errors of the op itself propagate (the probe already showed it works for this dtype)."""
-    if flash_available(q.dtype):
-        return _flash_op(q, k, v, mask, scale, causal)
-    return _eager_block(q, k, v, mask, scale, causal)
-
+phase = torch.profiler.record_function
 
 class Keys:
     """The keys a block of queries [start, stop) visits: every key < stop, or (:meth:`live`) only the earlier
@@ -156,7 +89,7 @@ TILE_HEADS = 4
 TILE_KEYS = 1024
 
 
-def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv, diagonal=True):
+def tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv, diagonal=True):
     """The softmax backward of a block of queries (q, grad_out, lse, neg_delta, dq: (B, H, Bq, ·)) against its
     keys (k, v, dk, dv: (B, H, Nk, ·), the block's own keys last), in tiles of heads and keys: adds into dq, dk,
     dv and returns -sum over heads of dL/dlogits, i.e. dL/dF (B, Bq, Nk).
@@ -205,7 +138,7 @@ def _tiles_backward(q, k, v, grad_out, lse, neg_delta, neg_f, scale, dq, dk, dv,
     return d_f
 
 
-def _selection(q_sel, k_sel, bq, scale, pointwise, bos, diagonal=True):
+def block_selection(q_sel, k_sel, bq, scale, pointwise, bos, diagonal=True):
     """A block's selection, transposed: S^T (B, Nk, Bq) = the pointwise selection of the selector logits where
     a query may select a key (strictly earlier, or itself unless ``exclude_self``; never BOS, the first key,
     when ``bos``), and those logits l^T. ``q_sel`` (B, Bq, D) are the block's selector queries, ``k_sel``
@@ -214,10 +147,10 @@ def _selection(q_sel, k_sel, bq, scale, pointwise, bos, diagonal=True):
     Keys run along rows so that the cumulative sum over queries is along the contiguous last dim (much faster
     on CPU than a cumulative sum across rows)."""
     l_sel = (k_sel @ q_sel.transpose(-1, -2)) * scale
-    return _exclude(pointwise.value(l_sel), bq, pointwise, bos, diagonal), l_sel
+    return exclude_unselectable(pointwise.value(l_sel), bq, pointwise, bos, diagonal), l_sel
 
 
-def _exclude(t, bq, pointwise, bos, diagonal=True):
+def exclude_unselectable(t, bq, pointwise, bos, diagonal=True):
     """Zero, in place, the pairs no query may select: on the diagonal block (the last ``bq`` keys, when
     ``diagonal``) key j needs j < i (j <= i unless ``exclude_self``), and BOS (the first key) when ``bos``."""
     if diagonal:
@@ -250,7 +183,7 @@ def negligible_f(q, k, scale) -> float:
     return bound if math.isfinite(bound) else math.inf
 
 
-def _neg_f_into(out, s, carry, limit=math.inf):
+def neg_f_into(out, s, carry, limit=math.inf):
     """Write -F (queries × keys, the rows of ``out`` (B, Bq, Nk_out)) of one block: ``s`` is its S^T (B, Nk, Bq),
     ``carry`` (B, Nk) the carry before it; an F of ``limit`` or more (:func:`negligible_f`) becomes
     :data:`NEGLIGIBLE`. Keys from Nk on are future keys for every query of the block: they get 0 (the causal flag
@@ -271,7 +204,7 @@ def _neg_f_into(out, s, carry, limit=math.inf):
     out[:, :, nk:] = 0
 
 
-def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse, diagonal=True):
+def span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse, diagonal=True):
     """Attention of queries [start, stop) against ``keys`` with the additive mask (B, 1, Bq, keys.count): the
     keys before the span in one call without a causal mask, the span's own keys (a square, the last columns) in
     one call with the op's causal flag (which skips the tiles above the diagonal), merged by their
@@ -284,20 +217,20 @@ def _span_attention(q, ke, ve, keys, mask, scale, start, stop, out, lse, diagona
             out[:, :, start:stop] = 0.0
             lse[:, :, start:stop] = float("-inf")
             return
-        with _phase("forward: flash, earlier keys"):
+        with phase("forward: flash, earlier keys"):
             out[:, :, start:stop], lse[:, :, start:stop] = flash_block(
                 q_blk, keys.take(ke, 2), keys.take(ve, 2), mask, scale)
         return
     own = slice(keys.start, keys.stop)
-    with _phase("forward: flash, the span's keys"):
+    with phase("forward: flash, the span's keys"):
         out_d, lse_d = flash_block(q_blk, ke[:, :, own], ve[:, :, own], mask[..., before:], scale, causal=True)
     if before == 0:
         out[:, :, start:stop], lse[:, :, start:stop] = out_d, lse_d
         return
     earlier = keys.earlier()
-    with _phase("forward: flash, earlier keys"):
+    with phase("forward: flash, earlier keys"):
         out_a, lse_a = flash_block(q_blk, earlier.take(ke, 2), earlier.take(ve, 2), mask[..., :before], scale)
-    with _phase("forward: merge"):
+    with phase("forward: merge"):
         _merge(out_a, lse_a, out_d, lse_d, out[:, :, start:stop], lse[:, :, start:stop])
 
 

@@ -22,7 +22,7 @@ import torch
 from ..transforms.base import Dims, Slot
 from ..transforms.masks import SlidingWindow
 from .base import Backend, Mode
-from .blocked import _consecutive
+from .blocked import consecutive_positions
 
 
 def xformers_available() -> str | None:
@@ -53,16 +53,17 @@ def attention_bias(plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     b, h, n, d = q.shape
     masks = plan.many(Slot.MASK)
     logits = plan.many(Slot.LOGITS)
-    plain = key_mask is None and not logits and _consecutive(positions)
+    plain = key_mask is None and not logits and consecutive_positions(positions)
     if plain and plan.causal and not masks:
         return attn_bias.LowerTriangularMask(), None
     if plain and plan.causal and len(masks) == 1 and type(masks[0]) is SlidingWindow:
         return attn_bias.LowerTriangularFromBottomRightLocalAttentionMask(masks[0].options.window), None
     if plain and not plan.causal and not masks:
         return None, None
-    features = plan.token_features(q, k, v, positions, key_mask, params)
-    ctx = plan.context(positions, positions.unsqueeze(1), Dims(h, d, k.shape[1]), key_mask, features, features)
-    allowed = plan.allowed(ctx, key_mask).expand(b, h, n, n)
+    features = plan.composition.token_features(q, k, v, positions, key_mask, params)
+    ctx = plan.composition.context(positions, positions.unsqueeze(1), Dims(h, d, k.shape[1]), key_mask, features,
+                                   features)
+    allowed = plan.composition.allowed(ctx, key_mask).expand(b, h, n, n)
     total = torch.zeros((b, h, n, n), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
     for t in logits:
         total = total + t.bias(ctx, params[t.kind], total.dtype)
@@ -104,9 +105,9 @@ class XformersBackend(Backend):
         from xformers.ops import memory_efficient_attention
 
         pos = positions.unsqueeze(1)
-        qs = plan.row_scale(Slot.QUERY, q, pos, params)
-        ks = plan.row_scale(Slot.KEY, k, pos, params)
-        vs = plan.row_scale(Slot.VALUE, v, pos, params)
+        qs = plan.composition.row_scale(Slot.QUERY, q, pos, params)
+        ks = plan.composition.row_scale(Slot.KEY, k, pos, params)
+        vs = plan.composition.row_scale(Slot.VALUE, v, pos, params)
         group = q.shape[1] // k.shape[1]
         if group > 1:
             ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
@@ -115,7 +116,7 @@ class XformersBackend(Backend):
                                          attn_bias=bias, scale=plan.logit_scale(q.shape[-1])).transpose(1, 2)
         if has_key is not None:  # rows with no key attend to nothing
             out = torch.where(has_key, out, 0.0)
-        out = plan.row_scale(Slot.OUTPUT, out, pos, params)
+        out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_accumulated else out
 
 

@@ -43,7 +43,7 @@ def _selection(config):
     import torch
 
     from ..registry import get_registry
-    from . import runner
+    from . import planning, runner
 
     reg = get_registry()
     dtypes = []
@@ -52,8 +52,8 @@ def _selection(config):
         if not isinstance(value, torch.dtype) or not value.is_floating_point:
             raise ValueError(f"--attnzoo-dtype: unknown floating dtype '{name}' (e.g. float32, float64)")
         dtypes.append(value)
-    specs, backends = runner.select(reg, runner.with_files(reg, config.getoption("--attnzoo-spec")),
-                                    config.getoption("--attnzoo-backend"), config.getoption("--attnzoo-plugin"))
+    specs, backends = planning.select(reg, planning.with_files(reg, config.getoption("--attnzoo-spec")),
+                                      config.getoption("--attnzoo-backend"), config.getoption("--attnzoo-plugin"))
     return reg, specs, backends, tuple(dtypes) or runner.DEFAULT_DTYPES
 
 

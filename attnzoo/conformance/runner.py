@@ -1,4 +1,5 @@
-"""Enumerate conformance cases (spec × backend × dtype × check), run them, and report.
+"""Enumerate conformance cases (spec × backend × dtype × check), run them, and report. What each case checks is
+planned in :mod:`.planning`; the checks themselves are in :mod:`.checks` and :mod:`.checks_decode`.
 
 Test ids look like ``reference::selective::vectors/decode-tie[float32]``. An expected-failures file lists ids (or
 fnmatch patterns), one per line, ``#`` starts a comment; entries that match no case produce a warning.
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from . import checks
+from . import checks, planning
 from .frames import plugin_frame
-from .vectors import VECTOR_DIR, cases_for
+from .planning import ALL_CHECKS
 
 DEFAULT_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 #: Specs shipped with attnzoo: a named backend may decline one of these without failing the run.
@@ -66,196 +67,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def with_files(registry, specs: Iterable[str] | None) -> list[str] | None:
-    """``specs`` with every spec file among them (``attnzoo.spec.names_a_file``) loaded and registered in
-    ``registry`` under its name (origin ``file <path>``), so that the suite runs it like a registered spec.
-    Raises ValueError when a file's spec has the name of a different registered spec."""
-    from ..errors import SpecError
-    from ..spec import load_spec, names_a_file
-
-    if not specs:
-        return None
-    names = []
-    for source in specs:
-        if not names_a_file(source):
-            names.append(source)
-            continue
-        try:
-            spec = load_spec(source, registry=registry)
-        except SpecError as exc:
-            raise ValueError(str(exc)) from None
-        known = registry.specs.get(spec.name)
-        if known is not None and known.hash != spec.hash:
-            raise ValueError(f"{source}: spec '{spec.name}' is already registered (by "
-                             f"'{registry.origin[('specs', spec.name)]}') with other contents: rename it")
-        if known is None:
-            registry.specs[spec.name] = spec
-            registry.origin[("specs", spec.name)] = f"file {source}"
-        names.append(spec.name)
-    return names
-
-
-def select(registry, specs: Iterable[str] | None = None, backends: Iterable[str] | None = None,
-           plugin: str | None = None) -> tuple[list[str], list[str]]:
-    """The specs and backends a run covers. ``plugin`` (a distribution or plugin name) narrows to what that
-    plugin registered: its specs and the specs using its transforms, on its backends (or all backends)."""
-    spec_names = list(specs) if specs else sorted(registry.specs)
-    backend_names = list(backends) if backends else sorted(registry.backends)
-    if plugin:
-        owners = {p.name for p in registry.plugins.values() if plugin in (p.name, p.package)}
-        if not owners:
-            raise ValueError(f"no loaded plugin is named '{plugin}' (loaded: "
-                             f"{', '.join(sorted({p.package for p in registry.plugins.values()}))})")
-        kinds = {k for k in registry.transforms if registry.origin[("transforms", k)] in owners}
-        if not specs:
-            spec_names = [s for s in spec_names if registry.origin[("specs", s)] in owners
-                          or any(t.kind in kinds for t in registry.specs[s].transforms)]
-        owned = [b for b in backend_names if registry.origin[("backends", b)] in owners]
-        if owned and not backends:
-            backend_names = owned
-    from ..spec import did_you_mean
-
-    for name in spec_names:
-        if name not in registry.specs:
-            raise ValueError(f"unknown spec '{name}'{did_you_mean(name, registry.specs)} (registered: "
-                             f"{', '.join(sorted(registry.specs))}; or give a spec file)")
-    for name in backend_names:
-        if name not in registry.backends:
-            raise ValueError(f"unknown backend '{name}'{did_you_mean(name, registry.backends)} (registered: "
-                             f"{', '.join(sorted(registry.backends))})")
-    return spec_names, backend_names
-
-
-#: The check a backend's decline of every mode in a dtype stands for: one case per spec and dtype, not one per check.
-ALL_CHECKS = "all-checks"
-
-#: Seconds per case in Triton's interpreter (TRITON_INTERPRET=1) for a spec without an accumulator, measured on a
-#: 2-core AMD EPYC (float32): checks without a shape. Differential shapes: :func:`_interpreter_cost`.
-INTERPRETER_SECONDS = {"vectors": 0.3, "accumulated": 0.5, "decode": 3.5, "causality": 0.1, "batch-invariance": 0.15,
-                       "evictor": 0.9, "evicted-decode": 2.5, "determinism": 0.3, "packed/outputs": 0.7,
-                       "packed/gradients": 2.7, "packed/prefill": 3.7}
-#: the interpreter's start (its first kernels), paid once per run
-INTERPRETER_START_SECONDS = 1.5
-
-
-def _interpreter_cost(check: str, shape: checks.Shape | None, spec, dtype: torch.dtype) -> float:
-    """A rough model of a case's seconds in Triton's interpreter: a differential shape costs in proportion to
-    B x H x N^2 (the blocks the interpreter steps through), about 2.4 times more with gradients; the other checks come
-    from :data:`INTERPRETER_SECONDS`. A spec with an accumulator (F) costs about 2.5 times more, half precision 1.3."""
-    if shape is not None:
-        work = shape.batch * shape.heads * shape.length ** 2
-        seconds = 0.4 + 7.3e-6 * work if check.startswith("gradients/") else 0.1 + 3.0e-6 * work
-    else:
-        seconds = INTERPRETER_SECONDS.get("vectors" if check.startswith("vectors/") else check, 0.5)
-    if "accumulator" in spec.slots():
-        seconds *= 2.5
-    if dtype in checks.HALF:
-        seconds *= 1.3
-    return seconds
-
-
-def _flags(shape: checks.Shape) -> tuple[str, ...]:
-    flags = ("masked-row",) if shape.masked_rows else ()
-    if shape.offset:
-        flags += ("offset-positions", "gqa")
-    if shape.length >= 1000:
-        flags += ("long",)
-    return flags or ("odd-length",)
-
-
-@dataclass
-class _Planned:
-    check: str
-    flags: tuple[str, ...]
-    fn: Callable
-    args: tuple
-    shape: checks.Shape | None = None
-
-
-def _planned(target: checks.Target, profile: str) -> list[_Planned]:
-    """The checks of one spec on one backend in one dtype, in the profile: float64 and float32 get every check,
-    float16 and bfloat16 outputs and gradients on :data:`checks.HALF_SHAPES`, ``accumulated`` and ``decode``."""
-    half = target.dtype in checks.HALF
-    out = []
-    if (VECTOR_DIR / f"{target.spec.name}.json").exists() and not half:
-        out += [_Planned(f"vectors/{vc.id}", vc.flags, checks.check_vector, (vc,)) for vc in cases_for(target.spec)]
-    wanted = checks.PROFILES[profile]
-    for shape in checks.DIFFERENTIAL_SHAPES:
-        if shape.id not in wanted or (half and shape.id not in checks.HALF_SHAPES):
-            continue
-        out.append(_Planned(f"outputs/{shape.id}", _flags(shape), checks.check_differential, (shape, False), shape))
-        out.append(_Planned(f"gradients/{shape.id}", _flags(shape), checks.check_differential, (shape, True), shape))
-    out.append(_Planned("accumulated", ("accumulator",), checks.check_accumulated, ()))
-    out.append(_Planned("decode", ("decode", "offset-positions"), checks.check_decode, ()))
-    if half:
-        return out
-    out += [_Planned("causality", ("causality",), checks.check_causality, ()),
-            _Planned("batch-invariance", ("batch",), checks.check_batch_invariance, ()),
-            _Planned("evictor", ("eviction", "protected"), checks.check_evictor, ()),
-            _Planned("evicted-decode", ("eviction", "decode"), checks.check_evicted_decode, ()),
-            _Planned("determinism", ("determinism",), checks.check_determinism, ()),
-            _Planned("packed/outputs", ("packing",), checks.check_packed, (False,)),
-            _Planned("packed/gradients", ("packing",), checks.check_packed, (True,)),
-            _Planned("packed/prefill", ("packing", "decode", "eviction"), checks.check_packed_prefill, ())]
-    return out
-
-
-def _not_applicable(check: str, target: checks.Target) -> bool:
-    """The check does not apply to the spec whatever the backend (it raises Unsupported before asking the backend):
-    such a case is kept beside a declined spec's one case, with its own reason."""
-    spec = target.spec
-    if check == "accumulated":
-        return "accumulator" not in spec.slots()
-    if check == "evictor":
-        return spec.cache is None
-    if check == "evicted-decode":
-        return spec.cache is None or not spec.attention.causal
-    if check in ("decode", "packed/prefill", "causality"):
-        return not spec.attention.causal
-    if check == "determinism":
-        return not getattr(target.registry.backends[target.backend], "deterministic", True)
-    return False
-
-
-def _declines_every_mode(target: checks.Target) -> tuple[str, bool] | None:
-    """(reasons, spec_level) when the backend declines forward, backward and decode in the target's dtype (so every
-    check of the spec would be declined, each with the same reasons); None when it takes one of them, or when asking
-    it raised (the cases then run one by one and report what happens)."""
-    from ..backends.base import Mode
-
-    try:
-        backend = target.registry.backends[target.backend]
-        plan = target.variant().plan
-        device = torch.device(target.device)
-        verdicts = [backend.verdict(plan, device, target.dtype, mode) for mode in Mode]
-        if not all(verdicts):
-            return None
-        spec_level = bool(backend.verdict(plan, device, torch.float32, Mode.FORWARD))
-    except Exception:
-        return None
-    reasons = list(dict.fromkeys(r for v in verdicts for r in v))
-    return "; ".join(reasons), spec_level
-
-
 def _declined(message: str, spec_level: bool) -> None:
     raise checks.Declined(message, spec_level)
-
-
-def _matches_check(check: str, case_id: str, pattern: str) -> bool:
-    """fnmatch on the check, its shape (after the ``/``) or the whole id; in the id, ``[float32]`` also matches
-    literally (for fnmatch it is a set of characters)."""
-    literal = pattern.replace("[", "[[]")
-    return (fnmatch.fnmatchcase(check, pattern) or fnmatch.fnmatchcase(check.split("/", 1)[-1], pattern)
-            or fnmatch.fnmatchcase(case_id, pattern) or fnmatch.fnmatchcase(case_id, literal))
-
-
-def _check_patterns(what: str, patterns: Iterable[str]) -> list[str]:
-    patterns = list(patterns or ())
-    for pattern in patterns:
-        if not pattern.strip():
-            raise ValueError(f"{what} pattern '{pattern}': an empty pattern matches no check (give a check, e.g. "
-                             f"gradients/gqa-n63, a shape, e.g. gqa-n1030, or an fnmatch pattern, e.g. 'outputs/*')")
-    return patterns
 
 
 def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plugin=None, seed=0,
@@ -275,14 +88,14 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
     not apply to the spec at all, with their own reason)."""
     if profile not in checks.PROFILES:
         raise ValueError(f"unknown conformance profile '{profile}' (profiles: {', '.join(checks.PROFILES)})")
-    shapes = _check_patterns("shape", shapes)
-    skip = _check_patterns("skip", skip)
-    spec_names, backend_names = select(registry, specs, backends, plugin)
+    shapes = planning.check_patterns("shape", shapes)
+    skip = planning.check_patterns("skip", skip)
+    spec_names, backend_names = planning.select(registry, specs, backends, plugin)
     cases: list[Case] = []
     used: set[tuple[str, str]] = set()
     every: dict[str, None] = {}  # the checks before filtering, for the message of a pattern that matches none
     planned_any = False
-    first_cost = INTERPRETER_START_SECONDS
+    first_cost = planning.INTERPRETER_START_SECONDS
     for backend in backend_names:
         for spec_name in spec_names:
             spec = registry.specs[spec_name]
@@ -291,12 +104,12 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                 target = checks.Target(spec, backend, dtype, registry, seed, device)
                 name = _dtype_name(dtype)
                 kept = []
-                for item in _planned(target, profile):
+                for item in planning.planned(target, profile):
                     planned_any = True
                     every["vectors/*" if item.check.startswith("vectors/") else item.check] = None
                     case_id = f"{backend}::{spec_name}::{item.check}[{name}]"
-                    hit = [p for p in shapes if _matches_check(item.check, case_id, p)]
-                    dropped = [p for p in skip if _matches_check(item.check, case_id, p)]
+                    hit = [p for p in shapes if planning.matches_check(item.check, case_id, p)]
+                    dropped = [p for p in skip if planning.matches_check(item.check, case_id, p)]
                     used.update(("shape", p) for p in hit)
                     used.update(("skip", p) for p in dropped)
                     if (shapes and not hit) or dropped:
@@ -304,16 +117,16 @@ def build_cases(registry, specs=None, backends=None, dtypes=DEFAULT_DTYPES, plug
                     kept.append(item)
                 if not kept:
                     continue
-                declined = _declines_every_mode(target)
+                declined = planning.declines_every_mode(target)
                 if declined is not None:
                     reasons, spec_level = declined
                     message = f"{reasons} (every mode in {name}: {len(kept)} checks)"
                     cases.append(Case(f"{backend}::{spec_name}::{ALL_CHECKS}[{name}]", spec_name, backend, name,
                                       ALL_CHECKS, ("declined",), functools.partial(_declined, message, spec_level),
                                       decline_fails))
-                    kept = [item for item in kept if _not_applicable(item.check, target)]
+                    kept = [item for item in kept if planning.not_applicable(item.check, target)]
                 for item in kept:
-                    cost = _interpreter_cost(item.check, item.shape, spec, dtype) if declined is None else 0.0
+                    cost = planning.interpreter_cost(item.check, item.shape, spec, dtype) if declined is None else 0.0
                     if backend == "triton" and cost:
                         cost, first_cost = cost + first_cost, 0.0
                     cases.append(Case(f"{backend}::{spec_name}::{item.check}[{name}]", spec_name, backend, name,
@@ -336,9 +149,9 @@ def interpreted(backends: Iterable[str]) -> bool:
 
 
 def estimate(cases: Iterable[Case]) -> float:
-    """Estimated seconds of the triton cases in Triton's interpreter, from :func:`_interpreter_cost`'s model (measured
-    on one CPU: scale it by what the first cases take here; the other backends' cases take seconds and are not
-    counted)."""
+    """Estimated seconds of the triton cases in Triton's interpreter, from :func:`.planning.interpreter_cost`'s model
+    (measured on one CPU: scale it by what the first cases take here; the other backends' cases take seconds and are
+    not counted)."""
     return sum(c.cost for c in cases if c.backend == "triton")
 
 

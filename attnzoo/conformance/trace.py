@@ -5,11 +5,11 @@ torch maths, on the same inputs in the same dtype, and names the first transform
 non-finite values. That separates "the plugin's formula overflows (its own bug)" from "the backend disagrees".
 
 What counts as non-finite: NaN and +/-inf anywhere in rows (query, key, value, output slots), features and the
-accumulator's selection. In the logits, -inf is how a transform masks a pair, so a logits transform is named when
-it gives NaN or +inf, or when it leaves a row whose allowed pairs (the spec's masks, causality and the key mask:
-``plan.allowed``) are all -inf although one of them was finite before it. Such a row is 0/0 in the softmax (NaN),
-unless the spec has a normaliser (a sink), whose extra logit keeps every row finite. A -inf at some allowed pairs
-of a row, or at pairs the masks exclude anyway, is never blamed.
+accumulator's selection. In the logits, -inf is how a transform masks a pair, so a logits transform is named when it
+gives NaN or +inf, or when it leaves a row whose allowed pairs (the spec's masks, causality and the key mask:
+``plan.composition.allowed``) are all -inf although one of them was finite before it. Such a row is 0/0 in the
+softmax (NaN), unless the spec has a normaliser (a sink), whose extra logit keeps every row finite. A -inf at some
+allowed pairs of a row, or at pairs the masks exclude anyway, is never blamed.
 """
 
 from __future__ import annotations
@@ -45,21 +45,21 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
     rows = {}
     with torch.no_grad():
         for slot, x in ((Slot.QUERY, q), (Slot.KEY, k), (Slot.VALUE, v)):
-            scaled = plan.row_scale(slot, x, pos, params)
+            scaled = plan.composition.row_scale(slot, x, pos, params)
             t = plan.one(slot)
             if t is not None and not _bad(x) and _bad(scaled):
                 return f"transform '{t.kind}' ({slot.value} slot) gives non-finite values in {dtype}"
             rows[slot] = scaled
         qs, ks = rows[Slot.QUERY], rows[Slot.KEY]
         dims = Dims(q.shape[1], q.shape[3], k.shape[1])
-        features = plan.token_features(qs, ks, rows[Slot.VALUE], positions, key_mask, params)
+        features = plan.composition.token_features(qs, ks, rows[Slot.VALUE], positions, key_mask, params)
         bad = next((name for name, f in features.items() if _bad(f)), None)
         if bad is not None:
             return f"transform '{bad.split('.')[0]}' gives a non-finite feature '{bad.split('.', 1)[1]}' in {dtype}"
-        ctx = plan.context(positions, pos, dims, key_mask, features, features)
+        ctx = plan.composition.context(positions, pos, dims, key_mask, features, features)
         group = dims.num_heads // dims.num_kv_heads
         logits = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
-        allowed = plan.allowed(ctx, key_mask)
+        allowed = plan.composition.allowed(ctx, key_mask)
         sink = plan.one(Slot.NORMALISER) is not None
         for t in plan.many(Slot.LOGITS):
             before = _bad(logits, allow_neg_inf=True)
@@ -74,13 +74,13 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
                         f"softmax is 0/0, in {dtype}")
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None and not _bad(logits, allow_neg_inf=True):
-            index, sel_allowed, sel_ctx = plan.selector_view(acc, allowed, ctx)
+            index, sel_allowed, sel_ctx = plan.composition.selector_view(acc, allowed, ctx)
             selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
             if _bad(selection):
                 return f"transform '{acc.kind}' (accumulator slot) gives a non-finite selection in {dtype}"
         t = plan.one(Slot.OUTPUT)
         if t is not None:
             probe = torch.ones_like(q)
-            if _bad(plan.row_scale(Slot.OUTPUT, probe, pos, params)):
+            if _bad(plan.composition.row_scale(Slot.OUTPUT, probe, pos, params)):
                 return f"transform '{t.kind}' (output slot) gives non-finite values in {dtype}"
     return None

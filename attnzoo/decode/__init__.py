@@ -7,8 +7,9 @@
 - :mod:`.state`: what the full path validated for a cache (:class:`~.state.StepState`: spec, geometry, parameter
   fingerprint, the fast step chosen, a :class:`~.state.FastStep`).
 - :mod:`.fast`: the fast steps a backend offers (``Backend.decode_step``): their preconditions and their torch
-  form, which calls the evictor's own Python rule; :mod:`.fused` their C form (``fused_decode.c``), held to the
-  Python rule by :func:`.check.check_fast_step`.
+  form, which calls the evictor's own Python rule; :mod:`.fused` their C++ form (``fused_decode.cpp``, the torch
+  ops ``attnzoo::*_step``, whose library :mod:`.fused_build` builds and loads), held to the Python rule by
+  :func:`.check.check_fast_step`.
 
 Nothing is imported here: ``import attnzoo`` stays light.
 """

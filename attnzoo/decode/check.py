@@ -14,19 +14,18 @@ from .step import full_step
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 2e-5}
 
 
-def check_fast_step(spec, budget: int | None = 6, *, backend: str = "blocked", batch: int = 2, heads: int = 4,
-                    kv_heads: int = 2, head_dim: int = 8, steps: int = 40, prefill: int = 3,
-                    dtype: torch.dtype = torch.float64, seed: int = 0, registry=None) -> dict:
-    """Decode ``steps`` tokens after a ``prefill`` into two caches of ``spec`` at ``budget``: one through
-    ``variant.decode`` (the fast step the backend offers, in C where it is available), one through the full path
-    alone (every step checked, the evictor's Python ``update`` and ``victim``). Raises AssertionError, with one
-    line naming the step, at the first output, kept position or score that differs; the positions are compared
-    every step as the slots hold them (without putting them back in order, which would hide what only a scrambled
-    cache shows), the scores at the end. Returns ``{"spec", "steps", "fast_steps", "kinds"}``: how many steps
-    took a fast step and which kinds; an AssertionError too when fewer than half did (a check of nothing)."""
-    from ..dispatch import compile as compile_spec
-
-    variant = compile_spec(spec, backend=backend, registry=registry)
+def check_fast_step(variant, budget: int | None = 6, *, batch: int = 2, heads: int = 4, kv_heads: int = 2,
+                    head_dim: int = 8, steps: int = 40, prefill: int = 3, dtype: torch.dtype = torch.float64,
+                    seed: int = 0) -> dict:
+    """Decode ``steps`` tokens after a ``prefill`` into two caches of ``variant`` (``attnzoo.compile(spec,
+    backend="blocked")``) at ``budget``: one through ``variant.decode`` (the fast step the backend offers, in C
+    where it is available), one through the full path alone (every step checked, the evictor's Python ``update``
+    and ``victim``). Raises AssertionError, with one line naming the step, at the first output, kept position or
+    score that differs; the positions are compared every step as the slots hold them (without putting them back in
+    order, which would hide what only a scrambled cache shows), the scores at the end. Returns ``{"spec", "steps",
+    "fast_steps", "kinds"}``: how many steps took a fast step and which kinds; an AssertionError too when fewer
+    than half did (a check of nothing). The variant is compiled by the caller: the decode step sits below dispatch
+    (docs/architecture.md)."""
     gen = torch.Generator().manual_seed(seed)
     n = prefill + steps
     q = torch.randn(batch, heads, n, head_dim, generator=gen, dtype=torch.float64).to(dtype)

@@ -22,11 +22,11 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..core.numerics import ACCUMULATED_STATE, accumulator_dtype
 from ..transforms.base import Slot
 from . import fused
 from .state import FastStep
 from .step import drop_expired
-from .storage import ACCUMULATED_STATE, accumulator_dtype
 
 #: masks under which a query at position i sees exactly the keys at positions earliest_key(i) .. i (and so does
 #: any intersection of them): once ``drop_expired`` has run, a decoding step attends to every held token unmasked
@@ -99,9 +99,9 @@ def offer(plan, cache, params, decode_one) -> FastStep | None:
             h, group = acc.options.selector_head, geometry[0] // geometry[1]
             bos_zero, self_zero = acc.options.protect_bos, not acc.options.self_mask
             run = functools.partial(selective_step, scale, h // group, h % group, bos_zero, self_zero)
-            flags = int(bos_zero) | (int(self_zero) << 1)
-            return fused.offer(evictor.kind, ready_selective, run, cache, scale, rule.kernel,
-                               (*rule.options, h // group, h % group, flags), rule.state, rule.spare)
+            return fused.offer(evictor.kind, ready_selective, run, cache, scale, rule.kernel, rule.options,
+                               rule.state, rule.spare, selector_kv_head=h // group, selector_in_group=h % group,
+                               zero_first_score=bos_zero, zero_own_score=self_zero)
         return FastStep(evictor.kind, ready_selective, functools.partial(selective_step_any, decode_one, plan, params))
     if kinds:
         return None

@@ -19,11 +19,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..backends.base import Mode
+from ..core.contract import Mode
+from ..core.numerics import accumulator_dtype
 from ..evictors.base import Evictor, eviction_order
 from ..inputs import check_key_mask, check_qkv
 from ..transforms.base import Dims, Slot, TokenRows
-from .storage import KVCache, accumulator_dtype
+from .state import StepState
 
 
 class DecodeStep(NamedTuple):
@@ -64,7 +65,7 @@ def extend(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=
 def full_step(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=None):
     """Every check of a step (the cache's spec, geometry, batch and parameters, the inputs), the backend's
     ``extend``, then window expiry. Returns (out, the parameters and inputs grouped per transform)."""
-    if not isinstance(cache, KVCache):
+    if not isinstance(getattr(cache, "step_state", None), StepState):  # a KVCache (storage imports this module)
         raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
     state = cache.step_state
     state.check_spec(variant.spec)
@@ -108,22 +109,22 @@ def admit(plan, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params
     count = k.shape[2]
     features: dict[str, torch.Tensor] = {}
     totals = None
-    featured = bool(plan.feature_transforms())
+    featured = bool(plan.composition.feature_transforms())
     if plan.many(Slot.KEY) or plan.many(Slot.VALUE) or featured:
         positions = cache.upcoming_positions(count, key_mask, k.device)
-        k = plan.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
-        v = plan.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
+        k = plan.composition.row_scale(Slot.KEY, k, positions.unsqueeze(1), params, widen=widen)
+        v = plan.composition.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params, widen=widen)
     if featured:
-        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+        qs = plan.composition.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
         totals = dict(cache.feature_totals)  # the running sums go on from here; the cache takes them with the rows
-        features = plan._features(TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3], k.shape[1])),
-                                  params, totals)
+        rows = TokenRows(qs, k, v, positions, key_mask, Dims(q.shape[1], q.shape[3], k.shape[1]))
+        features = plan.composition.features_of(rows, params, totals)
     positions = cache.append(k, v, key_mask, features, totals)
     evictor = cache.evictor
     if evict_first and evictor is not None and not evictor.evict_after_attention:
         evict_to_budget(cache)
     if not featured:
-        qs = plan.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
+        qs = plan.composition.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params, widen=widen)
     return DecodeStep(qs, positions, features)
 
 

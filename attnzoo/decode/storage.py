@@ -32,17 +32,11 @@ import operator
 
 import torch
 
+from ..core.numerics import ACCUMULATED_STATE, accumulator_dtype
 from .slots import SlotStore
 from .state import StepState
 
-#: Name of the running per-token accumulator (selective attention's F) in ``KVCache.state``.
-ACCUMULATED_STATE = "accumulated"
-
-
-def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype accumulated quantities are computed and stored in for inputs of ``dtype``: float32, or float64
-    for float64 inputs (float16/bfloat16 sums lose the small increments once the running total is large)."""
-    return torch.promote_types(dtype, torch.float32)
+__all__ = ["ACCUMULATED_STATE", "KVCache", "accumulator_dtype", "new_token_positions"]
 
 
 def new_token_positions(start: torch.Tensor, count: int, key_mask: torch.Tensor | None) -> torch.Tensor:

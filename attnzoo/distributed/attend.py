@@ -6,30 +6,30 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import accumulator_dtype
+from ..core.numerics import accumulator_dtype
 from ..transforms.base import Dims, Slot
-from .carry import _colsums, _scan
-from .exchange import _Blocks
+from .carry import scan_chunks, selector_colsums
+from .exchange import KeyBlocks
 from .fused import fused_backward, fused_forward
 from .kernel_pairs import triton_backward, triton_forward
-from .layout import _Config
+from .layout import ShardConfig
 from .pairs import (
-    _block,
-    _key_features,
-    _merge,
-    _pair,
-    _selection,
-    _selector_kv,
-    _unpack,
-    _Walk,
-    _weight,
+    PairWalk,
+    block_key_features,
+    eager_pair,
     flash_pair,
     flash_pair_grads,
+    key_block,
+    merge_lse,
     pair_queries,
+    pair_selection,
+    partial_weight,
+    selector_kv_heads,
+    unpack_rest,
 )
 
 
-def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
+def _forward(cfg: ShardConfig, qs, ks, vs, pos, features, params):
     """(out, lse, the carries into each local chunk, what the fused pairs keep for the backward)."""
     plan = cfg.plan
     b, h, n, d = qs.shape
@@ -40,51 +40,52 @@ def _forward(cfg: _Config, qs, ks, vs, pos, features, params):
         out, lse, carries, kept = fused_forward(cfg, qs, ks, vs, pos, cfg.bos, cfg.keep)
     else:
         out, lse, carries = _pairs_forward(cfg, qs, ks, vs, pos, features, params)
-    sink = plan.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), params, qs)
+    sink = plan.composition.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), params, qs)
     if sink is not None:
         total = torch.logaddexp(lse, sink[..., 0].expand_as(lse))
-        out.mul_(_weight(lse, total).unsqueeze(-1))
+        out.mul_(partial_weight(lse, total).unsqueeze(-1))
         lse = total
     return out, lse, carries, kept
 
 
-def _pairs_forward(cfg: _Config, qs, ks, vs, pos, features, params):
+def _pairs_forward(cfg: ShardConfig, qs, ks, vs, pos, features, params):
     """The flash or eager pairs: (out, lse, the carries into each local chunk)."""
     plan = cfg.plan
     acc = plan.one(Slot.ACCUMULATOR)
     b, h, n, d = qs.shape
-    carries = _scan(cfg, _colsums(cfg, qs, pos, ks, features, params), reverse=False) if acc is not None else {}
+    carries = (scan_chunks(cfg, selector_colsums(cfg, qs, pos, ks, features, params), reverse=False)
+               if acc is not None else {})
     out = torch.zeros_like(qs)
     lse = torch.full((b, h, n), float("-inf"), dtype=qs.dtype, device=qs.device)
-    walk = _Walk(cfg, pos)
+    walk = PairWalk(cfg, pos)
     piece = None if cfg.keep else cfg.piece  # without a backward: other ranks' keys in pieces
-    for src, blk, start in _Blocks(cfg, "kv").pieces(_block(ks, vs, pos, features), piece):
+    for src, blk, start in KeyBlocks(cfg, "kv").pieces(key_block(ks, vs, pos, features), piece):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
             if cfg.flash:  # the whole pair of chunks in one kernel call
                 rows = pair_queries(blocks)
                 o, l = flash_pair(qs[:, :, rows], kchunk, vchunk, cb == c, cfg.scale)
-                _merge(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
+                merge_lse(out[:, :, rows], lse[:, :, rows], o, l.to(lse.dtype))
                 continue
             carry = carries[c][:, gstart:gstart + pchunk.shape[-1]].clone() if acc is not None else None
             for qb, keys in blocks:
-                o, l, colsum = _pair(plan, params, qs[:, :, qb], kchunk[:, :, keys], vchunk[:, :, keys], pos[:, qb],
-                                     pchunk[:, keys], {k: t[..., qb] for k, t in features.items()},
-                                     _key_features(blk, keys, chunk), carry[:, keys] if carry is not None else None,
-                                     cfg.scale)
-                _merge(out[:, :, qb], lse[:, :, qb], o, l)
+                o, l, colsum = eager_pair(plan, params, qs[:, :, qb], kchunk[:, :, keys], vchunk[:, :, keys],
+                                          pos[:, qb], pchunk[:, keys], {k: t[..., qb] for k, t in features.items()},
+                                          block_key_features(blk, keys, chunk),
+                                          carry[:, keys] if carry is not None else None, cfg.scale)
+                merge_lse(out[:, :, qb], lse[:, :, qb], o, l)
                 if colsum is not None:
                     carry[:, keys] += colsum
     return out, lse, carries
 
 
-class _ShardedAttend(torch.autograd.Function):
+class ShardedAttend(torch.autograd.Function):
     """The sharded attention of the transformed rows (row maps and features are applied outside, with autograd):
     inputs qs, ks, vs (this rank's), positions, the features (B, H, n), the pair slots' parameters."""
 
     @staticmethod
     def forward(ctx, cfg, qs, ks, vs, pos, *rest):
-        features, params = _unpack(cfg, rest)
+        features, params = unpack_rest(cfg, rest)
         out, lse, carries, kept = _forward(cfg, qs, ks, vs, pos, features, params)
         ctx.cfg = cfg
         ctx.kept = kept
@@ -108,20 +109,20 @@ def _leaf(t: torch.Tensor, wanted: bool) -> torch.Tensor:
     return t.detach().requires_grad_(wanted)
 
 
-def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, rest_wanted, kept=None):
+def _backward(cfg: ShardConfig, qs, ks, vs, pos, out, lse, rest, carries, d_out, rest_wanted, kept=None):
     """Gradients of qs, ks, vs, then of each feature and parameter (None where not wanted)."""
     plan = cfg.plan
     acc = plan.one(Slot.ACCUMULATOR)
     b, h, n, d = qs.shape
     qs, ks, vs, out = qs.detach(), ks.detach(), vs.detach(), out.detach()
     rest = [t.detach() for t in rest]
-    features, params = _unpack(cfg, rest)
+    features, params = unpack_rest(cfg, rest)
     nf = len(cfg.feature_keys)
     feature_wanted = dict(zip(cfg.feature_keys, rest_wanted[:nf], strict=True))
     param_wanted = list(rest_wanted[nf:])
     d_out = d_out.contiguous()
     delta = (d_out * out).sum(-1)  # (B, H, n)
-    walk = _Walk(cfg, pos)
+    walk = PairWalk(cfg, pos)
     wide = accumulator_dtype(qs.dtype)
 
     d_q = torch.zeros_like(qs)
@@ -129,7 +130,7 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
     d_params = [torch.zeros_like(t) for t in rest[nf:]]
 
     def pair_grads(o, l, qb):
-        w = _weight(l.detach(), lse[:, :, qb])
+        w = partial_weight(l.detach(), lse[:, :, qb])
         g_o = w.unsqueeze(-1).to(o.dtype) * d_out[:, :, qb]
         g_l = w * ((d_out[:, :, qb] * o.detach()).sum(-1) - delta[:, :, qb])
         return g_o, g_l
@@ -138,8 +139,8 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
     sink_leaves = [_leaf(t, wanted) for t, wanted in zip(rest[nf:], param_wanted, strict=True)]
     if plan.one(Slot.NORMALISER) is not None and any(param_wanted):
         with torch.enable_grad():
-            _, sink_params = _unpack(cfg, [*rest[:nf], *sink_leaves])
-            sink = plan.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), sink_params, qs)
+            _, sink_params = unpack_rest(cfg, [*rest[:nf], *sink_leaves])
+            sink = plan.composition.sink(torch.arange(h, device=qs.device).view(1, -1, 1, 1), sink_params, qs)
             w = torch.exp(sink[..., 0].expand_as(lse) - lse)
             g = (-w * delta).sum(dim=(0, 2)).view_as(sink)
             wrt = [t for t, wanted in zip(sink_leaves, param_wanted, strict=True) if wanted]
@@ -169,29 +170,29 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
     later: dict[int, torch.Tensor] = {}
     if acc is not None:
         reach = {c: torch.zeros_like(t) for c, t in carries.items()}
-        for src, blk in _Blocks(cfg, "kv")(_block(ks, vs, pos, features)):
+        for src, blk in KeyBlocks(cfg, "kv")(key_block(ks, vs, pos, features)):
             for c, _, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
                 width = blk["pos"][:, chunk].shape[-1]
                 carry = carries[c][:, gstart:gstart + width].clone()
                 for qb, keys in blocks:
                     leaf = _leaf(carry[:, keys], True)
                     with torch.enable_grad():
-                        o, l, colsum = _pair(plan, params, qs[:, :, qb], blk["k"][:, :, chunk][:, :, keys],
-                                             blk["v"][:, :, chunk][:, :, keys], pos[:, qb],
-                                             blk["pos"][:, chunk][:, keys],
-                                             {k: t[..., qb] for k, t in features.items()},
-                                             _key_features(blk, keys, chunk), leaf, cfg.scale)
+                        o, l, colsum = eager_pair(plan, params, qs[:, :, qb], blk["k"][:, :, chunk][:, :, keys],
+                                                  blk["v"][:, :, chunk][:, :, keys], pos[:, qb],
+                                                  blk["pos"][:, chunk][:, keys],
+                                                  {k: t[..., qb] for k, t in features.items()},
+                                                  block_key_features(blk, keys, chunk), leaf, cfg.scale)
                         g_o, g_l = pair_grads(o, l, qb)
                         (g_carry,) = torch.autograd.grad((o, l), (leaf,), (g_o, g_l), allow_unused=True)
                     if g_carry is not None:
                         reach[c][:, gstart + keys.start:gstart + keys.stop] += g_carry
                     carry[:, keys] += colsum.detach()
-        later = _scan(cfg, reach, reverse=True)
+        later = scan_chunks(cfg, reach, reverse=True)
 
     # Pass C: every pair's gradients; key-side gradients travel with their block
     kv_names = ["k", "v"] + [f"f:{name}" for name in cfg.feature_keys]
-    blocks_of = _Blocks(cfg, "kv")
-    for src, blk, g_blk in blocks_of.with_grads(_block(ks, vs, pos, features), kv_names):
+    blocks_of = KeyBlocks(cfg, "kv")
+    for src, blk, g_blk in blocks_of.with_grads(key_block(ks, vs, pos, features), kv_names):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             kchunk, vchunk, pchunk = blk["k"][:, :, chunk], blk["v"][:, :, chunk], blk["pos"][:, chunk]
             if cfg.flash:  # the pair's share of the gradients from the final output and log-sum-exp
@@ -207,12 +208,12 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
             if acc is not None:  # the carry into each query block, from a selector-only sweep
                 carry = carries[c][:, gstart:gstart + width].clone()
                 dims = Dims(h, d, ks.shape[1])
-                index = _selector_kv(plan, acc, dims, ks.device)
+                index = selector_kv_heads(plan, acc, dims, ks.device)
                 for qb, keys in blocks:
                     carry_in.append(carry[:, keys].clone())
-                    s = _selection(plan, acc, qs[:, :, qb], kchunk[:, :, keys].index_select(1, index), pos[:, qb],
-                                   pchunk[:, keys], dims, {k: t[..., qb] for k, t in features.items()},
-                                   _key_features(blk, keys, chunk), params, cfg.scale)
+                    s = pair_selection(plan, acc, qs[:, :, qb], kchunk[:, :, keys].index_select(1, index), pos[:, qb],
+                                       pchunk[:, keys], dims, {k: t[..., qb] for k, t in features.items()},
+                                       block_key_features(blk, keys, chunk), params, cfg.scale)
                     carry[:, keys] += s.to(wide).sum(dim=2)[:, 0]
                 g_colsum = later[c][:, gstart:gstart + width].clone()
             for i in reversed(range(len(blocks))):
@@ -221,13 +222,13 @@ def _backward(cfg: _Config, qs, ks, vs, pos, out, lse, rest, carries, d_out, res
                 k_l, v_l = _leaf(kchunk[:, :, keys], True), _leaf(vchunk[:, :, keys], True)
                 qf_l = {name: _leaf(t[..., qb], feature_wanted[name]) for name, t in features.items()}
                 kf_l = {name: _leaf(t, feature_wanted[name])
-                        for name, t in _key_features(blk, keys, chunk).items()}
+                        for name, t in block_key_features(blk, keys, chunk).items()}
                 p_l = [_leaf(t, wanted) for t, wanted in zip(rest[nf:], param_wanted, strict=True)]
                 c_l = _leaf(carry_in[i], True) if acc is not None else None
-                _, pair_params = _unpack(cfg, [*rest[:nf], *p_l])
+                _, pair_params = unpack_rest(cfg, [*rest[:nf], *p_l])
                 with torch.enable_grad():
-                    o, l, colsum = _pair(plan, pair_params, q_l, k_l, v_l, pos[:, qb], pchunk[:, keys], qf_l, kf_l,
-                                         c_l, cfg.scale)
+                    o, l, colsum = eager_pair(plan, pair_params, q_l, k_l, v_l, pos[:, qb], pchunk[:, keys], qf_l,
+                                              kf_l, c_l, cfg.scale)
                     g_o, g_l = pair_grads(o, l, qb)
                     outs, cots = [o, l], [g_o, g_l]
                     if colsum is not None:

@@ -1,6 +1,6 @@
 """What crosses between ranks: the communication accounting (:func:`counting`), the collectives and
 point-to-point exchanges (every send counted), and the blocks of keys moving around the ring or all-gathered
-(:class:`_Blocks`)."""
+(:class:`KeyBlocks`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .layout import _Config
+from .layout import ShardConfig
 
 
 @dataclass
@@ -43,12 +43,14 @@ def counting():
         _COUNTERS.remove(counter)
 
 
-def _count(kind: str, nbytes: int) -> None:
+def count_sent(kind: str, nbytes: int) -> None:
+    """Add ``nbytes`` sent by this rank, as one message of ``kind``, to every open :func:`counting`."""
     for counter in _COUNTERS:
         counter.add(kind, int(nbytes))
 
 
-def _nbytes(t: torch.Tensor) -> int:
+def tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s elements."""
     return t.numel() * t.element_size()
 
 
@@ -78,12 +80,12 @@ class _CopyBack:
         self.copies = []
 
 
-def _send(t: torch.Tensor, peer: int, group) -> None:
+def send(t: torch.Tensor, peer: int, group) -> None:
     """Blocking send to group rank ``peer`` (through host memory when :func:`_staged`)."""
     dist.send(_host(t) if _staged(t, group) else t.contiguous(), _global_rank(group, peer), group=group)
 
 
-def _recv(t: torch.Tensor, peer: int, group) -> None:
+def recv(t: torch.Tensor, peer: int, group) -> None:
     """Blocking receive into ``t`` from group rank ``peer``."""
     if _staged(t, group):
         host = torch.empty(t.shape, dtype=t.dtype)
@@ -94,7 +96,7 @@ def _recv(t: torch.Tensor, peer: int, group) -> None:
 
 
 # -- collectives ---------------------------------------------------------------------------------------------------
-def _all_gather(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
+def all_gather(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
     """(world, *t.shape): every rank's ``t`` (the same shape everywhere)."""
     t = t.contiguous()
     if world == 1:
@@ -102,19 +104,19 @@ def _all_gather(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
     staged = _staged(t, group)
     src = _host(t) if staged else t
     out = [torch.empty_like(src) for _ in range(world)]
-    _count(kind, (world - 1) * _nbytes(t))
+    count_sent(kind, (world - 1) * tensor_bytes(t))
     dist.all_gather(out, src, group=group)
     return torch.stack(out).to(t.device) if staged else torch.stack(out)
 
 
 def _allreduce_bytes(t: torch.Tensor, world: int) -> int:
-    return 2 * (world - 1) * _nbytes(t) // max(world, 1)
+    return 2 * (world - 1) * tensor_bytes(t) // max(world, 1)
 
 
-def _all_reduce(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
+def all_reduce(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
     """Sum ``t`` over the ranks, in place."""
     if world > 1:
-        _count(kind, _allreduce_bytes(t, world))
+        count_sent(kind, _allreduce_bytes(t, world))
         if _staged(t, group):
             host = _host(t)
             dist.all_reduce(host, group=group)
@@ -124,17 +126,17 @@ def _all_reduce(t: torch.Tensor, group, world: int, kind: str) -> torch.Tensor:
     return t
 
 
-class _GatherChunks(torch.autograd.Function):
+class GatherChunks(torch.autograd.Function):
     """All-gather with a gradient: backward sums the gradient over the ranks and keeps this rank's piece."""
 
     @staticmethod
     def forward(ctx, t, group, world, rank):
         ctx.group, ctx.world, ctx.rank = group, world, rank
-        return _all_gather(t, group, world, "features")
+        return all_gather(t, group, world, "features")
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _all_reduce(grad.contiguous().clone(), ctx.group, ctx.world, "features")
+        grad = all_reduce(grad.contiguous().clone(), ctx.group, ctx.world, "features")
         return grad[ctx.rank], None, None, None
 
 
@@ -149,7 +151,7 @@ def _exchange(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     memory, the last one copies what arrived into its tensors)."""
     ops, copies = [], []
     for i, (t, peer) in enumerate(sends):
-        _count(kind, _nbytes(t))
+        count_sent(kind, tensor_bytes(t))
         ops.append(dist.P2POp(dist.isend, _host(t) if _staged(t, group) else t, _global_rank(group, peer), group,
                               tag + i))
     for i, (t, peer) in enumerate(recvs):
@@ -168,9 +170,9 @@ def _wait(requests) -> None:
 
 
 # -- blocks of keys moving between ranks ---------------------------------------------------------------------------
-#: token dimension of each kind of tensor in a block: keys/values (B, H_kv, n, D) -> 2, positions (B, n) and
-#: features/carries (B, H, n) -> the last
-def _token_dim(name: str) -> int:
+def token_dim(name: str) -> int:
+    """The token dimension of the tensor ``name`` of a block: keys/values (B, H_kv, n, D) -> 2, positions (B, n)
+    and features/carries (B, H, n) -> the last."""
     return 2 if name in ("k", "v") else -1
 
 
@@ -179,16 +181,16 @@ def _like(mine: dict[str, torch.Tensor], size: int) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in mine.items():
         shape = list(t.shape)
-        shape[_token_dim(name)] = size
+        shape[token_dim(name)] = size
         out[name] = torch.empty(shape, dtype=t.dtype, device=t.device)
     return out
 
 
-class _Blocks:
+class KeyBlocks:
     """Every rank's block of keys, one at a time, in ring order (this rank's own first): passed around the ring
     (the next block is received while the current one is attended) or all-gathered once."""
 
-    def __init__(self, cfg: _Config, kind: str, sizes: list[int] | None = None) -> None:
+    def __init__(self, cfg: ShardConfig, kind: str, sizes: list[int] | None = None) -> None:
         self.cfg, self.kind = cfg, kind
         self.sizes = sizes  # tokens of each rank's block (None: its local tokens), the same on every rank
         self.returned: dict[str, torch.Tensor] | None = None
@@ -307,9 +309,9 @@ class _Blocks:
         most = max(self.size(r) for r in range(cfg.world))
         out: list[dict[str, torch.Tensor]] = [{} for _ in range(cfg.world)]
         for name, t in mine.items():
-            dim = _token_dim(name) % t.dim()
+            dim = token_dim(name) % t.dim()
             padded = F.pad(t, _pad_spec(t.dim(), dim, most - t.shape[dim]))
-            every = _all_gather(padded, cfg.group, cfg.world, self.kind)
+            every = all_gather(padded, cfg.group, cfg.world, self.kind)
             for r in range(cfg.world):
                 out[r][name] = every[r].narrow(dim, 0, self.size(r))
         return out
@@ -317,9 +319,9 @@ class _Blocks:
     def _reduce(self, pieces: list[torch.Tensor], name: str) -> torch.Tensor:
         cfg = self.cfg
         most = max(self.size(r) for r in range(cfg.world))
-        dim = _token_dim(name) % pieces[0].dim()
+        dim = token_dim(name) % pieces[0].dim()
         stacked = torch.stack([F.pad(p, _pad_spec(p.dim(), dim, most - p.shape[dim])) for p in pieces])
-        _all_reduce(stacked, cfg.group, cfg.world, self.kind + "-grad")
+        all_reduce(stacked, cfg.group, cfg.world, self.kind + "-grad")
         return stacked[cfg.rank].narrow(dim, 0, self.size(cfg.rank))
 
 
@@ -335,7 +337,7 @@ def _cuts(size: int, count: int) -> list[tuple[int, int]]:
 
 
 def _narrow(name: str, t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    dim = _token_dim(name) % t.dim()
+    dim = token_dim(name) % t.dim()
     return t.narrow(dim, lo, hi - lo)
 
 

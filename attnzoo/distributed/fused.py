@@ -12,17 +12,17 @@ import math
 
 import torch
 
-from ..backends.blocked import _pointwise
+from ..backends.blocked import fusable_pointwise
 from ..backends.selective_kernel import Pair, flash_available, pair_backward, pair_colsums, pair_forward, pair_later
-from ..cache import accumulator_dtype
+from ..core.numerics import accumulator_dtype
 from ..transforms.base import Slot
-from .carry import _scan
-from .exchange import _all_gather, _Blocks, _token_dim
-from .layout import _Config
-from .pairs import _block, _Walk, pair_queries
+from .carry import scan_chunks
+from .exchange import KeyBlocks, all_gather, token_dim
+from .layout import ShardConfig
+from .pairs import PairWalk, key_block, pair_queries
 
 
-def fused_pairs(cfg: _Config, qs: torch.Tensor, bos_rows: torch.Tensor) -> bool:
+def fused_pairs(cfg: ShardConfig, qs: torch.Tensor, bos_rows: torch.Tensor) -> bool:
     """Whether every pair of this call runs the fused selective kernel: causal, an accumulator whose selection is
     pointwise in one selector head with no parameters (what ``blocked`` fuses), no logits or mask transform and
     no per-token feature, float32/float64 on the CPU (where the kernel's flash op is usable), and the batch rows
@@ -30,20 +30,20 @@ def fused_pairs(cfg: _Config, qs: torch.Tensor, bos_rows: torch.Tensor) -> bool:
     1)."""
     plan = cfg.plan
     acc = plan.one(Slot.ACCUMULATOR)
-    return (plan.causal and acc is not None and _pointwise(acc) is not None and not plan.many(Slot.LOGITS)
+    return (plan.causal and acc is not None and fusable_pointwise(acc) is not None and not plan.many(Slot.LOGITS)
             and not plan.many(Slot.MASK) and not cfg.feature_keys and qs.device.type == "cpu"
             and qs.dtype in (torch.float32, torch.float64) and flash_available(qs.dtype)
             and bool((bos_rows == bos_rows[0]).all()))
 
 
-def negligible_bound(cfg: _Config, qs, ks) -> float:
+def negligible_bound(cfg: ShardConfig, qs, ks) -> float:
     """The whole sequence's bound on F past which a key is negligible (``selective_kernel.negligible_f``, with the
     largest query and key norms of every rank: one all-gather of two numbers), the same on every rank: a key
     whose F reaches it is left out of every later query's attention, on whichever rank, so its carry may stop
     growing there (the selector pass leaves it out too)."""
     mine = torch.tensor([float(qs.norm(dim=-1).amax()) if qs.numel() else 0.0,
                          float(ks.norm(dim=-1).amax()) if ks.numel() else 0.0], dtype=torch.float64)
-    q_max, k_max = (float(x) for x in _all_gather(mine, cfg.group, cfg.world, "meta").amax(dim=0))
+    q_max, k_max = (float(x) for x in all_gather(mine, cfg.group, cfg.world, "meta").amax(dim=0))
     bound = 2.0 * cfg.scale * q_max * k_max + 104.0
     return bound if math.isfinite(bound) else math.inf
 
@@ -52,13 +52,13 @@ class _Pairs:
     """The fixed parts of every pair of one call: the selector head, its key head, the pointwise selection and
     the negligible bound on F (:func:`negligible_bound`)."""
 
-    def __init__(self, cfg: _Config, qs, ks, bos: bool, limit: float) -> None:
+    def __init__(self, cfg: ShardConfig, qs, ks, bos: bool, limit: float) -> None:
         acc = cfg.plan.one(Slot.ACCUMULATOR)
         self.cfg, self.limit = cfg, limit
         self.group = qs.shape[1] // ks.shape[1]
         self.sel = acc.heads()[0]
         self.sel_kv = self.sel // self.group
-        self.pointwise = _pointwise(acc)
+        self.pointwise = fusable_pointwise(acc)
         self.bos = bos and self.pointwise.exclude_first
 
     def pair(self, c: int, cb: int, gstart: int) -> Pair:
@@ -87,7 +87,7 @@ class _Sent:
     same index sets from the same sums. With no bound (an input not finite) every key is sent, as every key is
     visited."""
 
-    def __init__(self, cfg: _Config, tables: dict[int, torch.Tensor], limit: float) -> None:
+    def __init__(self, cfg: ShardConfig, tables: dict[int, torch.Tensor], limit: float) -> None:
         self.cfg = cfg
         self.index: list[torch.Tensor] = []  # per rank: the local indices of the keys it sends
         self.spans: list[list[tuple[int, int, int, torch.Tensor]]] = []  # per rank: (chunk, start, stop, global keys)
@@ -110,7 +110,7 @@ class _Sent:
         rank = self.cfg.rank
         if self.sizes[rank] == self.cfg.layout.local_size(rank):  # every key is sent
             return mine
-        return {name: t.index_select(_token_dim(name) % t.dim(), self.index[rank]) for name, t in mine.items()}
+        return {name: t.index_select(token_dim(name) % t.dim(), self.index[rank]) for name, t in mine.items()}
 
     def pairs(self, src: int, start: int, count: int):
         """(query chunk, key chunk, the keys' slice in the piece of ``src``'s sent block holding its keys [start,
@@ -125,7 +125,7 @@ class _Sent:
                     yield c, cb, slice(a - start, b - start), keys[a - lo:b - lo], slice(qstart, qstop)
 
 
-def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
+def fused_forward(cfg: ShardConfig, qs, ks, vs, pos, bos: bool, keep: bool):
     """(out, lse, the carries into each local chunk (B, N), what the backward needs: the carries before each
     block of each pair (when ``keep``), the negligible bound, the walk and the keys sent (:class:`_Sent`)); the
     sink is joined by the caller."""
@@ -133,7 +133,7 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     limit = negligible_bound(cfg, qs, ks)
     pairs = _Pairs(cfg, qs, ks, bos, limit)
     wide = accumulator_dtype(qs.dtype)
-    walk = _Walk(cfg, pos)
+    walk = PairWalk(cfg, pos)
     # the selector pass: every local chunk's column sums of S over the whole sequence's keys, then the scan.
     # A key whose F is past the bound is left out: any column sums of chunks between the key's and the queries'
     # bound its carry from below. Those of this rank's earlier chunks (pairs come with the earlier query chunk
@@ -157,9 +157,9 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
         if block_carries is not None:
             kept[(c, cb)] = block_carries
 
-    for src, blk, start in _Blocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
+    for src, blk, start in KeyBlocks(cfg, "selector").pieces(pairs.selector_block(ks, pos), piece):
         if src != cfg.rank and not theirs:
-            every = _all_gather(torch.stack([table[c] for c in owned]), cfg.group, cfg.world, "selector")
+            every = all_gather(torch.stack([table[c] for c in owned]), cfg.group, cfg.world, "selector")
             theirs = {c: every[r, i] for r in range(cfg.world) if r != cfg.rank
                       for i, c in enumerate(cfg.layout.owned(r))}
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
@@ -174,9 +174,9 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
             pair_colsums(pairs.pair(c, cb, gstart), qs[:, pairs.sel, pair_queries(blocks)], blk["k"][:, 0, chunk],
                          table[c][:, keys], sum(earlier) if earlier else None)
     sent = _Sent(cfg, {**theirs, **table}, limit) if cfg.world > 1 else None
-    carries = _scan(cfg, table, reverse=False)
-    own = _block(ks, vs, pos, {})
-    kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
+    carries = scan_chunks(cfg, table, reverse=False)
+    own = key_block(ks, vs, pos, {})
+    kv = KeyBlocks(cfg, "kv", sent.sizes if sent else None)
     for src, blk, start in kv.pieces(sent.compact(own) if sent else own, piece):
         if src == cfg.rank:  # this rank's own pairs on its whole block (the diagonal ones ran above)
             for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
@@ -190,7 +190,7 @@ def fused_forward(cfg: _Config, qs, ks, vs, pos, bos: bool, keep: bool):
     return out, lse, carries, (kept, limit, walk, sent)
 
 
-def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
+def fused_backward(cfg: ShardConfig, qs, ks, vs, pos, out, lse, carries, kept, d_out, bos: bool):
     """(dq, dk, dv) from the final output and log-sum-exp (the sink included): each pair's share of the softmax
     gradients and the reverse carry inside it (:func:`pair_backward`), the reverse scan of what reaches each
     chunk's carries, then the selector-only ring that carries it into the earlier chunks' S
@@ -215,8 +215,8 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
         dv_into += pairs.fold(dv)
         return dcarry
 
-    own = _block(ks, vs, pos, {})
-    kv = _Blocks(cfg, "kv", sent.sizes if sent else None)
+    own = key_block(ks, vs, pos, {})
+    kv = KeyBlocks(cfg, "kv", sent.sizes if sent else None)
     for src, blk, g_blk in kv.with_grads(sent.compact(own) if sent else own, ["k", "v"]):
         if src == cfg.rank:  # this rank's own pairs on its whole block
             for c, cb, gstart, chunk, blocks in walk.pairs(src, pos):
@@ -232,9 +232,9 @@ def fused_backward(cfg: _Config, qs, ks, vs, pos, out, lse, carries, kept, d_out
     if sent is not None:  # the other ranks' shares of this rank's sent keys
         d_k.index_add_(2, sent.index[cfg.rank], kv.returned["k"])
         d_v.index_add_(2, sent.index[cfg.rank], kv.returned["v"])
-    later = _scan(cfg, reach, reverse=True)
+    later = scan_chunks(cfg, reach, reverse=True)
     # the selector ring carries the sent keys too: a key another rank's F never sees has no gradient from it
-    selector = _Blocks(cfg, "selector", sent.sizes if sent else None)
+    selector = KeyBlocks(cfg, "selector", sent.sizes if sent else None)
     mine = pairs.selector_block(ks, pos)
     d_sel = torch.zeros_like(mine["k"])
     for src, blk, g_blk in selector.with_grads(sent.compact(mine) if sent else mine, ["k"]):

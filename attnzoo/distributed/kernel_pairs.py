@@ -14,15 +14,15 @@ import torch
 
 from ..backends.base import Mode
 from ..backends.triton import codegen
-from ..cache import accumulator_dtype
+from ..core.numerics import accumulator_dtype
 from ..transforms.base import Dims, Slot
-from .carry import _scan
-from .exchange import _Blocks
-from .layout import _Config
-from .pairs import _block, _merge, _selection, _selector_kv, _unpack, _Walk, pair_queries
+from .carry import scan_chunks
+from .exchange import KeyBlocks
+from .layout import ShardConfig
+from .pairs import PairWalk, key_block, merge_lse, pair_queries, pair_selection, selector_kv_heads, unpack_rest
 
 
-def triton_reasons(backend, cfg: _Config, qs: torch.Tensor, keep: bool) -> list[str]:
+def triton_reasons(backend, cfg: ShardConfig, qs: torch.Tensor, keep: bool) -> list[str]:
     """Why the triton backend's kernels cannot compute this call's pairs (empty: they can): the backend's own
     reasons for the spec, device and dtype, and per-token features, which cross the shards as cumulative sums
     (the eager pairs compute them)."""
@@ -39,30 +39,30 @@ class _Launch:
     """One call's fixed parts: the backend, the packed per-head parameters of the kernels (with autograd to the
     pair slots' parameters when asked) and the accumulator."""
 
-    def __init__(self, cfg: _Config, backend, qs, params) -> None:
+    def __init__(self, cfg: ShardConfig, backend, qs, params) -> None:
         self.cfg, self.backend, self.plan = cfg, backend, cfg.plan
         self.acc = cfg.plan.one(Slot.ACCUMULATOR)
         self.heads = qs.shape[1]
-        self.prm = backend._prm(cfg.plan, params, self.heads, qs).detach().contiguous()
+        self.prm = backend.packed_params(cfg.plan, params, self.heads, qs).detach().contiguous()
 
     def run(self, c: int, cb: int, q_rows, pos_rows, kpos, carry):
         """The launch configuration of the pair of query chunk ``c`` (rows at ``pos_rows``) and key chunk ``cb``
         (at ``kpos``), F starting from ``carry`` (B, nk) (None without an accumulator). On the diagonal the keys
         are the queries' own tokens, so the kernels skip the tiles past the diagonal."""
-        return self.backend._run(self.plan, q_rows, pos_rows.contiguous(), kpos.unsqueeze(1).contiguous(), None,
+        return self.backend.prepare_run(self.plan, q_rows, pos_rows.contiguous(), kpos.unsqueeze(1).contiguous(), None,
                                  carry, self.plan.causal and c == cb)
 
 
-def _selector_pass(cfg: _Config, launch: _Launch, qs, ks, pos) -> dict[int, torch.Tensor]:
+def _selector_pass(cfg: ShardConfig, launch: _Launch, qs, ks, pos) -> dict[int, torch.Tensor]:
     """The column sums of S of every local query chunk over the whole sequence's keys, (B, N) float32 per chunk:
     the kernels' pre-pass (``_Run.select``, no carry) on each pair, over a ring of the selector head's key rows
     alone (one key head: the kernels then read it for the selector)."""
     b, h, n, d = qs.shape
-    index = _selector_kv(cfg.plan, launch.acc, Dims(h, d, ks.shape[1]), ks.device)
+    index = selector_kv_heads(cfg.plan, launch.acc, Dims(h, d, ks.shape[1]), ks.device)
     table = {c: torch.zeros(b, cfg.layout.seq_len, dtype=torch.float32, device=qs.device)
              for c in cfg.layout.owned(cfg.rank)}
-    walk = _Walk(cfg, pos)
-    for src, blk in _Blocks(cfg, "selector")({"k": ks.index_select(1, index).contiguous(), "pos": pos}):
+    walk = PairWalk(cfg, pos)
+    for src, blk in KeyBlocks(cfg, "selector")({"k": ks.index_select(1, index).contiguous(), "pos": pos}):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             rows = pair_queries(blocks)
             run = launch.run(c, cb, qs[:, :, rows], pos[:, rows], blk["pos"][:, chunk], None)
@@ -71,16 +71,17 @@ def _selector_pass(cfg: _Config, launch: _Launch, qs, ks, pos) -> dict[int, torc
     return table
 
 
-def triton_forward(cfg: _Config, backend, qs, ks, vs, pos, params):
+def triton_forward(cfg: ShardConfig, backend, qs, ks, vs, pos, params):
     """(out, lse (float32), the carries into each local chunk); the sink is joined by the caller."""
     launch = _Launch(cfg, backend, qs, params)
     b, h, n, d = qs.shape
-    carries = _scan(cfg, _selector_pass(cfg, launch, qs, ks, pos), reverse=False) if launch.acc is not None else {}
+    carries = (scan_chunks(cfg, _selector_pass(cfg, launch, qs, ks, pos), reverse=False)
+               if launch.acc is not None else {})
     out = torch.zeros(b, h, n, d, dtype=accumulator_dtype(qs.dtype), device=qs.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=out.dtype, device=qs.device)
-    walk = _Walk(cfg, pos)
+    walk = PairWalk(cfg, pos)
     piece = None if cfg.keep else cfg.piece
-    for src, blk, start in _Blocks(cfg, "kv").pieces(_block(ks, vs, pos, {}), piece):
+    for src, blk, start in KeyBlocks(cfg, "kv").pieces(key_block(ks, vs, pos, {}), piece):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"], start):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
@@ -89,26 +90,26 @@ def triton_forward(cfg: _Config, backend, qs, ks, vs, pos, params):
             o, l, _, _ = run.forward(qs[:, :, rows].contiguous(), blk["k"][:, :, chunk].contiguous(),
                                      blk["v"][:, :, chunk].contiguous(), launch.prm)
             l = l.masked_fill(l == float("inf"), float("-inf"))  # the kernels' mark of a row with no key here
-            _merge(out[:, :, rows], lse[:, :, rows], o.to(out.dtype), l)
+            merge_lse(out[:, :, rows], lse[:, :, rows], o.to(out.dtype), l)
     return out.to(qs.dtype), lse, carries
 
 
-def triton_backward(cfg: _Config, backend, qs, ks, vs, pos, out, lse, carries, d_out, flat, wanted):
+def triton_backward(cfg: ShardConfig, backend, qs, ks, vs, pos, out, lse, carries, d_out, flat, wanted):
     """(dq, dk, dv, the gradient of each pair-slot parameter (None where not ``wanted``)): every pair's share from
     the final output and log-sum-exp (the sink included), with the gradient of its incoming carry; the reverse
     scan; then the selector-only ring that carries each chunk's share into the earlier chunks' S. ``flat``: the
     pair slots' parameters in ``cfg.param_keys`` order (no features: the triton pairs take none)."""
     plan = cfg.plan
-    launch = _Launch(cfg, backend, qs, _unpack(cfg, flat)[1])
+    launch = _Launch(cfg, backend, qs, unpack_rest(cfg, flat)[1])
     acc = launch.acc
-    walk = _Walk(cfg, pos)
+    walk = PairWalk(cfg, pos)
     d_out = d_out.contiguous()
     lse32 = lse.float()
     d_q = torch.zeros_like(qs, dtype=torch.float32)
     d_prm = torch.zeros_like(launch.prm)
     reach = {c: torch.zeros_like(t, dtype=torch.float32) for c, t in carries.items()}
-    kv = _Blocks(cfg, "kv")
-    for src, blk, g_blk in kv.with_grads(_block(ks, vs, pos, {}), ["k", "v"]):
+    kv = KeyBlocks(cfg, "kv")
+    for src, blk, g_blk in kv.with_grads(key_block(ks, vs, pos, {}), ["k", "v"]):
         for c, cb, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             rows = pair_queries(blocks)
             width = chunk.stop - chunk.start
@@ -131,15 +132,15 @@ def triton_backward(cfg: _Config, backend, qs, ks, vs, pos, out, lse, carries, d
     d_params = [torch.zeros_like(p) for p in leaves]
     if any(wanted) and codegen.layout(plan).params:
         with torch.enable_grad():
-            packed = backend._prm(plan, _unpack(cfg, leaves)[1], launch.heads, qs)
+            packed = backend.packed_params(plan, unpack_rest(cfg, leaves)[1], launch.heads, qs)
             _add_grads(d_params, leaves, wanted, packed, d_prm)
     if acc is not None:
-        later = _scan(cfg, reach, reverse=True)
+        later = scan_chunks(cfg, reach, reverse=True)
         _later_ring(cfg, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_params)
     return (d_q.to(qs.dtype), d_k, d_v, [g if w else None for g, w in zip(d_params, wanted, strict=True)])
 
 
-def _later_ring(cfg: _Config, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_params) -> None:
+def _later_ring(cfg: ShardConfig, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_params) -> None:
     """The gradient of each pair's column sums of S through later chunks' F (``later[c]``, (B, N), dL/d the
     column sums of chunk c's queries): a ring of the selector's key rows, the selection recomputed with autograd
     in query blocks of ``cfg.block_size`` (one head), skipping keys no later F sees."""
@@ -147,9 +148,9 @@ def _later_ring(cfg: _Config, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_pa
     acc = plan.one(Slot.ACCUMULATOR)
     b, h, n, d = qs.shape
     dims = Dims(h, d, ks.shape[1])
-    index = _selector_kv(plan, acc, dims, ks.device)
-    walk = _Walk(cfg, pos)
-    selector = _Blocks(cfg, "selector")
+    index = selector_kv_heads(plan, acc, dims, ks.device)
+    walk = PairWalk(cfg, pos)
+    selector = KeyBlocks(cfg, "selector")
     for src, blk, g_blk in selector.with_grads({"k": ks.index_select(1, index), "pos": pos}, ["k"]):
         for c, _, gstart, chunk, blocks in walk.pairs(src, blk["pos"]):
             width = chunk.stop - chunk.start
@@ -161,8 +162,8 @@ def _later_ring(cfg: _Config, qs, ks, pos, later, leaves, wanted, d_q, d_k, d_pa
                 q_l = qs[:, :, qb].detach().requires_grad_()
                 k_l = k_c[:, :, keys].detach().requires_grad_()
                 with torch.enable_grad():
-                    s = _selection(plan, acc, q_l, k_l, pos[:, qb], p_c[:, keys], dims, {}, {},
-                                   _unpack(cfg, leaves)[1], cfg.scale)
+                    s = pair_selection(plan, acc, q_l, k_l, pos[:, qb], p_c[:, keys], dims, {}, {},
+                                       unpack_rest(cfg, leaves)[1], cfg.scale)
                     weights = g[:, keys].to(s.dtype)[:, None, None, :].expand_as(s)
                     wrt = [q_l, k_l, *(p for p, w in zip(leaves, wanted, strict=True) if w)]
                     got = torch.autograd.grad(s, wrt, weights, allow_unused=True)

@@ -1,5 +1,5 @@
 """Where the tokens are: the sequence cut into chunks, which rank holds which, and the configuration of one
-sharded call (:class:`_Config`)."""
+sharded call (:class:`ShardConfig`)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,11 @@ def shard_positions(positions: torch.Tensor, rank: int, world_size: int, balance
 
 
 @dataclass
-class _Config:
+class ShardConfig:
+    """The configuration of one sharded call, the same on every rank: the plan, the layout, the process group,
+    this rank and the world size, ring or all-gather, the query block size, the feature and pair-parameter keys
+    (the order of the autograd function's extra inputs), the logit scale, and which pairs compute it."""
+
     plan: Any
     layout: Layout
     group: Any
@@ -128,7 +132,7 @@ class _Config:
     bos: bool = False
     #: the forward keeps what the fused backward needs (a gradient may be asked for)
     keep: bool = True
-    #: tokens per piece of another rank's keys and values in a forward without gradients (``_Blocks.pieces``)
+    #: tokens per piece of another rank's keys and values in a forward without gradients (``KeyBlocks.pieces``)
     piece: int | None = None
     #: the triton backend whose generated kernels compute every pair (``kernel_pairs``), or None
     triton: Any = None

@@ -17,12 +17,12 @@ from ..errors import RankDisagreementError, UnsupportedError
 from ..inputs import check_positions, check_qkv
 from ..nn import Attention
 from ..transforms.base import Slot
-from .attend import _ShardedAttend
-from .carry import _features
-from .exchange import _all_gather, _all_reduce
+from .attend import ShardedAttend
+from .carry import sharded_features
+from .exchange import all_gather, all_reduce
 from .fused import fused_pairs
 from .kernel_pairs import triton_reasons
-from .layout import Layout, _Config
+from .layout import Layout, ShardConfig
 from .pairs import flash_pairs
 
 #: slots whose transforms act inside the (query, key) pairs, so their parameters enter the sharded kernel
@@ -248,10 +248,10 @@ class ContextParallel:
         dims, layout, pos, firsts, grouped = self._agree(q, k, v, params, positions, inputs, world, rank, group)
         b, h, n, d = q.shape
         plan = self.plan
-        qs = plan.row_scale(Slot.QUERY, q, pos.unsqueeze(1), grouped)
-        ks = plan.row_scale(Slot.KEY, k, pos.unsqueeze(1), grouped)
-        vs = plan.row_scale(Slot.VALUE, v, pos.unsqueeze(1), grouped)
-        features = _features(plan, qs, ks, vs, pos, grouped, layout, rank, group)
+        qs = plan.composition.row_scale(Slot.QUERY, q, pos.unsqueeze(1), grouped)
+        ks = plan.composition.row_scale(Slot.KEY, k, pos.unsqueeze(1), grouped)
+        vs = plan.composition.row_scale(Slot.VALUE, v, pos.unsqueeze(1), grouped)
+        features = sharded_features(plan, qs, ks, vs, pos, grouped, layout, rank, group)
         kv_bytes = 2 * b * k.shape[1] * layout.seq_len * d * k.element_size()
         ring = self.method == "ring" or (self.method == "auto" and kv_bytes > self.gather_limit)
         self.last_method = "ring" if ring else "allgather"
@@ -259,8 +259,8 @@ class ContextParallel:
         kinds = [t.kind for t in plan.transforms if t.slot in _PAIR_SLOTS]
         param_keys = [(kind, short) for kind in kinds for short in grouped[kind]
                       if f"{kind}.{short}" not in token_keys]
-        cfg = _Config(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
-                      plan.logit_scale(d))
+        cfg = ShardConfig(plan, layout, group, rank, world, ring, self.block_size, list(features), param_keys,
+                          plan.logit_scale(d))
         pair_params = [grouped[kind][short] for kind, short in param_keys]
         cfg.keep = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *features.values(),
                                                                              *pair_params))
@@ -282,8 +282,8 @@ class ContextParallel:
         cfg.bos = bool(bos_rows.all())
         self.last_pairs = ("triton" if cfg.triton is not None else "flash" if cfg.flash else
                            "fused" if cfg.fused else "eager")
-        out = _ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(), *pair_params)
-        return plan.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
+        out = ShardedAttend.apply(cfg, qs, ks, vs, pos, *features.values(), *pair_params)
+        return plan.composition.row_scale(Slot.OUTPUT, out, pos.unsqueeze(1), grouped)
 
     def _agree(self, q, k, v, params, positions, inputs, world, rank, group):
         """Every rank's call checked together before any other collective, so that every rank raises the same
@@ -303,7 +303,7 @@ class ContextParallel:
         except (ValueError, TypeError) as exc:
             problem = str(exc)
         mine = _Fingerprint(self, q, k, v, split, inputs, positions, problem)
-        everyone = _all_gather(mine.mine, group, world, "meta")
+        everyone = all_gather(mine.mine, group, world, "meta")
         if problem:
             raise ValueError(f"rank {rank}: {problem}")
         bad = [r for r in range(world) if int(everyone[r, _AT["invalid"]])]
@@ -327,7 +327,7 @@ class ContextParallel:
         # positions must increase along the whole sequence: compare the chunks' first and last positions
         ends = torch.stack([torch.stack([pos[:, start], pos[:, stop - 1]], dim=-1)
                             for _, start, stop, _ in layout.local_chunks(rank)])  # (chunks, B, 2)
-        every_end = _all_gather(ends, group, world, "meta")
+        every_end = all_gather(ends, group, world, "meta")
         by_chunk = {c: every_end[r, i] for r in range(world) for i, c in enumerate(layout.owned(r))}
         for c in range(1, layout.num_chunks):
             back = (by_chunk[c][:, 0] <= by_chunk[c - 1][:, 1]).nonzero()
@@ -346,7 +346,7 @@ def sum_gradients(parameters, group=None) -> None:
     world = dist.get_world_size(group)
     for p in parameters:
         if p.grad is not None:
-            _all_reduce(p.grad, group, world, "allreduce")
+            all_reduce(p.grad, group, world, "allreduce")
 
 
 class ShardedAttention(Attention):

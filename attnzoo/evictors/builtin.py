@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..decode.storage import ACCUMULATED_STATE
+from ..core.numerics import ACCUMULATED_STATE
 from ..hookspecs import hookimpl
 from .base import Evictor, EvictorOptions, KernelRule
 

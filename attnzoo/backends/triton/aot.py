@@ -135,7 +135,7 @@ class _Recorder:
 def capture(backend, plan, arch: int, dtype: torch.dtype, head_dim: int, registry=None) -> list[Launch]:
     """The launches the triton backend makes on a GPU of compute capability ``arch`` for ``dtype`` and
     ``head_dim``: batch forward and backward (with and without a key mask), prefill and a decode step."""
-    from ...dispatch import Variant
+    from ...decode.create import new_cache
     from ...transforms.base import Dims
 
     launches: list[Launch] = []
@@ -166,7 +166,7 @@ def capture(backend, plan, arch: int, dtype: torch.dtype, head_dim: int, registr
             out.float().sum().backward()
         if plan.causal:
             with torch.no_grad():
-                cache = Variant(plan.spec, registry=registry).new_cache(b)
+                cache = new_cache(plan, b)
                 case[0] = "prefill"
                 backend.extend(plan, *tensors(n), cache, grouped(n, False), evict_first=False)
                 case[0] = "decode"

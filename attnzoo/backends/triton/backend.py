@@ -16,9 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
-from ...cache import accumulator_dtype
+from ...core.numerics import accumulator_dtype, f_from_s
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
 from . import codegen
@@ -233,12 +232,12 @@ def _window_bounds(plan, positions: torch.Tensor, block_m: int, block_n: int) ->
     """For increasing positions shared by queries and keys (the batch form): the first key index each query block
     can see under every mask (``Plan.earliest_key``, rounded down to a key block) and, per key block, the end of
     the query blocks that see it. None when no mask bounds the keys."""
-    if plan.earliest_key(1) is None:  # no mask bounds the keys (the bound is a property of the masks)
+    if plan.composition.earliest_key(1) is None:  # no mask bounds the keys (the bound is a property of the masks)
         return None
     n = positions.shape[1]
     nmb, nnb = triton_cdiv(n, block_m), triton_cdiv(n, block_n)
     firsts = positions.min(dim=0).values[::block_m].tolist()  # smallest position of each query block
-    earliest = [plan.earliest_key(int(p)) for p in firsts]
+    earliest = [plan.composition.earliest_key(int(p)) for p in firsts]
     if any(e is None for e in earliest):
         return None
     want = torch.tensor(earliest, device=positions.device).expand(positions.shape[0], nmb).contiguous()
@@ -356,7 +355,10 @@ class TritonBackend(Backend):
         aot.install(artifact.directory, arch, modules, plan.spec.name)
         self._installed.add((plan.spec.hash, arch))
 
-    def _prm(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
+    def packed_params(self, plan, params, heads: int, like: torch.Tensor) -> torch.Tensor:
+        """The spec's per-head parameters as the kernels read them: (P, heads) float32 in the layout's order
+        (``codegen.layout(plan).params``); a (1, heads) zero block where the spec has none. Context parallel's
+        kernel pairs (``attnzoo/distributed/kernel_pairs.py``) pack them once per call."""
         keys = codegen.layout(plan).params
         if not keys:
             return torch.zeros((1, heads), dtype=torch.float32, device=like.device)
@@ -367,7 +369,7 @@ class TritonBackend(Backend):
     def _sink(plan, params, heads: int, like: torch.Tensor) -> torch.Tensor | None:
         """The normaliser's sink logits (H,) in float32 (autograd reaches its parameters), or None."""
         index = torch.arange(heads, device=like.device).view(1, -1, 1, 1)
-        sink = plan.sink(index, params, like.float())
+        sink = plan.composition.sink(index, params, like.float())
         return None if sink is None else sink.reshape(heads).contiguous()
 
     @staticmethod
@@ -378,7 +380,7 @@ class TritonBackend(Backend):
         if not kinds:
             return None, None
         b, nq, nk = qpos.shape[0], qpos.shape[1], kpos.shape[-1]
-        ctx = plan.context(qpos, kpos, dims, key_mask, query_features, key_features)
+        ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
         rows, cols = [], []
         for t in plan.many(Slot.LOGITS):
             if t.kind in kinds:
@@ -408,7 +410,9 @@ class TritonBackend(Backend):
         return aot.compile_for(self, plan, artifact.directory, arch, dtype, head_dim,
                                SHARED_MEMORY_LIMIT.get(arch), registry)
 
-    def _run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
+    def prepare_run(self, plan, q, qpos, kpos, key_mask, init_carry, causal_skip, write_logits=False) -> _Run:
+        """One kernel launch's settings (kernels, layout, positions, key mask, incoming carry, block sizes, key
+        skipping bounds), for the batch and cache forms here and for context parallel's kernel pairs."""
         if self._aot is None and q.device.type == "cuda" and not interpreting():
             self._install_compiled(plan, q)
         bm, bn = self._blocks(q)
@@ -423,16 +427,16 @@ class TritonBackend(Backend):
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
         pos = positions.unsqueeze(1)
-        qs = plan.row_scale(Slot.QUERY, q, pos, params, widen=True).contiguous()
-        ks = plan.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
-        vs = plan.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
-        run = self._run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
-        features = plan.token_features(qs, ks, vs, positions, key_mask, params)
+        qs = plan.composition.row_scale(Slot.QUERY, q, pos, params, widen=True).contiguous()
+        ks = plan.composition.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
+        vs = plan.composition.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
+        run = self.prepare_run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
+        features = plan.composition.token_features(qs, ks, vs, positions, key_mask, params)
         qt, kt = self._terms(plan, params, positions, pos, Dims(q.shape[1], q.shape[3], k.shape[1]), key_mask,
                              features, features)
-        out = _Attention.apply(run, qs, ks, vs, self._prm(plan, params, q.shape[1], q),
+        out = _Attention.apply(run, qs, ks, vs, self.packed_params(plan, params, q.shape[1], q),
                                self._sink(plan, params, q.shape[1], q), qt, kt)
-        out = plan.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
+        out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_accumulated:
             return out
         return out, _accumulated_matrix(plan, qs, ks, positions, key_mask, params)
@@ -448,11 +452,11 @@ class TritonBackend(Backend):
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
         want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
         carry = cache.accumulated()
-        run = self._run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
+        run = self.prepare_run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
         run.sink = self._sink(plan, params, q.shape[1], q)
         run.qt, run.kt = self._terms(plan, params, qpos, cache.positions, Dims(q.shape[1], q.shape[3], ks.shape[1]),
                                      mask, query_features, cache.key_features())
-        prm = self._prm(plan, params, q.shape[1], q)
+        prm = self.packed_params(plan, params, q.shape[1], q)
         with torch.no_grad():
             if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way
                 out, lse, srow, logits = run.decode(qs, ks, vs, prm)
@@ -463,7 +467,7 @@ class TritonBackend(Backend):
         # (numerics contract), rounding them to a half-precision q every step would lose the small increments
         probs = torch.exp(logits - lse[..., None]) if want_probs else None
         cache.settle(total, probs)
-        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
+        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
 
 
 def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):
@@ -474,9 +478,10 @@ def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):
         return None
     b, h, n, d = qs.shape
     dims = Dims(h, d, ks.shape[1])
-    ctx = plan.context(positions, positions.unsqueeze(1), dims, key_mask)
+    ctx = plan.composition.context(positions, positions.unsqueeze(1), dims, key_mask)
     wide = accumulator_dtype(qs.dtype)  # F is accumulated state: float32 or wider (numerics contract)
     wide_params = {kind: {name: p.to(wide) for name, p in group.items()} for kind, group in params.items()}
-    selection = plan.selection(acc, qs.to(wide), ks.to(wide), plan.allowed(ctx, key_mask), ctx, wide_params,
-                               plan.logit_scale(d))
-    return F.pad(selection[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))[:, 0]
+    allowed = plan.composition.allowed(ctx, key_mask)
+    selection = plan.composition.selection(acc, qs.to(wide), ks.to(wide), allowed, ctx, wide_params,
+                                           plan.logit_scale(d))
+    return f_from_s(selection)[:, 0]

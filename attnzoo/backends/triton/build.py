@@ -21,18 +21,13 @@ from colliding.
 
 from __future__ import annotations
 
-import errno
-import functools
 import hashlib
 import importlib.abc
 import importlib.util
 import json
 import os
-import secrets
-import stat
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,7 +35,16 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...errors import AttnzooError
+from ...buildcache import (  # the cache and its trust rules (shared with the fused decoding step's library)
+    CacheError,
+    cache_dir,
+    cache_root,
+    check_trusted,
+    checked_dir,
+    locked,
+    read_file,
+    write_atomic,
+)
 from ...plan import Plan
 from ...registry import get_registry
 from ...spec import load_spec
@@ -49,25 +53,10 @@ from ...spec import load_spec
 #: first backward pass
 SOURCES = {"forward": "kernels.py", "backward": "kernels_backward.py"}
 MANIFEST = "manifest.json"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a FIFO planted where a file belongs must not hang the open
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-_FIX = "or set ATTNZOO_CACHE_DIR to a directory only you can write"
 
-
-class CacheError(AttnzooError):
-    """The artifact cache cannot be used safely or at all (a symbolic link, something another user can write, not
-    a directory, not writable). One line: the path, what is wrong, how to fix it."""
-
-
-def cache_dir() -> Path:
-    """Where artifacts live: ``$ATTNZOO_CACHE_DIR`` or the per-user cache directory."""
-    env = os.environ.get("ATTNZOO_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("attnzoo"))
+__all__ = ["MANIFEST", "SOURCES", "Artifact", "CacheError", "artifact_key", "build", "cache_dir", "cache_root",
+           "check_trusted", "checked_dir", "generated_sources", "interpreting", "kernel_module_name", "load_kernels",
+           "read_file", "toolchain", "triton_version", "write_atomic"]
 
 
 def triton_version() -> str | None:
@@ -115,211 +104,6 @@ class Artifact:
 
 
 # -- what the cache trusts ----------------------------------------------------------------------------------------
-def _trusted_owners() -> set[int]:
-    """Who may own the cache and what it holds: this user and root (ssh's ``StrictModes``)."""
-    return {0, os.getuid()}
-
-
-@functools.cache
-def _private_group(gid: int, uid: int) -> bool:
-    """True if user ``uid`` is the only member of group ``gid`` (a user private group, where umask 002 is usual),
-    so that group write is the owner's own (Debian's reading of ssh's ``StrictModes``)."""
-    import grp
-    import pwd
-
-    try:
-        group, user = grp.getgrgid(gid), pwd.getpwuid(uid)
-    except KeyError:
-        return False
-    primary = {p.pw_uid for p in pwd.getpwall() if p.pw_gid == gid}
-    return primary <= {uid} and set(group.gr_mem) <= {user.pw_name} and bool(primary or group.gr_mem)
-
-
-def _writable_by_others(st: os.stat_result) -> int:
-    """The mode bits through which a user other than the owner can write (0: none)."""
-    bits = st.st_mode & stat.S_IWOTH
-    if st.st_mode & stat.S_IWGRP and not _private_group(st.st_gid, st.st_uid):
-        bits |= stat.S_IWGRP
-    return bits
-
-
-def check_trusted(path: Path, st: os.stat_result) -> None:
-    """Refuse ``path`` (:class:`CacheError`) if a user other than this one or root owns it or can write it."""
-    if not hasattr(os, "getuid"):  # no POSIX owners and modes (Windows)
-        return
-    if st.st_uid not in _trusted_owners():
-        raise CacheError(f"{path}: owned by another user (uid {st.st_uid}), so attnzoo will not use it; remove it "
-                         f"{_FIX}")
-    if _writable_by_others(st):
-        raise CacheError(f"{path}: other users can write it (mode {stat.filemode(st.st_mode)}), so attnzoo will "
-                         f"not use it; fix: chmod go-w {path}, {_FIX}")
-
-
-def _symlink(path: Path) -> CacheError:
-    return CacheError(f"{path}: a symbolic link, which attnzoo never follows in its cache; remove it "
-                      f"(rm {path}) {_FIX}")
-
-
-def _failed(path: Path, doing: str, exc: OSError) -> CacheError:
-    return CacheError(f"{path}: cannot {doing} ({exc.strerror or exc}); {_FIX.removeprefix('or ')}")
-
-
-def _drop_others_write(path: Path | int) -> None:
-    """Take away the write bits another user would have on what we just created (a umask of 000, say), so the
-    cache never holds what it would refuse."""
-    if not hasattr(os, "getuid"):
-        return
-    st = os.stat(path)
-    if bits := _writable_by_others(st):
-        os.chmod(path, stat.S_IMODE(st.st_mode) & ~bits)
-
-
-def _mkdir_private(path: Path, shown: Path, doing: str) -> None:
-    """Create directory ``path`` (the umask applies, as to any directory) with no write bit another user would
-    have; nothing if it exists; :class:`CacheError` naming ``shown`` otherwise."""
-    try:
-        os.mkdir(path, 0o777)
-        _drop_others_write(path)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise _failed(shown, doing, exc) from None
-
-
-def checked_dir(path: Path, create: bool = False) -> bool:
-    """Check that ``path`` is a real directory (not a symbolic link) that only its owner, this user or root, can
-    write; created first when ``create``. False if it is absent (and not created); :class:`CacheError` otherwise."""
-    if create:
-        _mkdir_private(path, path, "create this directory")
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        raise _failed(path, "read this directory", exc) from None
-    if stat.S_ISLNK(st.st_mode):
-        raise _symlink(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheError(f"{path}: not a directory, where attnzoo keeps one; remove it {_FIX}")
-    check_trusted(path, st)
-    return True
-
-
-def cache_root(root: Path) -> Path:
-    """``root`` as a cache directory: created if absent; refused (:class:`CacheError`, one line) if it is not a
-    directory, or it or a directory above it can be written by another user (a sticky one such as /tmp excepted
-    above it). The cache directory itself may be a symbolic link (as ``~/.cache`` often is): its target is checked."""
-    root = Path(root)
-    missing = []
-    for path in (root, *root.parents):
-        if os.path.lexists(path):
-            break
-        missing.append(path)
-    for path in reversed(missing):  # as ``mkdir -p``, never writable by others
-        _mkdir_private(path, root, "create the cache directory")
-    try:
-        real = Path(os.path.realpath(root))
-        st = os.stat(real)
-    except OSError as exc:
-        raise _failed(root, "use it as the cache directory", exc) from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise CacheError(f"{root}: not a directory, so it cannot be the cache directory; set ATTNZOO_CACHE_DIR (or "
-                         f"--cache-dir) to a directory")
-    check_trusted(root, st)
-    for parent in real.parents:  # whoever can write a directory above can replace the cache
-        pst = os.stat(parent)
-        if not (pst.st_mode & stat.S_ISVTX and pst.st_uid in _trusted_owners()):
-            check_trusted(parent, pst)
-    return root
-
-
-def read_file(path: Path) -> bytes | None:
-    """The bytes of ``path``, a regular file in the cache, opened without following a symbolic link; None if it
-    is absent. :class:`CacheError` for a symbolic link, not a regular file, or one another user can write."""
-    try:
-        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _NOFOLLOW | _CLOEXEC)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP or os.path.islink(path):
-            raise _symlink(path) from None
-        raise _failed(path, "read it", exc) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{path}: not a regular file, where attnzoo keeps one; remove it {_FIX}")
-        check_trusted(path, st)
-        return f.read()
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all (a temporary name, then a rename), with the mode an ordinary file gets
-    (``0o666`` less the umask, less any write bit another user would have), so a cache shared by CI jobs of one
-    user stays readable by all of them. Never replaces a symbolic link, nor a file another user can write."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        raise _failed(path, "write it", exc) from None
-    else:
-        if stat.S_ISLNK(st.st_mode):
-            raise _symlink(path)
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{path}: not a regular file, where attnzoo keeps one; remove it {_FIX}")
-        check_trusted(path, st)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
-    while True:  # mkstemp's names, but not its 0o600: os.open applies the umask to 0o666
-        tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
-        try:
-            fd = os.open(tmp, flags, 0o666)
-            break
-        except FileExistsError:
-            continue
-        except OSError as exc:
-            raise _failed(path.parent, "write in it", exc) from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            _drop_others_write(f.fileno())
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # a rename: replaces the name, never writes through it
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-@contextmanager
-def _locked(path: Path):
-    """Hold the lock file ``path`` (created if absent; never followed through a symbolic link, never truncated)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: filelock's own lock
-        from filelock import FileLock
-
-        with FileLock(str(path)):
-            yield
-        return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _NONBLOCK | _NOFOLLOW | _CLOEXEC, 0o666)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP or os.path.islink(path):
-            raise _symlink(path) from None
-        raise _failed(path, "create this lock file", exc) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{path}: not a regular file, where attnzoo keeps a lock file; remove it {_FIX}")
-        if st.st_uid == os.getuid():
-            _drop_others_write(fd)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-# -- build ----------------------------------------------------------------------------------------------------
 _generated: dict[str, dict[str, bytes]] = {}  # key -> the sources generated in this process, by file name
 
 
@@ -369,7 +153,7 @@ def build(spec, registry=None, root: Path | None = None, force: bool = False, pl
     directory = root / key[:32]
     if not force and (found := _try_load(directory, key, loaded.name, sources)) is not None:
         return found
-    with _locked(root / f"{key[:32]}.lock"):
+    with locked(root / f"{key[:32]}.lock"):
         if not force and (found := _try_load(directory, key, loaded.name, sources)) is not None:
             return found
         checked_dir(directory, create=True)
@@ -434,3 +218,4 @@ def load_kernels(spec, registry=None, root: Path | None = None, plan=None, part:
             raise
         _modules[name] = module
     return _modules[name]
+

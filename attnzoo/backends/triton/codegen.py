@@ -40,7 +40,7 @@ def host_termed(plan, t) -> bool:
     one with per-token features (a fragment cannot compute them), or one without a Triton lowering."""
     if t.slot is not Slot.LOGITS or type(t).separable is LogitsTransform.separable:
         return False
-    return t in plan.feature_transforms() or t.triton() is None
+    return t in plan.composition.feature_transforms() or t.triton() is None
 
 
 def problems(plan) -> list[str]:
@@ -54,7 +54,7 @@ def problems(plan) -> list[str]:
                 reasons.append(f"transform '{t.kind}': per-token terms with an accumulator are not lowered (the "
                                "selector's kernels do not load them)")
             continue
-        if t in plan.feature_transforms():
+        if t in plan.composition.feature_transforms():
             reasons.append(f"transform '{t.kind}' computes per-token features but is not separable (the kernels "
                            "load per-token terms row_i + col_j: LogitsTransform.separable)")
             continue

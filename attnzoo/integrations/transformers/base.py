@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...errors import AttnzooError
+from ...nn import Attention
 
 #: The name under which the attention and mask functions are registered with transformers.
 ATTN_IMPLEMENTATION = "attnzoo"
@@ -51,3 +54,36 @@ def where(module) -> str:
 def one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+#: how a composition conflict between the model's native attention and the spec is settled (``apply(prefer=...)``)
+PREFER = ("error", "model", "spec")
+
+
+def applied_modules(model) -> list[torch.nn.Module]:
+    if not is_applied(model):
+        raise IntegrationError(f"{type(model).__name__}: call attnzoo.integrations.transformers.apply(model, spec) "
+                               f"first")
+    found = [m for m in model.modules() if isinstance(getattr(m, CORE_NAME, None), Attention)
+             and getattr(getattr(m, CORE_NAME), "hf_call", None) is not None]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def is_applied(model) -> bool:
+    """Whether :func:`apply` has been run on ``model`` (its config carries the record, its layers the cores)."""
+    record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
+    if not isinstance(record, dict) or getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    return any(isinstance(getattr(m, CORE_NAME, None), Attention) for m in model.modules())
+
+
+def cache_argument(model) -> str:
+    """The name under which the installed transformers passes the cache to the model: ``cache`` (transformers
+    5.20 on), ``past_key_values`` before (5.19, which vLLM's CPU build pins)."""
+    import inspect
+
+    try:
+        names = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return "cache"
+    return "past_key_values" if "past_key_values" in names and "cache" not in names else "cache"

@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...nn import Attention
-from .base import CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, where
+from .base import CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, applied_modules, where
 
 
 def check_budget_value(value, here: str):
@@ -198,8 +198,6 @@ class AttnzooCache(Cache):
     ``KVCache``; ``crop`` is refused (assisted decoding). :meth:`memory` reports tokens and bytes per layer."""
 
     def __init__(self, model, budget=UNSET) -> None:
-        from .core import applied_modules
-
         modules = applied_modules(model)
         record = getattr(model.config, CONFIG_KEY)
         if budget is UNSET:
@@ -242,3 +240,16 @@ class AttnzooCache(Cache):
     def batch_size(self) -> int:
         sizes = {layer.kv.batch for layer in self.layers if layer.kv is not None}
         return sizes.pop() if len(sizes) == 1 else -1
+
+
+def recording_cache(model):
+    """A transformers ``Cache`` whose layers hand keys back untouched and remember them, as AttnzooCache's do."""
+    class ProbeLayer(AttnzooLayer):
+        def __init__(self, index: int = 0) -> None:
+            super().__init__(index, None, None)
+
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    count = getattr(text, "num_hidden_layers", None)
+    if isinstance(count, int) and 0 < count <= 4096:
+        return Cache(layers=[ProbeLayer(i) for i in range(count)])
+    return Cache(layer_class_to_replicate=ProbeLayer)

@@ -6,10 +6,23 @@ import torch
 
 from ...nn import Attention
 from ...spec import load_spec
-from .base import ATTN_IMPLEMENTATION, CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, ProbeError, one_line, where
+from .base import (
+    ATTN_IMPLEMENTATION,
+    CONFIG_KEY,
+    CORE_NAME,
+    PREFER,
+    UNSET,
+    IntegrationError,
+    ProbeError,
+    applied_modules,
+    cache_argument,
+    is_applied,
+    one_line,
+    where,
+)
 from .cache import AttnzooCache, budgets_for, validate_budget
 from .interface import derive_position_ids, probe, register
-from .native import PREFER, NativeLayer, compose
+from .native import NativeLayer, compose
 
 
 def native_layers(model) -> list[NativeLayer]:
@@ -145,23 +158,6 @@ def config_native_layers(config) -> list[NativeLayer]:
     return native_layers(_build(small, dtype=torch.bfloat16))
 
 
-def applied_modules(model) -> list[torch.nn.Module]:
-    if not is_applied(model):
-        raise IntegrationError(f"{type(model).__name__}: call attnzoo.integrations.transformers.apply(model, spec) "
-                               f"first")
-    found = [m for m in model.modules() if isinstance(getattr(m, CORE_NAME, None), Attention)
-             and getattr(getattr(m, CORE_NAME), "hf_call", None) is not None]
-    return sorted(found, key=lambda m: m.layer_idx)
-
-
-def is_applied(model) -> bool:
-    """Whether :func:`apply` has been run on ``model`` (its config carries the record, its layers the cores)."""
-    record = getattr(getattr(model, "config", None), CONFIG_KEY, None)
-    if not isinstance(record, dict) or getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        return False
-    return any(isinstance(getattr(m, CORE_NAME, None), Attention) for m in model.modules())
-
-
 def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "error"):
     """Make ``model`` (a transformers decoder whose attention goes through its attention interface) run ``spec``
     composed with each layer's own attention, in place.
@@ -225,7 +221,7 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
                                  "budget": budgets[0] if len(set(budgets)) == 1 else list(budgets),
                                  "backend": backend, "prefer": prefer})
     _install_generate_default(model)
-    from .checkpoints import SaveWithSpec
+    from .saving import SaveWithSpec
 
     model.save_pretrained = SaveWithSpec(model)
     return model
@@ -286,24 +282,12 @@ class _PrepareCacheWithAttnzoo:
 
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         model = self.model
-        name = _cache_argument(model)
+        name = cache_argument(model)
         if (model_kwargs.get(name) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation in (None, "dynamic") and is_applied(model)):
             model_kwargs[name] = AttnzooCache(model)
             return None
         return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
-
-
-def _cache_argument(model) -> str:
-    """The name under which the installed transformers passes the cache to the model: ``cache`` (transformers
-    5.20 on), ``past_key_values`` before (5.19, which vLLM's CPU build pins)."""
-    import inspect
-
-    try:
-        names = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return "cache"
-    return "past_key_values" if "past_key_values" in names and "cache" not in names else "cache"
 
 
 def _install_generate_default(model) -> None:

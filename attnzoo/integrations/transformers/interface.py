@@ -20,7 +20,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...nn import Attention
 from . import masks
-from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, ProbeError, one_line, where
+from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, ProbeError, cache_argument, one_line, where
+from .cache import recording_cache
 
 #: The name a probing forward registers its recording function under.
 PROBE_IMPLEMENTATION = "attnzoo-probe"
@@ -151,12 +152,10 @@ def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
     try:
         model.eval()
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        _recording, _probe_cache = calls, _recording_cache(model)
-        from .core import _cache_argument
-
+        _recording, _probe_cache = calls, recording_cache(model)
         with torch.no_grad():
             model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
-                  **{_cache_argument(model): _probe_cache})
+                  **{cache_argument(model): _probe_cache})
     except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward, named in one line
         raise ProbeError(f"{name}: a forward pass of 2 tokens with a cache like attnzoo's, run to read what its "
                          f"attention computes, failed ({one_line(exc)[:300]})") from None
@@ -169,23 +168,6 @@ def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
         return _read_calls(model, calls)
     finally:
         masks.forget()
-
-
-def _recording_cache(model):
-    """A transformers ``Cache`` whose layers hand keys back untouched and remember them, as AttnzooCache's do."""
-    from transformers.cache_utils import Cache
-
-    from .cache import AttnzooLayer
-
-    class ProbeLayer(AttnzooLayer):
-        def __init__(self, index: int = 0) -> None:
-            super().__init__(index, None, None)
-
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    count = getattr(text, "num_hidden_layers", None)
-    if isinstance(count, int) and 0 < count <= 4096:
-        return Cache(layers=[ProbeLayer(i) for i in range(count)])
-    return Cache(layer_class_to_replicate=ProbeLayer)
 
 
 def _read_calls(model, calls: list[_Seen]) -> list[tuple[torch.nn.Module, LayerCall]]:

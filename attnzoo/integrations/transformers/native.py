@@ -27,12 +27,11 @@ from dataclasses import dataclass
 from ...registry import get_registry
 from ...spec import load_spec
 from ...transforms.base import Slot
-from .base import IntegrationError
+from .base import PREFER, IntegrationError
 from .interface import LayerCall
 
 #: Mask kinds that bound how far back a query sees (a window) in the built-in catalogue.
 WINDOW_KINDS = frozenset({"sliding_window", "local_global", "chunked"})
-PREFER = ("error", "model", "spec")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .base import CONFIG_KEY, CheckpointSpecMismatchError, IntegrationError
+from .base import CONFIG_KEY, PREFER, CheckpointSpecMismatchError, IntegrationError
 
 #: The keys of a record, as :func:`~.core.apply` writes them; ``spec`` and ``hash`` are required.
 RECORD_KEYS = ("spec", "name", "hash", "budget", "backend", "prefer")
@@ -63,7 +63,6 @@ def check_record(record: Any, where: str) -> dict:
     from ...errors import SpecError
     from ...registry import get_registry
     from ...spec import load_spec
-    from .native import PREFER
 
     field = f"{where}: {CONFIG_KEY}"
     if not isinstance(record, dict):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ...distributed import Layout, ShardedAttention
-from .base import CORE_NAME, IntegrationError
-from .core import applied_modules
+from .base import CORE_NAME, IntegrationError, applied_modules
 
 #: where a sharded layer keeps the core it replaced (outside ``_modules``: not a second copy in ``state_dict``)
 _UNSHARDED = "_attnzoo_unsharded"

@@ -261,11 +261,11 @@ class _Layer:
         plan = self.plan
         b, h, t, _ = q.shape
         grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
-        qs = plan.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
-        ks = plan.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
-        vs = plan.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
-        out = self.blocked.blocks(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped, None, None)[0]
-        return plan.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+        qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
+        ks = plan.composition.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
+        vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
+        out = self.blocked.attend_rows(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped)
+        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
 
 def _pages(kv_cache):
     """(key pages, value pages), each (blocks, H_kv, block_size, D), of vLLM's CPU cache tensor (blocks, H_kv,

@@ -93,7 +93,7 @@ def declined(spec) -> str | None:
     for t in plan.transforms:
         if t.token_inputs():
             return f"transform '{t.kind}' reads per-token inputs (the layer input), which vLLM's attention is not given"
-    for t in plan.feature_transforms():
+    for t in plan.composition.feature_transforms():
         return f"transform '{t.kind}' needs per-token features kept beside the keys, which vLLM's cache does not hold"
     return None
 

@@ -1,19 +1,20 @@
-"""The pieces of the attention computation every backend computes the same way, on a :class:`~attnzoo.plan.Plan`:
-the row maps of a slot, the decoding sequence (:meth:`Composition.admit`, owned by :mod:`attnzoo.decode.step`),
-the transforms' context, per-token features, the allowed pairs, the accumulator's selection, the sink, the masks'
-key bounds and the logit scale.
+"""The pieces of the attention computation every fast backend computes the same way, on a
+:class:`~attnzoo.plan.Plan`: the row maps of a slot, the transforms' context, per-token features, the allowed pairs,
+the accumulator's selection, the sink, the masks' key bounds and the logit scale.
 
-``Plan`` inherits them (``plan.row_scale(...)``); this module holds the numerics, ``attnzoo/plan.py`` the spec
-resolved against the registry, ``attnzoo/inputs.py`` the checks of a call's inputs.
+A ``Plan`` holds one (``plan.composition.row_scale(...)``); this module holds the numerics, ``attnzoo/plan.py`` the spec
+resolved against the registry (and ``Plan.admit``, the decoding sequence owned by :mod:`attnzoo.decode.step`),
+``attnzoo/inputs.py`` the checks of a call's inputs. Part of :mod:`attnzoo.core`: it imports only the transforms'
+types.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
-from ..decode.step import DecodeStep, admit
 from ..transforms.base import (
     Context,
     Dims,
@@ -26,19 +27,22 @@ from ..transforms.base import (
 )
 
 
+@dataclass(frozen=True)
 class Composition:
-    """The backends' shared steps; mixed into :class:`~attnzoo.plan.Plan`, which provides ``transforms``,
-    ``causal``, ``scale``, :meth:`one` and :meth:`many`."""
+    """The backends' shared steps over a spec's transform instances: ``plan.composition`` of a
+    :class:`~attnzoo.plan.Plan` (which builds it from the same transforms)."""
 
     transforms: list[Transform]
+    by_slot: dict[Slot, list[Transform]]
     causal: bool
     scale: float | None
 
     def one(self, slot: Slot) -> Transform | None:
-        raise NotImplementedError
+        items = self.by_slot.get(slot, [])
+        return items[0] if items else None
 
     def many(self, slot: Slot) -> list[Transform]:
-        raise NotImplementedError
+        return self.by_slot.get(slot, [])
 
     def row_scale(self, slot: Slot, rows: torch.Tensor, positions: torch.Tensor, params,
                   widen: bool = False) -> torch.Tensor:
@@ -75,15 +79,6 @@ class Composition:
             out = x.to(rows.dtype)
         return out
 
-    def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
-              key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
-        """The decoding sequence every backend shares (:func:`attnzoo.decode.step.admit`): the new tokens'
-        positions, their rows through the query, key and value slots (once per token), their per-token features
-        (cumulative ones continuing the cache's running sums), then the append to ``cache`` (and eviction first
-        when its evictor says so). ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see
-        :meth:`row_scale`."""
-        return admit(self, cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=widen)
-
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
                 key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,
                 key_features: dict[str, torch.Tensor] | None = None) -> Context:
@@ -106,10 +101,10 @@ class Composition:
         """Every per-token feature of the spec for the N tokens of the batch form (rows after the row maps,
         positions (B, N)), keyed ``"<kind>.<name>"``, each (B, H, N) in at least float32; cumulative ones summed
         along each row in position order (padding adds 0: the numerics contract keeps such sums in float32+)."""
-        return self._features(TokenRows(qs, ks, vs, positions, key_mask, Dims(qs.shape[1], qs.shape[3],
+        return self.features_of(TokenRows(qs, ks, vs, positions, key_mask, Dims(qs.shape[1], qs.shape[3],
                                                                               ks.shape[1])), params)
 
-    def _features(self, rows: TokenRows, params, totals: dict[str, torch.Tensor] | None = None
+    def features_of(self, rows: TokenRows, params, totals: dict[str, torch.Tensor] | None = None
                   ) -> dict[str, torch.Tensor]:
         """The features of ``rows``' tokens; cumulative ones summed along the row, after the running ``totals``
         {name: (B, H)} of earlier tokens when given (decoding), which are then updated in place."""

@@ -1,0 +1,32 @@
+"""The numerics every fast path shares, written once (docs/backends.md, "The numerics contract").
+
+- :func:`accumulator_dtype`: the wide dtype accumulated quantities (F, running sums, scores) are kept in.
+- :data:`ACCUMULATED_STATE`: the name of the per-token state holding the running F in a decode cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: the per-token state of a decode cache that holds the accumulator's running F (B, H, M)
+ACCUMULATED_STATE = "accumulated"
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype accumulated quantities are computed and stored in for inputs of ``dtype``: float32, or float64
+    for float64 inputs (float16/bfloat16 sums lose the small increments once the running total is large)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def f_from_s(selection: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """F from the selection S (B, 1, Nq, Nk): for each query, the sum of S over the strictly earlier queries of
+    the block (a shifted cumulative sum along the query axis), plus ``carry`` (B, Nk), the sums of the queries
+    before the block, when given. In :func:`accumulator_dtype` of S's dtype (the numerics contract)."""
+    s = selection.to(accumulator_dtype(selection.dtype))
+    f = torch.nn.functional.pad(s[:, :, :-1].cumsum(dim=2), (0, 0, 1, 0))
+    return f if carry is None else f + carry[:, None, None, :]
+
+
+def subtract_f(logits: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """``logits - f`` computed in F's (wider) dtype and rounded to the logits' dtype once."""
+    return (logits.to(f.dtype) - f).to(logits.dtype)
