@@ -45,9 +45,9 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/pyvenv.cfg
 
 vllm-env: $(VLLM_STAMP)
 
-# the vLLM tests (tests/test_vllm.py; skipped in .venv, which has no vLLM)
+# the vLLM tests (tests/integrations/vllm/test_vllm.py; skipped in .venv, which has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py
 
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)

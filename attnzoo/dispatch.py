@@ -287,7 +287,7 @@ def explain(spec, device="cpu", dtype=torch.float32, requires_grad: bool = False
     ``mode``: ``"forward"``, ``"backward"`` (forward and backward) or ``"decode"`` (decode and prefill with a
     cache); default: backward when ``requires_grad``, else forward. The verdicts are those a call gets, for any
     dtype torch has: one that every backend declines (integers, complex, float8) raises UnsupportedError with
-    these reasons before torch computes anything (tests/test_dtypes.py)."""
+    these reasons before torch computes anything (tests/backends/test_dtypes.py)."""
     registry = registry or get_registry()
     loaded = load_spec(spec, registry=registry)
     plan = Plan.from_spec(loaded, registry)

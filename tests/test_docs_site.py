@@ -25,7 +25,7 @@ pytestmark = pytest.mark.release
 
 def test_the_site_builds_strictly(tmp_path):
     # the families page sweeps three families here (an exact, a refused, one transformers cannot build), not all
-    # of them (minutes): tests/test_hf_sweep.py checks every one
+    # of them (minutes): tests/integrations/transformers/test_hf_sweep.py checks every one
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "ATTNZOO_DOCS_SWEEP": "llama,bloom,dbrx"}
     done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)

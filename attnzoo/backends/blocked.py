@@ -270,11 +270,8 @@ class BlockedBackend(Backend):
                                         index.view(1, -1, 1, 1),
                                         slice(selector[0], selector[0] + len(selector)) if contiguous else index)
         heads, every, index_heads, pick = self._decode_consts[key]
-        if kpos.shape[1] > 1:
-            kpos = kpos.repeat_interleave(group, dim=1)
-        ctx = Context(qpos=qpos[:, None, :, None], kpos=kpos[:, :, None, :], heads=heads, dims=dims,
-                      query_features={n: t[..., None] for n, t in (query_features or {}).items()},
-                      key_features={n: t[:, :, None, :] for n, t in (key_features or {}).items()})
+        ctx = plan.composition.context(qpos, kpos, dims, query_features=query_features, key_features=key_features,
+                                       heads=heads)
         for t in logits_transforms:
             logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
         if acc is not None:

@@ -81,12 +81,14 @@ class Composition:
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
                 key_mask: torch.Tensor | None = None, query_features: dict[str, torch.Tensor] | None = None,
-                key_features: dict[str, torch.Tensor] | None = None) -> Context:
+                key_features: dict[str, torch.Tensor] | None = None, heads: torch.Tensor | None = None) -> Context:
         """The broadcastable context of queries at qpos (B, Nq) against keys at kpos (B, 1 or H_kv, Nk), with the
-        key mask (B, Nk) or None and the per-token features of the queries (B, H, Nq) and keys (B, H, Nk)."""
+        key mask (B, Nk) or None and the per-token features of the queries (B, H, Nq) and keys (B, H, Nk).
+        ``heads`` is the (1, H, 1, 1) head index, for a caller that keeps one (a decode step)."""
         group = dims.num_heads // dims.num_kv_heads
         kpos_h = kpos.repeat_interleave(group, dim=1) if kpos.shape[1] > 1 else kpos
-        heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
+        if heads is None:
+            heads = torch.arange(dims.num_heads, device=qpos.device).view(1, -1, 1, 1)
         return Context(qpos=qpos[:, None, :, None], kpos=kpos_h[:, :, None, :], heads=heads, dims=dims,
                        key_mask=key_mask[:, None, None, :] if key_mask is not None else None,
                        query_features={n: t[..., None] for n, t in (query_features or {}).items()},

@@ -1,6 +1,6 @@
 """The family sweep: every causal LM the installed transformers ships, built tiny and checked against its own eager
-attention (docs/transformers.md; the generated table docs/reference/families.md; ``tests/test_hf_sweep.py``), each
-family built tiny by :mod:`.sweep_models`.
+attention (docs/transformers.md; the generated table docs/reference/families.md;
+``tests/integrations/transformers/test_hf_sweep.py``), each family built tiny by :mod:`.sweep_models`.
 
 :func:`run` (and :func:`classify`) puts one family through the integration's contract with ``vanilla``:
 

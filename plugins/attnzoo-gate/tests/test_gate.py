@@ -50,8 +50,8 @@ def test_gate_computes_its_formula():
 
 def test_passes_the_conformance_suite_through_the_cli(tmp_path):
     report = tmp_path / "conformance.md"
-    # the blocked backend (its fast paths; flex is checked on the shipped specs in tests/test_flex.py, where its
-    # torch.compile per shape costs a minute here)
+    # the blocked backend (its fast paths; flex is checked on the shipped specs in tests/backends/test_flex.py, where
+    # its torch.compile per shape costs a minute here)
     run = subprocess.run([sys.executable, "-m", "attnzoo.cli", "conformance", "--plugin", "attnzoo-gate",
                           "--backend", "blocked", "--report", str(report)], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -1,4 +1,4 @@
-"""Run by tests/test_triton.py in a process without TRITON_INTERPRET, after ``attnzoo build SPEC --compile-for 90
+"""Run by tests/backends/test_triton.py in a process without TRITON_INTERPRET, after ``attnzoo build SPEC --compile-for 90
 --dtype float16 --head-dim 64`` into $ATTNZOO_CACHE_DIR. Prints one JSON line:
 
 - ``hits``: for every launch the backend makes for (float16, D = 64) on sm_90, whether ``triton.compile`` found it

@@ -185,7 +185,7 @@ def test_triton_pairs_equal_the_reference(tmp_path):
 def test_the_gpu_benchmark_script_runs_here():
     """benchmarks/context_parallel_gpu.py (what benchmarks/gpu_check.py runs for context parallelism on a GPU) at
     its smoke sizes in the interpreter: 2 ranks on the triton pairs agree with the whole-sequence triton run."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "context_parallel_gpu.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "context_parallel_gpu.py"
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--smoke", "--specs", "selective"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]

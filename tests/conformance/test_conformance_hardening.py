@@ -152,7 +152,7 @@ def _victim_after_the_rules(rule):
 def test_the_suite_fails_on_a_fast_step_that_parts_from_the_python_rule(monkeypatch, lean_kind):
     """A difference planted in the fast step alone fails `fast-step`, naming the budget, the dtype, the step and the
     kind of fast step: in the C step, the options the evictor hands the kernel (H2O's recent window one larger, as
-    in tests/test_decode_fast_rule.py); in the torch step, the victim it evicts."""
+    in tests/decode/test_decode_fast_rule.py); in the torch step, the victim it evicts."""
     if lean_kind == "fused":
         monkeypatch.setattr(H2O, "kernel_rule",
                             lambda self, budget: KernelRule("scoring", (0, self.recent(budget) + 1), "attention", 1))

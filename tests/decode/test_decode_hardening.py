@@ -259,7 +259,7 @@ def _child(code: str, timeout: float) -> subprocess.CompletedProcess:
     here = Path(__file__).parent
     script = f"import sys; sys.path.insert(0, {str(here)!r}); import {Path(__file__).stem} as t; {code}"
     return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
-                          check=False, cwd=here.parent)
+                          check=False, cwd=here.parents[1])
 
 
 @pytest.fixture(scope="module")

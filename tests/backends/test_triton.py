@@ -420,7 +420,7 @@ def test_compile_for_a_gpu_without_one(tmp_path):
     index = json.loads(next(tmp_path.glob("*/compiled/sm_90/index.json")).read_text())
     assert set(index["entries"]) == {k["hash"] for k in kernels}
 
-    check = os.path.join(os.path.dirname(__file__), "data", "aot", "check_runtime.py")
+    check = os.path.join(os.path.dirname(__file__), os.pardir, "data", "aot", "check_runtime.py")
     done = subprocess.run([sys.executable, check, str(spec)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
@@ -443,7 +443,7 @@ def test_gpu_check_runs_the_conformance_suite(capsys):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)

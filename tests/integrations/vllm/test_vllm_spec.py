@@ -41,7 +41,8 @@ def test_a_configuration_without_a_record_runs_vllms_own_attention():
     assert record_of(types.SimpleNamespace()) is None
     assert record_of(types.SimpleNamespace(attnzoo=_record("ssa"))) == {
         **_record("ssa"), "budget": None, "backend": "auto", "prefer": "error"}
-    # an attnzoo key that holds no valid record is refused, never read as no record (tests/test_checkpoint_records.py)
+    # an attnzoo key that holds no valid record is refused, never read as no record
+    # (tests/integrations/transformers/test_checkpoint_records.py)
     with pytest.raises(IntegrationError, match=r"/ckpt \(config.json\): attnzoo.spec: missing"):
         record_of(types.SimpleNamespace(attnzoo={"name": "x"}), "/ckpt")
 

@@ -115,7 +115,7 @@ def test_the_op_refuses_what_it_cannot_take_before_reading_it(ops):
 
 def _child(code: str, env: dict) -> dict:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
-                          env=env, cwd=Path(__file__).parent.parent)
+                          env=env, cwd=Path(__file__).resolve().parents[2])
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert lines, done.stderr[-2000:]
     return json.loads(lines[-1])

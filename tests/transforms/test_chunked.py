@@ -210,8 +210,8 @@ def test_conformance_on_the_cpu_backends(tmp_path):
     packed documents cross several chunks) through the conformance suite's quick profile: reference and blocked
     with 4-query blocks, every check in float64 and outputs and gradients in float32; triton in the interpreter
     (float32: outputs and gradients on offset positions with gaps, causality, batch invariance; its decoding is in
-    tests/test_triton.py); flex forward (float32, offset positions with gaps). (xformers runs only on CUDA: its
-    bias is checked on CPU in tests/test_xformers.py.)"""
+    tests/backends/test_triton.py); flex forward (float32, offset positions with gaps). (xformers runs only on CUDA: its
+    bias is checked on CPU in tests/backends/test_xformers.py.)"""
     path = tmp_path / "chunked8.json"
     path.write_text(json.dumps(chunked(8, "chunked8")))
     module = types.ModuleType("chunked_spec")
