@@ -160,6 +160,49 @@ class SlotStore:
             self._next += 1
         self._last = None
 
+    def attach(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               state: dict[str, torch.Tensor], held: int, next_position: int, *, evicted: int = 0, expired: int = 0,
+               scrambled: bool = False) -> None:
+        """Hold tokens in buffers the caller owns (a serving engine's page), without copying: ``keys``/``values``
+        (B, H_kv, S, D), ``positions`` (B, H_kv, S) int64 and one (B, H_kv, S) buffer per name of
+        :attr:`state_names` (in ``accumulator_dtype(keys.dtype)``), whose first ``held`` slots hold the tokens (in
+        slot order: ``scrambled`` when a fast step left them out of position order), the next token at
+        ``next_position``. A step writes into these buffers while they have room (S = budget + 1 is enough for an
+        evicting cache); a step that needs more replaces them, so the caller compares ``buffers()`` after the step
+        and copies back what moved. A fresh cache only (nothing appended); every row real (no padding)."""
+        if self._k is not None:
+            raise ValueError("attach: the cache already holds tokens")
+        slots = keys.shape[2]
+        if not 0 <= held <= slots or values.shape != keys.shape or positions.shape != keys.shape[:3]:
+            raise ValueError(f"attach: keys {tuple(keys.shape)}, values {tuple(values.shape)}, positions "
+                             f"{tuple(positions.shape)} with {held} held do not fit together")
+        if keys.shape[0] != self.batch:
+            raise ValueError(f"attach: cache was made for batch {self.batch}, got buffers of batch {keys.shape[0]}")
+        missing = [n for n in self.state_names if n not in state]
+        if missing:
+            raise ValueError(f"attach: no buffer for the per-token scores {missing}")
+        self._k, self._v, self._pos, self._m = keys, values, positions, held
+        self._state_buf = {n: state[n] for n in self.state_names}
+        self._state = {n: state[n][:, :, :held] for n in self.state_names}
+        self._next = int(next_position)
+        self._scrambled = bool(scrambled)
+        self.evicted, self.expired = int(evicted), int(expired)
+        self.ordered = True  # strictly increasing positions in position order; scrambled slots are settled first
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers the tokens live in (``keys``, ``values``, ``positions``, ``state.<name>``), spare slots
+        included, in slot order (see :meth:`attach`), and ``held.<name>``: the scores of the held slots (a view of
+        ``state.<name>`` unless an evictor assigned a tensor of its own)."""
+        out = {"keys": self._k, "values": self._v, "positions": self._pos}
+        out.update({f"state.{n}": self._state_buf.get(n) for n in self.state_names})
+        out.update({f"held.{n}": self._state.get(n) for n in self.state_names})  # the held slots' scores
+        return out
+
+    @property
+    def scrambled(self) -> bool:
+        """True while a fast step has left the slots out of position order (the public views settle it)."""
+        return self._scrambled
+
     def _settle_order(self) -> None:
         """Put the slots back in position order after lean steps wrote new tokens into their victims' slots: one
         sort per row and head, paid only when a view is read or a full step runs (the lean steps never need it)."""

@@ -10,11 +10,13 @@ the padding), prefills one by one. A layer of a checkpoint without an attnzoo re
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from ...backends.blocked import BlockedBackend
+from ...core.numerics import accumulator_dtype
 from ...errors import AttnzooError
 from ...nn import Attention
 from ...spec import load_spec
@@ -23,6 +25,7 @@ from ..transformers.base import IntegrationError, is_core_key
 from .spec import declined, layer_index, layer_parameters, layer_spec, native_call, record_of
 
 _INSTALLED = False
+_LOG = logging.getLogger(__name__)
 
 
 class ServeDeclined(AttnzooError):
@@ -46,6 +49,9 @@ def install() -> None:
         raise IntegrationError(f"attnzoo's vLLM plugin: DefaultModelLoader.get_all_weights is gone from this vLLM "
                                f"(written for vLLM {_tested()})")
     register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.AttnzooCPUBackend")
+    from . import ring  # the page of an evicting spec's layers, registered in every process
+
+    ring.register()
     original = DefaultModelLoader.get_all_weights
 
     def get_all_weights(self, model_config, model):
@@ -97,12 +103,46 @@ def check_config(vllm_config, on_cpu: bool) -> None:
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
                                f"per-head parameters are not split over ranks)")
-    reason = declined(load_spec(record["spec"]))
+    user = load_spec(record["spec"])
+    reason = declined(user)
     if reason:
         raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
+    if user.cache is not None:
+        _serve_pruned(vllm_config, record, where)
     chunk = chunk_size(model_config)
     if chunk:
         raise ServeDeclined(f"{where}: {CHUNKED_REASON.format(chunk=chunk)}")
+
+
+def _serve_pruned(vllm_config, record: dict, where: str) -> None:
+    """An evicting spec: each layer's cache is one page of budget + 1 tokens per request (``ring.py``). Refuse what
+    would not reproduce a pruned history (no budget, a recompute after preemption in a hybrid model, speculative
+    tokens, KV transfer); turn off what would change it (a prompt in chunks, prefix-cache hits), said once."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ServeDeclined(f"{where}: speculative decoding stores draft tokens before they are accepted, and an "
+                            f"evicted token cannot be brought back: turn it off for a pruned checkpoint")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ServeDeclined(f"{where}: a KV connector (kv_transfer_config) moves paged blocks; a pruned cache's "
+                            f"page is not one: turn it off for a pruned checkpoint")
+    model_config = vllm_config.model_config
+    if getattr(model_config, "is_hybrid", False):
+        raise ServeDeclined(f"{where}: a hybrid model (attention beside other layers' states) could be preempted and "
+                            f"recomputed, which does not reproduce a pruned history")
+    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    changed = []
+    if scheduler.enable_chunked_prefill:
+        scheduler.enable_chunked_prefill = False
+        changed.append("chunked prefill off (a prompt is attended whole, then evicted to the budget)")
+    if cache.enable_prefix_caching:
+        cache.enable_prefix_caching = False
+        changed.append("prefix caching off (a pruned cache depends on the whole history)")
+    if scheduler.max_num_batched_tokens < model_config.max_model_len:
+        scheduler.max_num_batched_tokens = model_config.max_model_len
+        changed.append(f"max_num_batched_tokens {model_config.max_model_len} (a whole prompt in one step)")
+    budget = _page_budget(record, model_config.max_model_len)
+    _LOG.warning("attnzoo: %s: each layer keeps at most %s tokens per request in one page%s%s", where, budget,
+                 " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
+                 if None in _budgets(record) else "", "; " + "; ".join(changed) if changed else "")
 
 
 #: why a model with chunked local attention layers is declined
@@ -140,6 +180,7 @@ def _backend_classes():
             config = get_current_vllm_config()
             self.record = record_of(config.model_config.hf_config, config.model_config.model)
             self.zoo: _Layer | None = None
+            self.ring = None
             if self.record is None:
                 return
             self.model_dir = str(config.model_config.model)
@@ -161,13 +202,17 @@ def _backend_classes():
             if str(kv_cache_dtype) not in ("auto", "float32", "bfloat16", "float16"):
                 raise IntegrationError(f"{where}: a quantized KV cache ({kv_cache_dtype}) is not supported")
             # the spec with this layer's native attention, checked now: declined specs fail at engine start
-            layer_spec(self.record, native_call(-1, num_heads, num_kv_heads, head_size, **self.native),
-                       self.model_type, where)
+            spec, _ = layer_spec(self.record, native_call(-1, num_heads, num_kv_heads, head_size, **self.native),
+                                 self.model_type, where)
+            if spec.cache is not None:  # the page's geometry, for customize_spec (ring.py)
+                self.ring = _geometry(spec, self.record, num_heads, head_size, num_kv_heads, self.dtype,
+                                      config.model_config.max_model_len)
 
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             if self.record is None:
                 return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            _write(key, value, kv_cache, slot_mapping)
+            if self.ring is None:  # an evicting spec's layer writes its page in forward
+                _write(key, value, kv_cache, slot_mapping)
             return None
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -181,6 +226,9 @@ def _backend_classes():
                 return output
             if self.zoo is None:
                 self.zoo = _Layer(self, layer.layer_name)
+            if self.ring is not None:
+                self.zoo.attend_pruned(self.ring, query, key, value, kv_cache, attn_metadata, output)
+                return output
             self.zoo.attend(query, kv_cache, attn_metadata, output)
             return output
 
@@ -191,7 +239,54 @@ def _backend_classes():
         def get_impl_cls():
             return AttnzooCPUImpl
 
+        @classmethod
+        def customize_spec(cls, spec):
+            """An evicting spec's layers: vLLM's full-attention spec becomes the ring page (``ring.py``)."""
+            from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+            from . import ring
+
+            if ring.GEOMETRY is None or isinstance(spec, ring.AttnzooRingSpec) or not isinstance(
+                    spec, (FullAttentionSpec, SlidingWindowSpec)):
+                return spec
+            return ring.ring_spec(spec, ring.GEOMETRY)
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            from vllm.v1.attention.backend import MultipleOf
+
+            from . import ring
+
+            if isinstance(kv_cache_spec, ring.AttnzooRingSpec):
+                return [MultipleOf(1)]  # the page is one block, never split
+            return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
+
     return AttnzooCPUBackend, AttnzooCPUImpl
+
+
+def _budgets(record: dict) -> list[int]:
+    budget = record["budget"]
+    return list(budget) if isinstance(budget, list) else [budget]
+
+
+def _page_budget(record: dict, max_model_len: int) -> int:
+    """The tokens a page holds: the largest recorded budget (one page size for every layer; a layer with a smaller
+    budget uses fewer slots), or ``max_model_len`` where a layer's budget is null (it never evicts; the page keeps
+    its tokens with their per-token scores, e.g. selective attention's F)."""
+    budgets = _budgets(record)
+    return max_model_len if None in budgets else max(budgets)
+
+
+def _geometry(spec, record, num_heads, head_size, num_kv_heads, dtype, max_model_len):
+    """The ring page of this process's layers (published as ``ring.GEOMETRY``, :func:`_page_budget`)."""
+    from . import ring
+
+    budget = _page_budget(record, max_model_len)
+    probe = Attention(spec, num_heads, head_size, num_kv_heads, backend="blocked", dtype=dtype).new_cache(
+        1, budget=budget)
+    ring.GEOMETRY = ring.RingGeometry(num_kv_heads, head_size, dtype, budget, tuple(probe.state_names),
+                                      accumulator_dtype(dtype), ring.block_size_for(max_model_len))
+    return ring.GEOMETRY
 
 
 class _Layer:
@@ -225,6 +320,9 @@ class _Layer:
         self.blocked = BlockedBackend()
         self.heads, self.kv_heads, self.head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
+        budgets = _budgets(impl.record)
+        self.budget = budgets[index] if len(budgets) > 1 else budgets[0]  # an evicting spec's, for its page
+        self.where = where
 
     def attend(self, query, kv_cache, meta, output) -> None:
         n = meta.num_actual_tokens
@@ -242,6 +340,54 @@ class _Layer:
                 q = query[rows].transpose(0, 1).unsqueeze(0)
                 kpos = torch.arange(1, lengths[i] + 1, device=q.device).unsqueeze(0)
                 out[rows] = self._attend(q, k, v, kpos[:, lengths[i] - q.shape[2]:], kpos)[0].transpose(0, 1)
+
+    def attend_pruned(self, geometry, query, key, value, kv_cache, meta, output) -> None:
+        """An evicting spec: each request's pruned cache lives in its page (``ring.py``; block
+        ``block_table[i, 0]``, the same for the request's whole life). A prefill (nothing computed before) runs the
+        core's prefill with eviction into a fresh cache, as attnzoo's own prefill does, and stores what it keeps in
+        the page; a decode step runs the core's decode step on a cache attached to the page's buffers (the fast
+        steps write into them; whatever a step moved out is copied back)."""
+        from . import ring
+
+        n = meta.num_actual_tokens
+        starts, lengths = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        blocks = meta.block_table[:, 0].tolist()
+        out = output[:n].view(n, self.heads, self.head_dim)
+        for i, length in enumerate(lengths):
+            count = starts[i + 1] - starts[i]
+            if count == 0:
+                continue
+            rows = slice(starts[i], starts[i + 1])
+            q, k, v = (t[rows].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            page = geometry.views(kv_cache[blocks[i]])
+            header, done = page["hdr"], length - count
+            if done == 0:
+                cache = self.core.new_cache(1, budget=self.budget)
+                o = self.core.prefill(q, k, v, cache)
+                generation = int(header[ring.GENERATION]) + 1 if int(header[0]) == ring.MAGIC else 1
+                if cache.num_tokens > geometry.slots:
+                    raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, "
+                                           f"the page {geometry.slots}")
+                _store(page, cache, cache.num_tokens)
+            elif count == 1:
+                if int(header[0]) != ring.MAGIC or int(header[ring.NEXT]) != done + 1:
+                    raise IntegrationError(f"{self.where}: request {i}'s page (block {blocks[i]}) does not continue "
+                                           f"at token {done + 1} (header {header.tolist()})")
+                generation = int(header[ring.GENERATION])
+                cache = self.core.new_cache(1, budget=self.budget)
+                cache.attach(page["keys"], page["values"], page["positions"],
+                             {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
+                             int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]),
+                             expired=int(header[ring.EXPIRED]), scrambled=bool(header[ring.SCRAMBLED]))
+                o = self.core.decode(q, k, v, cache)
+                if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
+                    _store(page, cache, cache.num_tokens)
+            else:
+                raise IntegrationError(f"{self.where}: {count} new tokens after {done} for request {i}: a prompt in "
+                                       f"chunks (chunked prefill is turned off for an evicting spec at start)")
+            header.copy_(torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]), generation,
+                                       cache.evicted, cache.expired, int(cache.scrambled), 0], dtype=torch.int64))
+            out[rows] = o[0].transpose(0, 1).to(out.dtype)
 
     def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:
         """One new token of each request in ``rows``: one batch, keys padded after each row's last (causality
@@ -266,6 +412,25 @@ class _Layer:
         vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
         out = self.blocked.attend_rows(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+
+def _store(page, cache, held: int) -> None:
+    """The cache's tokens, in position order, into the page's first ``held`` slots."""
+    if held:
+        page["keys"][:, :, :held] = cache.keys
+        page["values"][:, :, :held] = cache.values
+        page["positions"][:, :, :held] = cache.positions
+        for name in cache.state_names:
+            page[f"state.{name}"][:, :, :held] = cache.state[name]
+
+
+def _moved(cache, page) -> bool:
+    """Whether a buffer of ``cache`` (attached to ``page``) is no longer the page's."""
+    for name, buf in cache.buffers().items():
+        home = page[name.replace("held.", "state.")]
+        if buf is None or buf.data_ptr() != home.data_ptr():
+            return True
+    return False
+
 
 def _pages(kv_cache):
     """(key pages, value pages), each (blocks, H_kv, block_size, D), of vLLM's CPU cache tensor (blocks, H_kv,

@@ -83,13 +83,12 @@ def declined(spec) -> str | None:
         return "attention.causal is false: vLLM serves causal decoders"
     plan = Variant(spec, "reference").plan
     acc = plan.one(Slot.ACCUMULATOR)
-    if acc is not None:
-        return (f"transform '{acc.kind}' (accumulator): its F, a running sum per (query, key), is state vLLM's "
-                f"paged KV cache does not hold")
-    if spec.cache is not None:
-        kind = getattr(spec.cache, "evictor", None) or "cache"
-        return (f"the cache evictor ('{kind}'): vLLM's paged cache keeps every token and cannot evict one from "
-                f"the middle of a page")
+    evictor = getattr(spec.cache, "evictor", None) if spec.cache is not None else None
+    if acc is not None and evictor is None:  # with an evictor, F lives in the request's page (ring.py)
+        return (f"transform '{acc.kind}' (accumulator) without a cache evictor: its F, a running sum per key, is "
+                f"state vLLM's paged KV cache does not hold (a spec with an evictor keeps it in the request's page)")
+    if spec.cache is not None and evictor is None:
+        return "a cache section without an evictor: nothing to bound a request's page by"
     for t in plan.transforms:
         if t.token_inputs():
             return f"transform '{t.kind}' reads per-token inputs (the layer input), which vLLM's attention is not given"

@@ -33,12 +33,17 @@ SERVED = {"name": "served-composite", "summary": "the transforms vLLM serves", "
                          {"kind": "alibi_learnable", "max_bias": 8.0}, {"kind": "softcap", "cap": 20.0},
                          {"kind": "sliding_window", "window": 24}, {"kind": "attention_sink", "value": 0.0}]}
 PROMPT_LENGTHS = (5, 17, 40)
+#: selective attention's accumulator with no cache section: nothing bounds a request's page (declined)
+NO_EVICTOR = {"name": "selective-no-cache", "summary": "selective attention without a cache",
+              "transforms": [{"kind": "selective_mask"}]}
+#: the pruned checkpoints: tokens kept per layer, and tokens decoded (well past the budget)
+BUDGET, PRUNED_TOKENS = 16, 24
 NEW_TOKENS = 8
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.2)
 
 
-def _checkpoint(path, spec):
+def _checkpoint(path, spec, budget=None, new_tokens=NEW_TOKENS):
     """A tiny Llama with ``spec`` applied (its transform parameters moved off their initial values, as training
     would), saved by zt.save_pretrained; returns (prompts, transformers' greedy tokens for each (the whole sequence
     each step), ``generate``'s with attnzoo's cache, or None without a spec)."""
@@ -51,7 +56,7 @@ def _checkpoint(path, spec):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     model = LlamaForCausalLM(config)
     if spec is not None:
-        zt.apply(model, spec)
+        zt.apply(model, spec, **({"budget": budget} if budget is not None else {}))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if ".attnzoo." in name:
@@ -63,11 +68,11 @@ def _checkpoint(path, spec):
     with torch.no_grad():
         for prompt in prompts:  # greedy, the whole sequence each step (the batch form)
             ids = torch.tensor([prompt])
-            for _ in range(NEW_TOKENS):
+            for _ in range(new_tokens):
                 ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             expected.append(ids[0, len(prompt):].tolist())
         generated = None if spec is None else [
-            model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)[0, len(p):]
+            model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, len(p):]
             .tolist() for p in prompts]
     return prompts, expected, generated
 
@@ -76,7 +81,7 @@ def _checkpoint(path, spec):
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     out = {}
-    for name, spec in (("served", SERVED), ("vanilla", "vanilla"), ("selective", "selective"), ("plain", None)):
+    for name, spec in (("served", SERVED), ("vanilla", "vanilla"), ("selective", NO_EVICTOR), ("plain", None)):
         out[name] = (str(root / name), *_checkpoint(root / name, spec))
     return out
 
@@ -113,7 +118,36 @@ def test_a_declined_spec_fails_at_start_in_one_line(checkpoints):
         LLM(model=path, **ENGINE)
     message = str(caught.value)
     assert "\n" not in message
-    assert "'selective'" in message and "selective_mask" in message and "accumulator" in message
+    assert "'selective-no-cache'" in message and "selective_mask" in message and "accumulator" in message
+
+
+@pytest.fixture(scope="module")
+def pruned(tmp_path_factory):
+    """Checkpoints saved with evicting specs at a budget of 16, selector parameters moved off their initial values:
+    {name: (path, prompts, full-attention greedy tokens, attnzoo's evicting generate() tokens)}."""
+    root = tmp_path_factory.mktemp("vllm-pruned")
+    return {name: (str(root / name), *_checkpoint(root / name, name, budget=BUDGET, new_tokens=PRUNED_TOKENS))
+            for name in ("streaming", "selective-pruned", "h2o")}
+
+
+@pytest.mark.parametrize("name", ["streaming", "selective-pruned", "h2o"])
+def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name):
+    """KV pruning served (docs/vllm.md, "KV pruning"): each layer's cache is one page of budget + 1 tokens per
+    request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call,
+    decoding past it, give the tokens of transformers + attnzoo's evicting cache; the pages are reused by the next
+    call's requests."""
+    from vllm import LLM, SamplingParams
+
+    path, prompts, full, evicting = pruned[name]
+    assert full != evicting, "eviction does not change the tokens here: the test would not see it"
+    llm = LLM(model=path, **ENGINE)
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=PRUNED_TOKENS)
+    for order in (prompts, prompts[::-1]):  # the second call's requests take pages the first call's left
+        outs = llm.generate([{"prompt_token_ids": p} for p in order], greedy)
+        got = [list(o.outputs[0].token_ids) for o in outs]
+        want = evicting if order is prompts else evicting[::-1]
+        for g, w in zip(got, want, strict=True):  # generate() stops at EOS (2), vLLM here does not
+            assert g[:len(w)] == w
 
 
 def test_a_malformed_record_and_token_inputs_fail_at_start_in_one_line(checkpoints, tmp_path):
@@ -169,9 +203,10 @@ def _post(url, body, timeout=120):
         return json.loads(response.read())
 
 
-def test_the_openai_server_answers_with_the_same_tokens(checkpoints, tmp_path):
-    """vLLM's OpenAI-compatible server (what ``vllm serve`` runs) on 127.0.0.1, started and stopped here."""
-    path, prompts, expected, _ = checkpoints["vanilla"]
+def test_the_openai_server_answers_with_the_same_tokens(pruned, tmp_path):
+    """vLLM's OpenAI-compatible server (what ``vllm serve`` runs) on 127.0.0.1, started and stopped here, serving a
+    pruned checkpoint (H2O at a budget of 16): the tokens of attnzoo's evicting generate()."""
+    path, prompts, _, expected = pruned["h2o"]
     port = _free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
     args = ["--model", path, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
@@ -191,10 +226,11 @@ def test_the_openai_server_answers_with_the_same_tokens(checkpoints, tmp_path):
         got = []
         for prompt in prompts:
             answer = _post(f"http://127.0.0.1:{port}/v1/completions",
-                           {"model": path, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                           {"model": path, "prompt": prompt, "max_tokens": PRUNED_TOKENS, "temperature": 0,
                             "ignore_eos": True, "return_token_ids": True})
             got.append(answer["choices"][0]["token_ids"])
-        assert got == expected
+        for g, w in zip(got, expected, strict=True):  # generate() stops at EOS (2), the server here does not
+            assert g[:len(w)] == w
     finally:
         server.terminate()
         try:

@@ -14,10 +14,8 @@ from attnzoo.spec import load_spec
 
 
 @pytest.mark.parametrize("name, words", [
-    ("selective", ["selective_mask", "accumulator"]),
-    ("selective-pruned", ["selective_mask", "accumulator"]),
-    ("h2o", ["evictor", "h2o"]),
-    ("streaming", ["evictor"]),
+    ({"name": "selective-no-cache", "transforms": [{"kind": "selective_mask"}]},
+     ["selective_mask", "accumulator", "without a cache evictor"]),
     ("forgetting", ["forgetting_gate", "features"]),
 ])
 def test_what_the_paged_cache_cannot_hold_is_declined_naming_the_transform(name, words):
@@ -27,8 +25,11 @@ def test_what_the_paged_cache_cannot_hold_is_declined_naming_the_transform(name,
         assert word in reason
 
 
-@pytest.mark.parametrize("name", ["vanilla", "ssa", "alibi", "alibi-learnable", "softcap", "sink", "qk-norm", "local"])
+@pytest.mark.parametrize("name", ["vanilla", "ssa", "alibi", "alibi-learnable", "softcap", "sink", "qk-norm", "local",
+                                  "selective", "selective-ssa", "selective-pruned", "h2o", "tova", "streaming"])
 def test_the_specs_in_scope_are_served(name):
+    """Evicting specs (the selective accumulator with an evictor too) are served in a page per request
+    (attnzoo/integrations/vllm/ring.py; tests/integrations/vllm/test_vllm.py serves them)."""
     assert declined(load_spec(name)) is None
 
 
@@ -76,11 +77,27 @@ def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
             assert torch.equal(got[name], value.detach())
 
 
-def _config(record, tp=1, pp=1, **hf_fields):
+def _config(record, tp=1, pp=1, speculative=None, transfer=None, hybrid=False, **hf_fields):
     hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}), **hf_fields)
-    return types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt"),
-                                 parallel_config=types.SimpleNamespace(tensor_parallel_size=tp,
-                                                                       pipeline_parallel_size=pp))
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt", max_model_len=1024, is_hybrid=hybrid),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
+        scheduler_config=types.SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=256),
+        cache_config=types.SimpleNamespace(enable_prefix_caching=True), speculative_config=speculative,
+        kv_transfer_config=transfer)
+
+
+def test_an_evicting_checkpoint_turns_off_what_would_change_its_history():
+    """A pruned checkpoint: a prompt is attended whole (no chunks), no prefix-cache hits; said once at start."""
+    from attnzoo.integrations.vllm.backend import check_config
+
+    config = _config(_record("h2o"))
+    check_config(config, on_cpu=True)
+    assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
+    assert config.scheduler_config.max_num_batched_tokens == 1024
+    plain = _config(_record("ssa"))
+    check_config(plain, on_cpu=True)  # a spec without a cache: vLLM's settings as they were
+    assert plain.scheduler_config.enable_chunked_prefill and plain.cache_config.enable_prefix_caching
 
 
 def test_the_engine_start_check_refuses_in_one_line():
@@ -92,7 +109,9 @@ def test_the_engine_start_check_refuses_in_one_line():
     for config, on_cpu, words in [
         (_config(_record("ssa")), False, ["/ckpt", "'ssa'", "CPU"]),
         (_config(_record("ssa"), tp=2), True, ["tensor or pipeline parallelism"]),
-        (_config(_record("selective")), True, ["'selective'", "selective_mask"]),
+        (_config(_record("selective-pruned"), speculative=object()), True, ["speculative decoding", "evicted"]),
+        (_config(_record("h2o"), transfer=object()), True, ["KV connector"]),
+        (_config(_record("streaming"), hybrid=True), True, ["hybrid model", "recomputed"]),
         # Llama 4's chunked layers run as per-chunk virtual batches in vLLM (positions restart): declined
         (_config(_record("vanilla"), attention_chunk_size=8192), True,
          ["'vanilla'", "attention_chunk_size 8192", "virtual batches"]),
