@@ -10,27 +10,20 @@ the padding), prefills one by one. A layer of a checkpoint without an attnzoo re
 
 from __future__ import annotations
 
-import logging
 import math
+import sys
 
 import torch
 
 from ...backends.blocked import BlockedBackend
 from ...core.numerics import accumulator_dtype
-from ...errors import AttnzooError
 from ...nn import Attention
-from ...spec import load_spec
 from ...transforms.base import Dims, Slot
 from ..transformers.base import IntegrationError, is_core_key
-from .spec import declined, layer_index, layer_parameters, layer_spec, native_call, record_of
+from .spec import layer_index, layer_parameters, layer_spec, native_call, record_of
+from .start import CHUNKED_REASON, ServeDeclined, budgets, check_config, chunk_size, page_budget
 
 _INSTALLED = False
-_LOG = logging.getLogger(__name__)
-
-
-class ServeDeclined(AttnzooError):
-    """A checkpoint's spec vLLM cannot serve exactly, refused when vLLM checks its configuration (not a
-    ``ValueError``: vLLM's configuration model would wrap it in a validation report; this stays one line)."""
 
 
 def install() -> None:
@@ -77,85 +70,13 @@ def _check_at_start() -> None:
 
     def check_and_update_config(cls, vllm_config):
         original(cls, vllm_config)
-        check_config(vllm_config, current_platform.is_cpu())
+        try:
+            check_config(vllm_config, current_platform.is_cpu())
+        except ServeDeclined as exc:  # the one line first: vLLM's server ends it in a long traceback
+            print(f"attnzoo: {exc}", file=sys.stderr, flush=True)
+            raise
 
     platform.check_and_update_config = classmethod(check_and_update_config)
-
-
-def check_config(vllm_config, on_cpu: bool) -> None:
-    """Refuse, in one line, what attnzoo's vLLM backend cannot serve exactly (nothing for a checkpoint without an
-    attnzoo record), and a malformed record (naming ``config.json`` and the field, as ``zt.from_pretrained`` refuses
-    it: :func:`~attnzoo.integrations.transformers.records.check_record`)."""
-    model_config = getattr(vllm_config, "model_config", None)
-    if model_config is None:
-        return
-    try:
-        record = record_of(getattr(model_config, "hf_config", None), getattr(model_config, "model", None))
-    except IntegrationError as exc:  # not a ValueError here: vLLM's configuration model would wrap it in a report
-        raise ServeDeclined(str(exc)) from None
-    if record is None:
-        return
-    where = f"{model_config.model}: attnzoo spec '{record['name']}'"
-    if not on_cpu:
-        raise ServeDeclined(f"{where}: attnzoo's vLLM backend runs on the CPU in this release; on this platform "
-                               f"vLLM would run its own attention, not the spec")
-    parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
-                               f"per-head parameters are not split over ranks)")
-    user = load_spec(record["spec"])
-    reason = declined(user)
-    if reason:
-        raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
-    if user.cache is not None:
-        _serve_pruned(vllm_config, record, where)
-    chunk = chunk_size(model_config)
-    if chunk:
-        raise ServeDeclined(f"{where}: {CHUNKED_REASON.format(chunk=chunk)}")
-
-
-def _serve_pruned(vllm_config, record: dict, where: str) -> None:
-    """An evicting spec: each layer's cache is one page of budget + 1 tokens per request (``ring.py``). Refuse what
-    would not reproduce a pruned history (no budget, a recompute after preemption in a hybrid model, speculative
-    tokens, KV transfer); turn off what would change it (a prompt in chunks, prefix-cache hits), said once."""
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ServeDeclined(f"{where}: speculative decoding stores draft tokens before they are accepted, and an "
-                            f"evicted token cannot be brought back: turn it off for a pruned checkpoint")
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        raise ServeDeclined(f"{where}: a KV connector (kv_transfer_config) moves paged blocks; a pruned cache's "
-                            f"page is not one: turn it off for a pruned checkpoint")
-    model_config = vllm_config.model_config
-    if getattr(model_config, "is_hybrid", False):
-        raise ServeDeclined(f"{where}: a hybrid model (attention beside other layers' states) could be preempted and "
-                            f"recomputed, which does not reproduce a pruned history")
-    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
-    changed = []
-    if scheduler.enable_chunked_prefill:
-        scheduler.enable_chunked_prefill = False
-        changed.append("chunked prefill off (a prompt is attended whole, then evicted to the budget)")
-    if cache.enable_prefix_caching:
-        cache.enable_prefix_caching = False
-        changed.append("prefix caching off (a pruned cache depends on the whole history)")
-    if scheduler.max_num_batched_tokens < model_config.max_model_len:
-        scheduler.max_num_batched_tokens = model_config.max_model_len
-        changed.append(f"max_num_batched_tokens {model_config.max_model_len} (a whole prompt in one step)")
-    budget = _page_budget(record, model_config.max_model_len)
-    _LOG.warning("attnzoo: %s: each layer keeps at most %s tokens per request in one page%s%s", where, budget,
-                 " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
-                 if None in _budgets(record) else "", "; " + "; ".join(changed) if changed else "")
-
-
-#: why a model with chunked local attention layers is declined
-CHUNKED_REASON = ("chunked local attention (attention_chunk_size {chunk}) is not served by attnzoo's vLLM backend "
-                  "(vLLM runs those layers as per-chunk virtual batches, whose positions are not the tokens'); run it "
-                  "with transformers (zt.apply)")
-
-
-def chunk_size(model_config) -> int | None:
-    """The model's ``attention_chunk_size`` (Llama 4's chunked local attention layers), or None."""
-    text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
-    chunk = getattr(text, "attention_chunk_size", None)
-    return chunk if isinstance(chunk, int) and chunk > 0 else None
 
 
 def _tested() -> str:
@@ -264,24 +185,11 @@ def _backend_classes():
     return AttnzooCPUBackend, AttnzooCPUImpl
 
 
-def _budgets(record: dict) -> list[int]:
-    budget = record["budget"]
-    return list(budget) if isinstance(budget, list) else [budget]
-
-
-def _page_budget(record: dict, max_model_len: int) -> int:
-    """The tokens a page holds: the largest recorded budget (one page size for every layer; a layer with a smaller
-    budget uses fewer slots), or ``max_model_len`` where a layer's budget is null (it never evicts; the page keeps
-    its tokens with their per-token scores, e.g. selective attention's F)."""
-    budgets = _budgets(record)
-    return max_model_len if None in budgets else max(budgets)
-
-
 def _geometry(spec, record, num_heads, head_size, num_kv_heads, dtype, max_model_len):
     """The ring page of this process's layers (published as ``ring.GEOMETRY``, :func:`_page_budget`)."""
     from . import ring
 
-    budget = _page_budget(record, max_model_len)
+    budget = page_budget(record, max_model_len)
     probe = Attention(spec, num_heads, head_size, num_kv_heads, backend="blocked", dtype=dtype).new_cache(
         1, budget=budget)
     ring.GEOMETRY = ring.RingGeometry(num_kv_heads, head_size, dtype, budget, tuple(probe.state_names),
@@ -320,8 +228,8 @@ class _Layer:
         self.blocked = BlockedBackend()
         self.heads, self.kv_heads, self.head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
-        budgets = _budgets(impl.record)
-        self.budget = budgets[index] if len(budgets) > 1 else budgets[0]  # an evicting spec's, for its page
+        recorded = budgets(impl.record)
+        self.budget = recorded[index] if len(recorded) > 1 else recorded[0]  # an evicting spec's, for its page
         self.where = where
 
     def attend(self, query, kv_cache, meta, output) -> None:

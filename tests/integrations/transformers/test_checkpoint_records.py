@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 from attnzoo.cli import main  # noqa: E402
 from attnzoo.integrations import transformers as zt  # noqa: E402
 from attnzoo.integrations.vllm import ServeDeclined  # noqa: E402
-from attnzoo.integrations.vllm.backend import check_config  # noqa: E402
 from attnzoo.integrations.vllm.spec import record_of  # noqa: E402
+from attnzoo.integrations.vllm.start import check_config  # noqa: E402
 from attnzoo.spec import load_spec  # noqa: E402
 
 HUGE = 200_000

