@@ -37,17 +37,30 @@ class SaveWithSpec:
 def guard_config(config_file: str) -> None:
     """Write :data:`CHECKPOINT_GUARD` as ``attn_implementation`` into a saved ``config.json`` (atomically): a plain
     ``AutoModelForCausalLM.from_pretrained`` then refuses the checkpoint with transformers' one-line error, which
-    names attnzoo's loader, instead of building the model without its spec. :func:`from_pretrained` loads it."""
+    names attnzoo's loader, instead of building the model without its spec. :func:`from_pretrained` loads it.
+    The ``architectures`` get the prefix :data:`ARCHITECTURE_PREFIX` too: vLLM without attnzoo's plugin refuses
+    them ("not supported"), where it would otherwise serve the checkpoint with its own attention and no word; the
+    plugin registers each of vLLM's architectures under the prefixed name (docs/vllm.md)."""
     if not os.path.isfile(config_file):
         return
     with open(config_file, encoding="utf-8") as fh:
         data = json.load(fh)
     data["attn_implementation"] = CHECKPOINT_GUARD
+    if isinstance(data.get("architectures"), list):
+        data["architectures"] = [guarded_architecture(a) if isinstance(a, str) else a for a in data["architectures"]]
     tmp = f"{config_file}.attnzoo-tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=2, sort_keys=True)
         fh.write("\n")
     os.replace(tmp, config_file)
+
+
+#: the prefix of a saved checkpoint's ``architectures`` (:func:`guard_config`)
+ARCHITECTURE_PREFIX = "Attnzoo"
+
+
+def guarded_architecture(name: str) -> str:
+    return name if name.startswith(ARCHITECTURE_PREFIX) else ARCHITECTURE_PREFIX + name
 
 
 def stamp_safetensors(file: str, record: dict) -> None:

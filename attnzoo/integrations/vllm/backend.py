@@ -20,6 +20,7 @@ from ...core.numerics import accumulator_dtype
 from ...nn import Attention
 from ...transforms.base import Dims, Slot
 from ..transformers.base import IntegrationError, is_core_key
+from ..transformers.saving import ARCHITECTURE_PREFIX, guarded_architecture
 from .spec import layer_index, layer_parameters, layer_spec, native_call, record_of
 from .start import CHUNKED_REASON, ServeDeclined, budgets, check_config, chunk_size, page_budget
 
@@ -45,6 +46,7 @@ def install() -> None:
     from . import ring  # the page of an evicting spec's layers, registered in every process
 
     ring.register()
+    _register_guarded_architectures()
     original = DefaultModelLoader.get_all_weights
 
     def get_all_weights(self, model_config, model):
@@ -57,6 +59,18 @@ def install() -> None:
     DefaultModelLoader.get_all_weights = get_all_weights
     _check_at_start()
     _INSTALLED = True
+
+
+def _register_guarded_architectures() -> None:
+    """A checkpoint saved by an applied model names its architectures with attnzoo's prefix
+    (``AttnzooLlamaForCausalLM``: ``saving.guard_config``), so that vLLM without this plugin refuses it: here each
+    of vLLM's architectures is registered under that name too, as the same model."""
+    from vllm import ModelRegistry
+
+    models = ModelRegistry.models
+    for arch in list(models):
+        if not arch.startswith(ARCHITECTURE_PREFIX):
+            models.setdefault(guarded_architecture(arch), models[arch])
 
 
 def _check_at_start() -> None:

@@ -191,6 +191,21 @@ def test_a_malformed_record_and_token_inputs_fail_at_start_in_one_line(checkpoin
     assert "\n" not in str(caught.value) and "forgetting_gate" in str(caught.value)
 
 
+def test_without_the_plugin_vllm_refuses_a_checkpoint_with_a_record(checkpoints):
+    """The record's checkpoint names its architectures with attnzoo's prefix (saving.guard_config): vLLM without
+    attnzoo's plugin (VLLM_PLUGINS excluding it) refuses it instead of serving it with its own attention."""
+    path = checkpoints["served"][0]
+    assert json.loads(open(os.path.join(path, "config.json")).read())["architectures"] == ["AttnzooLlamaForCausalLM"]
+    code = ("from vllm import LLM\n"
+            "if __name__ == '__main__':\n"
+            f"    LLM(model={path!r}, skip_tokenizer_init=True, dtype='float32', enforce_eager=True, "
+            "max_model_len=256, gpu_memory_utilization=0.2)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_PLUGINS": "none"})
+    assert done.returncode != 0
+    assert "Model architectures ['AttnzooLlamaForCausalLM'] are not supported" in done.stdout + done.stderr
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
