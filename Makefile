@@ -8,7 +8,7 @@ STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
 .PHONY: demo test test-fast lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
-	bench-vllm
+	bench-vllm bench-vllm-pruned
 
 # serving through vLLM (docs/vllm.md) in its own environment: vLLM's CPU build pins torch 2.13.0+cpu and
 # transformers < 5.20; pip pulls torchvision/torchaudio/torchcodec wheels built for another torch, which break
@@ -52,6 +52,11 @@ test-vllm: $(VLLM_STAMP)
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_throughput.py --out benchmarks/results
+
+# KV pruning under vLLM: running requests and tokens/s of selective-pruned's pages against the full cache, same KV
+# memory (benchmarks/results/vllm-pruned.md; ~3 min on 2 cores)
+bench-vllm-pruned: $(VLLM_STAMP)
+	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --out benchmarks/results
 
 # ruff, and the import contracts of .importlinter (no cycles, the layers of docs/architecture.md, the oracle)
 lint: $(STAMP)

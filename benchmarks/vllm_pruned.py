@@ -12,10 +12,11 @@ engine warms up on two short requests, then generates ``--new`` tokens for each 
 ``--length`` tokens in one ``generate`` call (greedy, EOS ignored).
 
 Per engine: the wall time of that call, generated tokens/s, the peak number of requests running at once and the
-preemptions. Both come from vLLM's own scheduler statistics (``LLM(..., disable_log_stats=False)``): a
-``StatLoggerBase`` added to the engine's stat-logger manager receives the ``SchedulerStats`` of every engine step
-(``num_running_reqs``, ``kv_cache_usage``) and its ``IterationStats`` (``num_preempted_reqs``); the preemptions are
-cross-checked with the Prometheus counter ``vllm:num_preemptions`` read by ``LLM.get_metrics()`` before and after.
+preemptions. Both come from vLLM's own scheduler statistics (``LLM(..., disable_log_stats=False)``): a stat logger
+(``AggregateStatLoggerBase``) appended to the engine's stat-logger manager receives the ``SchedulerStats`` of every
+engine step (``num_running_reqs``, ``kv_cache_usage``) and its ``IterationStats`` (``num_preempted_reqs``); the
+preemptions are cross-checked with the Prometheus counter ``vllm:num_preemptions`` read by ``LLM.get_metrics()``
+before and after.
 
     .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64] [--out DIR]
 """
@@ -111,6 +112,7 @@ def _one(path: str, prompts: int, length: int, new: int, kv_bytes: int) -> dict:
             "generated": sum(len(o.outputs[0].token_ids) for o in outs),
             "peak_running": max(running, default=0), "steps": len(recorder.steps), "running_per_step": running,
             "mean_running": statistics.fmean(running) if running else 0.0,
+            "usual_running": statistics.mode(r for r in running if r) if any(running) else 0,
             "peak_kv_usage": max((s[2] for s in recorder.steps), default=0.0),
             "preemptions": recorder.preempted,
             "preemptions_prometheus": _counter(llm, "vllm:num_preemptions") - preempted_before,
@@ -260,14 +262,14 @@ def _markdown(result: dict, args) -> str:
              f"tokens. `max_num_seqs={engine['max_num_seqs']}` and `max_num_batched_tokens="
              f"{engine['max_num_batched_tokens']}` for all, so memory, not the scheduler's seats, caps the running "
              f"requests.", "",
-             "| engine | KV bytes per request | KV blocks | peak running | mean running | preemptions | peak KV usage "
-             "| wall s | generated tok/s | peak running vs full | tok/s vs full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine | KV bytes per request | KV blocks | peak running | usual running | mean running | preemptions "
+             "| peak KV usage | wall s | generated tok/s | peak running vs full | tok/s vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for side in ("pruned", "full", "vllm"):
         r = rows[side]
         lines.append(f"| {LABELS[side].format(budget=args.budget)} | {r['bytes_per_request']:,} | "
-                     f"{r['engine']['num_blocks']} | {r['peak_running']} | {r['mean_running']:.1f} | "
-                     f"{r['preemptions']} | {r['peak_kv_usage']:.0%} | {r['wall_s']:.2f} | "
+                     f"{r['engine']['num_blocks']} | {r['peak_running']} | {r['usual_running']} | "
+                     f"{r['mean_running']:.1f} | {r['preemptions']} | {r['peak_kv_usage']:.0%} | {r['wall_s']:.2f} | "
                      f"{r['generated_tok_s']:.1f} | {r['peak_running'] / rows['full']['peak_running']:.2f}x | "
                      f"{r['generated_tok_s'] / rows['full']['generated_tok_s']:.2f}x |")
     pr = ratios["pruned/full"]
@@ -276,6 +278,12 @@ def _markdown(result: dict, args) -> str:
               f"{rows['pruned']['preemptions']} preemptions); generated tokens/s >= 2x: "
               f"**{'met' if targets['tok_s_met'] else 'not met'}** ({pr['generated_tok_s']:.2f}x). A request's KV "
               f"bytes: {pr['bytes_per_request']:.3f}x the full cache's.", "",
+              "Peak: the most requests running in one engine step; usual: the running count of most steps (zero "
+              "left out); mean: over every step of the timed call. vLLM admits a full-cache request on its prompt's "
+              "blocks and preempts one (to recompute it later) when a running request needs a block none is free "
+              "for; one of the KV blocks is vLLM's null block. The pruned engine's prefix caching and chunked "
+              "prefill are off (attnzoo turns them off for an evicting spec); the full-cache engines keep vLLM's "
+              "defaults (on).", "",
               f"Peak running requests and preemptions: {result['method']}. Prometheus preemption counts: "
               + ", ".join(f"{side} {rows[side]['preemptions_prometheus']}" for side in ("pruned", "full", "vllm"))
               + ".", "",
