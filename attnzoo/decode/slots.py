@@ -161,15 +161,16 @@ class SlotStore:
         self._last = None
 
     def attach(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               state: dict[str, torch.Tensor], held: int, next_position: int, *, evicted: int = 0, expired: int = 0,
+               state: dict[str, torch.Tensor], held: int, next_position, *, evicted: int = 0, expired: int = 0,
                scrambled: bool = False) -> None:
         """Hold tokens in buffers the caller owns (a serving engine's page), without copying: ``keys``/``values``
         (B, H_kv, S, D), ``positions`` (B, H_kv, S) int64 and one (B, H_kv, S) buffer per name of
         :attr:`state_names` (in ``accumulator_dtype(keys.dtype)``), whose first ``held`` slots hold the tokens (in
         slot order: ``scrambled`` when a fast step left them out of position order), the next token at
-        ``next_position``. A step writes into these buffers while they have room (S = budget + 1 is enough for an
-        evicting cache); a step that needs more replaces them, so the caller compares ``buffers()`` after the step
-        and copies back what moved. A fresh cache only (nothing appended); every row real (no padding)."""
+        ``next_position`` (an int, or a (B,) tensor: per row). A step writes into these buffers while they have
+        room (S = budget + 1 is enough for an evicting cache); a step that needs more replaces them, so the caller
+        compares ``buffers()`` after the step and copies back what moved. A fresh cache only (nothing appended);
+        every row real (no padding)."""
         if self._k is not None:
             raise ValueError("attach: the cache already holds tokens")
         slots = keys.shape[2]
@@ -184,7 +185,10 @@ class SlotStore:
         self._k, self._v, self._pos, self._m = keys, values, positions, held
         self._state_buf = {n: state[n] for n in self.state_names}
         self._state = {n: state[n][:, :, :held] for n in self.state_names}
-        self._next = int(next_position)
+        if isinstance(next_position, torch.Tensor):  # per row (rows at different offsets)
+            self._next = next_position.to(torch.int64).reshape(self.batch).clone()
+        else:
+            self._next = int(next_position)
         self._scrambled = bool(scrambled)
         self.evicted, self.expired = int(evicted), int(expired)
         self.ordered = True  # strictly increasing positions in position order; scrambled slots are settled first

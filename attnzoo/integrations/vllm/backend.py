@@ -275,9 +275,13 @@ class _Layer:
         starts, lengths = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         blocks = meta.block_table[:, 0].tolist()
         out = output[:n].view(n, self.heads, self.head_dim)
+        full = self._full_pages(geometry, kv_cache, starts, lengths, blocks)
+        full = full if len(full) > 1 else []  # one request alone takes the step below
+        if full:
+            self._decode_full(geometry, kv_cache, query, key, value, starts, blocks, full, out)
         for i, length in enumerate(lengths):
             count = starts[i + 1] - starts[i]
-            if count == 0:
+            if count == 0 or i in full:
                 continue
             rows = slice(starts[i], starts[i + 1])
             q, k, v = (t[rows].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
@@ -310,6 +314,57 @@ class _Layer:
             header.copy_(torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]), generation,
                                        cache.evicted, cache.expired, int(cache.scrambled), 0], dtype=torch.int64))
             out[rows] = o[0].transpose(0, 1).to(out.dtype)
+
+    def _full_pages(self, geometry, kv_cache, starts, lengths, blocks) -> list[int]:
+        """The decoding requests whose page holds ``budget`` tokens (every request once its history reached the
+        budget): one batch for their step. Only where each row's step evicts exactly one token (an evictor and no
+        window horizon; the cache's state per row is then the page's)."""
+        if self.budget is None or self.core.new_cache(1, budget=self.budget).horizon is not None:
+            return []
+        from . import ring
+
+        rows = []
+        for i, length in enumerate(lengths):
+            if starts[i + 1] - starts[i] == 1 and length > 1:
+                header = geometry.views(kv_cache[blocks[i]])["hdr"]
+                if (int(header[0]) == ring.MAGIC and int(header[ring.HELD]) == self.budget
+                        and int(header[ring.NEXT]) == length):
+                    rows.append(i)
+        return rows
+
+    def _decode_full(self, geometry, kv_cache, query, key, value, starts, blocks, rows, out) -> None:
+        """One decode step of the requests ``rows`` (full pages) as one batch: their pages gathered into one cache
+        (rows at their own positions), the core's decode step (the fused C step over the rows), the settled tokens
+        scattered back into each page."""
+        from . import ring
+
+        pages = [geometry.views(kv_cache[blocks[i]]) for i in rows]
+        headers = torch.stack([p["hdr"] for p in pages])
+        cache = self.core.new_cache(len(rows), budget=self.budget)
+        m = self.budget
+
+        def gathered(name):
+            return torch.cat([p[name][:, :, :m] for p in pages]).contiguous()
+
+        keys, values, positions = gathered("keys"), gathered("values"), gathered("positions")
+        spare = [torch.cat([t, t[:, :, :1]], dim=2) for t in (keys, values, positions)]  # room for the new token
+        state = {name: torch.cat([gathered(f"state.{name}"), gathered(f"state.{name}")[:, :, :1]], dim=2)
+                 for name in cache.state_names}
+        cache.attach(*spare, state, m, headers[:, ring.NEXT], scrambled=bool(headers[:, ring.SCRAMBLED].any()))
+        index = torch.tensor([starts[i] for i in rows])
+        q, k, v = (t.index_select(0, index).view(len(rows), -1, 1, self.head_dim) for t in (query, key, value))
+        o = self.core.decode(q, k, v, cache)
+        if cache.num_tokens != m:
+            raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
+        held = [cache.keys, cache.values, cache.positions] + [cache.state[name] for name in cache.state_names]
+        names = ["keys", "values", "positions"] + [f"state.{name}" for name in cache.state_names]
+        for row, page in enumerate(pages):
+            for name, t in zip(names, held, strict=True):
+                page[name][:, :, :m] = t[row:row + 1]
+            page["hdr"][ring.NEXT] += 1
+            page["hdr"][ring.EVICTED] += 1
+            page["hdr"][ring.SCRAMBLED] = 0
+        out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
 
     def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:
         """One new token of each request in ``rows``: one batch, keys padded after each row's last (causality
