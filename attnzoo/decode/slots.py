@@ -162,7 +162,7 @@ class SlotStore:
 
     def attach(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                state: dict[str, torch.Tensor], held: int, next_position, *, evicted: int = 0, expired: int = 0,
-               scrambled: bool = False) -> None:
+               scrambled: bool = False, step_state=None) -> None:
         """Hold tokens in buffers the caller owns (a serving engine's page), without copying: ``keys``/``values``
         (B, H_kv, S, D), ``positions`` (B, H_kv, S) int64 and one (B, H_kv, S) buffer per name of
         :attr:`state_names` (in ``accumulator_dtype(keys.dtype)``), whose first ``held`` slots hold the tokens (in
@@ -170,7 +170,10 @@ class SlotStore:
         ``next_position`` (an int, or a (B,) tensor: per row). A step writes into these buffers while they have
         room (S = budget + 1 is enough for an evicting cache); a step that needs more replaces them, so the caller
         compares ``buffers()`` after the step and copies back what moved. A fresh cache only (nothing appended);
-        every row real (no padding)."""
+        every row real (no padding). ``step_state``: what an earlier cache of the same spec validated (its
+        ``step_state``), so that a cache re-attached every step keeps the fast step it chose; the spec, geometry,
+        parameters and call signature are still checked at the step, and the fast step's own preconditions on these
+        buffers."""
         if self._k is not None:
             raise ValueError("attach: the cache already holds tokens")
         slots = keys.shape[2]
@@ -192,6 +195,14 @@ class SlotStore:
         self._scrambled = bool(scrambled)
         self.evicted, self.expired = int(evicted), int(expired)
         self.ordered = True  # strictly increasing positions in position order; scrambled slots are settled first
+        if step_state is not None:
+            if step_state.spec_hash != self.step_state.spec_hash:
+                raise ValueError(f"attach: a step state of spec '{step_state.spec_name}', not of this cache's "
+                                 f"'{self.step_state.spec_name}'")
+            if step_state.signature is not None and step_state.signature[0][0] != self.batch:
+                raise ValueError(f"attach: a step state validated for batch {step_state.signature[0][0]}, not "
+                                 f"{self.batch}")
+            self.step_state = step_state
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """The buffers the tokens live in (``keys``, ``values``, ``positions``, ``state.<name>``), spare slots

@@ -62,6 +62,34 @@ def test_a_cache_attached_to_a_page_decodes_as_one_cache(spec):
     assert moved <= 2 or spec == "tova", moved
 
 
+def test_a_cache_re_attached_with_the_last_step_state_keeps_the_fast_step():
+    """``attach(step_state=...)``: a cache re-attached every step takes the fast step the previous one validated
+    (not the full path each step), with the same outputs as one cache."""
+    variant = attnzoo.compile("h2o", backend="blocked")
+    gen = torch.Generator().manual_seed(7)
+    n = PREFILL + STEPS
+    q = torch.randn(3, 4, n, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, n, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    one, first = variant.new_cache(3, budget=BUDGET), variant.new_cache(3, budget=BUDGET)
+    for cache in (one, first):
+        variant.prefill(q[:, :, :PREFILL], k[:, :, :PREFILL], v[:, :, :PREFILL], cache)
+    page, held, nxt, state, kinds = _page(first, BUDGET + 1), first.num_tokens, first.next_position, None, []
+    for i in range(PREFILL, n):
+        want = variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], one)
+        cache = variant.new_cache(3, budget=BUDGET)
+        cache.attach(page["keys"], page["values"], page["positions"],
+                     {name: page[f"state.{name}"] for name in cache.state_names}, held, nxt, step_state=state)
+        kinds.append(cache.lean_step_kind)
+        got = variant.decode(q[:, :, i:i + 1], k[:, :, i:i + 1], v[:, :, i:i + 1], cache)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        page, held, nxt, state = _page(cache, BUDGET + 1), cache.num_tokens, cache.next_position, cache.step_state
+    assert kinds[0] is None and all(kind is not None for kind in kinds[1:]), kinds
+    with pytest.raises(ValueError, match="validated for batch 3, not 2"):
+        variant.new_cache(2, budget=BUDGET).attach(page["keys"][:2], page["values"][:2], page["positions"][:2],
+                                                  {n[6:]: t[:2] for n, t in page.items() if n.startswith("state.")},
+                                                  held, 1, step_state=state)
+
+
 def test_attach_refuses_buffers_that_do_not_fit():
     variant = attnzoo.compile("h2o", backend="blocked")
     cache = variant.new_cache(1, budget=4)

@@ -245,6 +245,8 @@ class _Layer:
         recorded = budgets(impl.record)
         self.budget = recorded[index] if len(recorded) > 1 else recorded[0]  # an evicting spec's, for its page
         self.where = where
+        #: what the last re-attached cache of each batch size validated: the next keeps its fast step
+        self.states: dict[int, object] = {}
 
     def attend(self, query, kv_cache, meta, output) -> None:
         n = meta.num_actual_tokens
@@ -304,8 +306,10 @@ class _Layer:
                 cache.attach(page["keys"], page["values"], page["positions"],
                              {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
                              int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]),
-                             expired=int(header[ring.EXPIRED]), scrambled=bool(header[ring.SCRAMBLED]))
+                             expired=int(header[ring.EXPIRED]), scrambled=bool(header[ring.SCRAMBLED]),
+                             step_state=self.states.get(1))
                 o = self.core.decode(q, k, v, cache)
+                self.states[1] = cache.step_state
                 if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
                     _store(page, cache, cache.num_tokens)
             else:
@@ -350,10 +354,12 @@ class _Layer:
         spare = [torch.cat([t, t[:, :, :1]], dim=2) for t in (keys, values, positions)]  # room for the new token
         state = {name: torch.cat([gathered(f"state.{name}"), gathered(f"state.{name}")[:, :, :1]], dim=2)
                  for name in cache.state_names}
-        cache.attach(*spare, state, m, headers[:, ring.NEXT], scrambled=bool(headers[:, ring.SCRAMBLED].any()))
+        cache.attach(*spare, state, m, headers[:, ring.NEXT], scrambled=bool(headers[:, ring.SCRAMBLED].any()),
+                     step_state=self.states.get(len(rows)))
         index = torch.tensor([starts[i] for i in rows])
         q, k, v = (t.index_select(0, index).view(len(rows), -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
+        self.states[len(rows)] = cache.step_state
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
         held = [cache.keys, cache.values, cache.positions] + [cache.state[name] for name in cache.state_names]
