@@ -71,7 +71,8 @@ def fragment_culprit(plan, q, k, v, params, positions, key_mask=None) -> str | N
                 low = None if host_termed(plan, t) else t.triton()
                 if low is not None:
                     names = {f"p_{name}": f"p{i}" for i, name in enumerate(low.params)}
-                    env = {"tl": tl, "qp": ctx.qpos, "kp": ctx.kpos, "head": ctx.heads, "H": dims.num_heads, "x": x,
+                    env = {"__builtins__": {}, "tl": tl, "qp": ctx.qpos, "kp": ctx.kpos, "head": ctx.heads,
+                           "H": dims.num_heads, "x": x,
                            **{f"p{i}": params[t.kind][name][ctx.heads] for i, name in enumerate(low.params)}}
                     y = eval(low.forward.format(x="x", **names), env)  # the plugin's own fragment, rendered in torch
                     found = blame(t, "logits", "forward", low.forward, y, allowed, True, ctx)
@@ -92,8 +93,8 @@ def fragment_culprit(plan, q, k, v, params, positions, key_mask=None) -> str | N
                 index, ok, sel_ctx = plan.composition.selector_view(acc, allowed, ctx)
                 xs = x.index_select(1, index)
                 ok = ok.expand_as(xs)
-                env = {"tl": tl, "qp": sel_ctx.qpos, "kp": sel_ctx.kpos, "head": sel_ctx.heads, "H": dims.num_heads,
-                       "ok": ok, "x": xs}
+                env = {"__builtins__": {}, "tl": tl, "qp": sel_ctx.qpos, "kp": sel_ctx.kpos, "head": sel_ctx.heads,
+                       "H": dims.num_heads, "ok": ok, "x": xs}
                 keep = ok & torch.as_tensor(eval(low.keep, env)).expand_as(ok) if low.keep else ok
                 for field, text in (("value", low.value), ("derivative", low.derivative)):
                     found = blame(acc, "accumulator", field, text, eval(text.format(x="x"), env), keep, False,
