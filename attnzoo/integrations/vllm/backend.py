@@ -245,6 +245,9 @@ class _Layer:
         recorded = budgets(impl.record)
         self.budget = recorded[index] if len(recorded) > 1 else recorded[0]  # an evicting spec's, for its page
         self.where = where
+        #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
+        #: no window horizon, so each row's step evicts exactly one token
+        self.batchable = self.budget is not None and core.new_cache(1, budget=self.budget).horizon is None
         #: what the last re-attached cache of each batch size validated: the next keeps its fast step
         self.states: dict[int, object] = {}
 
@@ -323,7 +326,7 @@ class _Layer:
         """The decoding requests whose page holds ``budget`` tokens (every request once its history reached the
         budget): one batch for their step. Only where each row's step evicts exactly one token (an evictor and no
         window horizon; the cache's state per row is then the page's)."""
-        if self.budget is None or self.core.new_cache(1, budget=self.budget).horizon is not None:
+        if not self.batchable:
             return []
         from . import ring
 
@@ -348,12 +351,14 @@ class _Layer:
         m = self.budget
 
         def gathered(name):
-            return torch.cat([p[name][:, :, :m] for p in pages]).contiguous()
+            return torch.cat([p[name][:, :, :m] for p in pages])
 
-        keys, values, positions = gathered("keys"), gathered("values"), gathered("positions")
-        spare = [torch.cat([t, t[:, :, :1]], dim=2) for t in (keys, values, positions)]  # room for the new token
-        state = {name: torch.cat([gathered(f"state.{name}"), gathered(f"state.{name}")[:, :, :1]], dim=2)
-                 for name in cache.state_names}
+        def with_spare(name):  # the held slots and one more, where the step writes the new token
+            held = gathered(name)
+            return torch.cat([held, held[:, :, :1]], dim=2)
+
+        spare = [with_spare(name) for name in ("keys", "values", "positions")]
+        state = {name: with_spare(f"state.{name}") for name in cache.state_names}
         cache.attach(*spare, state, m, headers[:, ring.NEXT], scrambled=bool(headers[:, ring.SCRAMBLED].any()),
                      step_state=self.states.get(len(rows)))
         index = torch.tensor([starts[i] for i in rows])
