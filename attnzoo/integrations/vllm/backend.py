@@ -250,6 +250,8 @@ class _Layer:
         self.batchable = self.budget is not None and core.new_cache(1, budget=self.budget).horizon is None
         #: what the last re-attached cache of each batch size validated: the next keeps its fast step
         self.states: dict[int, object] = {}
+        #: ((data pointer, shape, dtype) of the cache tensor, its pages' typed views): see _pages
+        self.page_views: tuple | None = None
 
     def attend(self, query, kv_cache, meta, output) -> None:
         n = meta.num_actual_tokens
@@ -273,25 +275,29 @@ class _Layer:
         ``block_table[i, 0]``, the same for the request's whole life). A prefill (nothing computed before) runs the
         core's prefill with eviction into a fresh cache, as attnzoo's own prefill does, and stores what it keeps in
         the page; a decode step runs the core's decode step on a cache attached to the page's buffers (the fast
-        steps write into them; whatever a step moved out is copied back)."""
+        steps write into them; whatever a step moved out is copied back). Decoding requests whose pages are full
+        step as one batch (:meth:`_decode_full`)."""
         from . import ring
 
         n = meta.num_actual_tokens
-        starts, lengths = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
-        blocks = meta.block_table[:, 0].tolist()
+        pages = self._pages(geometry, kv_cache)
+        starts_t = meta.query_start_loc.to(torch.int64)
+        counts_t = starts_t[1:] - starts_t[:-1]
+        lengths_t = meta.seq_lens.to(torch.int64)
+        blocks_t = meta.block_table[:, 0].to(torch.int64)
         out = output[:n].view(n, self.heads, self.head_dim)
-        full = self._full_pages(geometry, kv_cache, starts, lengths, blocks)
-        full = full if len(full) > 1 else []  # one request alone takes the step below
-        if full:
-            self._decode_full(geometry, kv_cache, query, key, value, starts, blocks, full, out)
-        for i, length in enumerate(lengths):
-            count = starts[i + 1] - starts[i]
-            if count == 0 or i in full:
-                continue
+        full = self._full_pages(pages, counts_t, lengths_t, blocks_t)
+        if full.numel() > 1:  # one request alone takes the step below
+            self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
+                              out)
+            counts_t = counts_t.index_fill(0, full, 0)
+        starts, lengths, blocks = starts_t.tolist(), lengths_t.tolist(), blocks_t.tolist()
+        for i in torch.nonzero(counts_t).flatten().tolist():
+            count, length = starts[i + 1] - starts[i], lengths[i]
             rows = slice(starts[i], starts[i + 1])
             q, k, v = (t[rows].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            page = geometry.views(kv_cache[blocks[i]])
-            header, done = page["hdr"], length - count
+            page = {name: view[blocks[i]:blocks[i] + 1] for name, view in pages.items()}
+            header, done = pages["hdr"][blocks[i]], length - count
             if done == 0:
                 cache = self.core.new_cache(1, budget=self.budget)
                 o = self.core.prefill(q, k, v, cache)
@@ -322,59 +328,55 @@ class _Layer:
                                        cache.evicted, cache.expired, int(cache.scrambled), 0], dtype=torch.int64))
             out[rows] = o[0].transpose(0, 1).to(out.dtype)
 
-    def _full_pages(self, geometry, kv_cache, starts, lengths, blocks) -> list[int]:
-        """The decoding requests whose page holds ``budget`` tokens (every request once its history reached the
-        budget): one batch for their step. Only where each row's step evicts exactly one token (an evictor and no
-        window horizon; the cache's state per row is then the page's)."""
+    def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
+        """The typed views of every page of this layer's cache tensor (``RingGeometry.all_views``), made once per
+        cache tensor."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self.page_views is None or self.page_views[0] != key:
+            self.page_views = (key, geometry.all_views(kv_cache))
+        return self.page_views[1]
+
+    def _full_pages(self, pages, counts, lengths, blocks) -> torch.Tensor:
+        """The decoding requests (indices) whose page holds ``budget`` tokens (every request once its history
+        reached the budget): one batch for their step. Only where each row's step evicts exactly one token (an
+        evictor and no window horizon; the cache's state per row is then the page's)."""
+        from . import ring
+
         if not self.batchable:
-            return []
+            return counts.new_zeros(0)
+        headers = pages["hdr"].index_select(0, blocks)
+        full = ((counts == 1) & (lengths > 1) & (headers[:, 0] == ring.MAGIC) & (headers[:, ring.HELD] == self.budget)
+                & (headers[:, ring.NEXT] == lengths))
+        return torch.nonzero(full).flatten()
+
+    def _decode_full(self, pages, query, key, value, index, blocks, out) -> None:
+        """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch:
+        their pages gathered into one cache (each section one ``index_select``, the spare slot included; rows at
+        their own positions), the core's decode step (the fused C step over the rows), the held slots and headers
+        scattered back (in slot order: a page stays ``scrambled`` while the lean steps leave it so)."""
         from . import ring
 
-        rows = []
-        for i, length in enumerate(lengths):
-            if starts[i + 1] - starts[i] == 1 and length > 1:
-                header = geometry.views(kv_cache[blocks[i]])["hdr"]
-                if (int(header[0]) == ring.MAGIC and int(header[ring.HELD]) == self.budget
-                        and int(header[ring.NEXT]) == length):
-                    rows.append(i)
-        return rows
-
-    def _decode_full(self, geometry, kv_cache, query, key, value, starts, blocks, rows, out) -> None:
-        """One decode step of the requests ``rows`` (full pages) as one batch: their pages gathered into one cache
-        (rows at their own positions), the core's decode step (the fused C step over the rows), the settled tokens
-        scattered back into each page."""
-        from . import ring
-
-        pages = [geometry.views(kv_cache[blocks[i]]) for i in rows]
-        headers = torch.stack([p["hdr"] for p in pages])
-        cache = self.core.new_cache(len(rows), budget=self.budget)
-        m = self.budget
-
-        def gathered(name):
-            return torch.cat([p[name][:, :, :m] for p in pages])
-
-        def with_spare(name):  # the held slots and one more, where the step writes the new token
-            held = gathered(name)
-            return torch.cat([held, held[:, :, :1]], dim=2)
-
-        spare = [with_spare(name) for name in ("keys", "values", "positions")]
-        state = {name: with_spare(f"state.{name}") for name in cache.state_names}
-        cache.attach(*spare, state, m, headers[:, ring.NEXT], scrambled=bool(headers[:, ring.SCRAMBLED].any()),
-                     step_state=self.states.get(len(rows)))
-        index = torch.tensor([starts[i] for i in rows])
-        q, k, v = (t.index_select(0, index).view(len(rows), -1, 1, self.head_dim) for t in (query, key, value))
+        m, rows = self.budget, blocks.shape[0]
+        headers = pages["hdr"].index_select(0, blocks)
+        cache = self.core.new_cache(rows, budget=m)
+        keys, values, positions = (pages[name].index_select(0, blocks) for name in ("keys", "values", "positions"))
+        state = {name: pages[f"state.{name}"].index_select(0, blocks) for name in cache.state_names}
+        cache.attach(keys, values, positions, state, m, headers[:, ring.NEXT],
+                     scrambled=bool(headers[:, ring.SCRAMBLED].any()), step_state=self.states.get(rows))
+        q, k, v = (t.index_select(0, index).view(rows, -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
-        self.states[len(rows)] = cache.step_state
+        self.states[rows] = cache.step_state
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        held = [cache.keys, cache.values, cache.positions] + [cache.state[name] for name in cache.state_names]
-        names = ["keys", "values", "positions"] + [f"state.{name}" for name in cache.state_names]
-        for row, page in enumerate(pages):
-            for name, t in zip(names, held, strict=True):
-                page[name][:, :, :m] = t[row:row + 1]
-            page["hdr"][ring.NEXT] += 1
-            page["hdr"][ring.EVICTED] += 1
-            page["hdr"][ring.SCRAMBLED] = 0
+        held = cache.buffers()
+        for name in ("keys", "values", "positions"):
+            pages[name].narrow(2, 0, m).index_copy_(0, blocks, held[name].narrow(2, 0, m))
+        for name in cache.state_names:
+            pages[f"state.{name}"].narrow(2, 0, m).index_copy_(0, blocks, held[f"held.{name}"])
+        headers[:, ring.NEXT] += 1
+        headers[:, ring.EVICTED] += 1
+        headers[:, ring.SCRAMBLED] = int(cache.scrambled)
+        pages["hdr"].index_copy_(0, blocks, headers)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
 
     def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:

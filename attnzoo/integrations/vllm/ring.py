@@ -87,6 +87,32 @@ class RingGeometry:
         out.update({f"state.{n}": section(f"state.{n}", self.state_dtype, (1, h, s)) for n in self.state_names})
         return out
 
+    def all_views(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of every page of a layer's cache tensor (blocks first, each block's bytes contiguous):
+        ``hdr`` (blocks, 8), ``keys``/``values`` (blocks, H_kv, S, D), ``positions`` and ``state.<name>`` (blocks,
+        H_kv, S). One page is ``{name: view[block:block + 1]}`` (``hdr``: ``view[block]``), the same bytes as
+        :meth:`views` of ``kv_cache[block]``; a batch of pages is one ``index_select`` per section."""
+        blocks = kv_cache.shape[0]
+        if blocks == 0 or not kv_cache.is_contiguous():
+            raise ValueError(f"ring pages need a contiguous cache tensor with blocks first, got shape "
+                             f"{tuple(kv_cache.shape)} (contiguous: {kv_cache.is_contiguous()})")
+        raw = kv_cache.view(blocks, -1).view(torch.uint8)
+        if raw.shape[1] < self.page_bytes or raw.shape[1] % 8:  # every section starts 8-byte aligned
+            raise ValueError(f"a ring block of {raw.shape[1]} bytes, the geometry needs {self.page_bytes} (a "
+                             f"multiple of 8)")
+        h, s, d = self.kv_heads, self.slots, self.head_dim
+        layout = self.layout()
+
+        def section(name, dtype, shape):
+            offset, nbytes = layout[name]
+            return raw[:, offset:offset + nbytes].view(dtype).view((blocks, *shape))
+
+        out = {"hdr": section("hdr", torch.int64, (HEADER,)), "keys": section("keys", self.dtype, (h, s, d)),
+               "values": section("values", self.dtype, (h, s, d)),
+               "positions": section("positions", torch.int64, (h, s))}
+        out.update({f"state.{n}": section(f"state.{n}", self.state_dtype, (h, s)) for n in self.state_names})
+        return out
+
 
 #: this process's page geometry, published by the attention impl while the worker builds the model (every layer
 #: of a checkpoint shares one record, so one geometry); ``customize_spec`` reads it
