@@ -272,13 +272,10 @@ class _Layer:
 
     def attend_pruned(self, geometry, query, key, value, kv_cache, meta, output) -> None:
         """An evicting spec: each request's pruned cache lives in its page (``ring.py``; block
-        ``block_table[i, 0]``, the same for the request's whole life). A prefill (nothing computed before) runs the
-        core's prefill with eviction into a fresh cache, as attnzoo's own prefill does, and stores what it keeps in
-        the page; a decode step runs the core's decode step on a cache attached to the page's buffers (the fast
-        steps write into them; whatever a step moved out is copied back). Decoding requests whose pages are full
-        step as one batch (:meth:`_decode_full`)."""
-        from . import ring
-
+        ``block_table[i, 0]``, the same for the request's whole life). Prompts (nothing computed before) of one
+        length run the core's prefill with eviction as one batch (:meth:`_prefill`), as attnzoo's own prefill does,
+        and store what they keep in their pages; decoding requests whose pages are full step as one batch
+        (:meth:`_decode_full`), the others one at a time (:meth:`_decode_one`)."""
         n = meta.num_actual_tokens
         pages = self._pages(geometry, kv_cache)
         starts_t = meta.query_start_loc.to(torch.int64)
@@ -292,41 +289,81 @@ class _Layer:
                               out)
             counts_t = counts_t.index_fill(0, full, 0)
         starts, lengths, blocks = starts_t.tolist(), lengths_t.tolist(), blocks_t.tolist()
+        prompts: dict[int, list[int]] = {}  # prompt length: the requests prefilling a prompt of that length
         for i in torch.nonzero(counts_t).flatten().tolist():
             count, length = starts[i + 1] - starts[i], lengths[i]
-            rows = slice(starts[i], starts[i + 1])
-            q, k, v = (t[rows].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0) for t in (query, key, value))
-            page = {name: view[blocks[i]:blocks[i] + 1] for name, view in pages.items()}
-            header, done = pages["hdr"][blocks[i]], length - count
-            if done == 0:
-                cache = self.core.new_cache(1, budget=self.budget)
-                o = self.core.prefill(q, k, v, cache)
-                generation = int(header[ring.GENERATION]) + 1 if int(header[0]) == ring.MAGIC else 1
-                if cache.num_tokens > geometry.slots:
-                    raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, "
-                                           f"the page {geometry.slots}")
-                _store(page, cache, cache.num_tokens)
-            elif count == 1:
-                if int(header[0]) != ring.MAGIC or int(header[ring.NEXT]) != done + 1:
-                    raise IntegrationError(f"{self.where}: request {i}'s page (block {blocks[i]}) does not continue "
-                                           f"at token {done + 1} (header {header.tolist()})")
-                generation = int(header[ring.GENERATION])
-                cache = self.core.new_cache(1, budget=self.budget)
-                cache.attach(page["keys"], page["values"], page["positions"],
-                             {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
-                             int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]),
-                             expired=int(header[ring.EXPIRED]), scrambled=bool(header[ring.SCRAMBLED]),
-                             step_state=self.states.get(1))
-                o = self.core.decode(q, k, v, cache)
-                self.states[1] = cache.step_state
-                if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
-                    _store(page, cache, cache.num_tokens)
-            else:
-                raise IntegrationError(f"{self.where}: {count} new tokens after {done} for request {i}: a prompt in "
-                                       f"chunks (chunked prefill is turned off for an evicting spec at start)")
-            header.copy_(torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]), generation,
-                                       cache.evicted, cache.expired, int(cache.scrambled), 0], dtype=torch.int64))
-            out[rows] = o[0].transpose(0, 1).to(out.dtype)
+            if count == length:
+                prompts.setdefault(count, []).append(i)
+                continue
+            if count != 1:
+                raise IntegrationError(f"{self.where}: {count} new tokens after {length - count} for request {i}: a "
+                                       f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
+                                       f"start)")
+            self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
+        for count, rows in prompts.items():
+            self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
+                          [blocks[i] for i in rows], out)
+
+    def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
+        """Prompts of ``count`` tokens (from ``starts``, into the pages ``blocks``) as one batch: the core's prefill
+        with eviction into a fresh cache (its rows independent: each as its own prefill), then each row's kept
+        tokens, in position order, into its page's first slots and its header afresh (the generation counts the
+        page's prefills)."""
+        from . import ring
+
+        rows = len(starts)
+        index = (torch.tensor(starts, dtype=torch.int64).unsqueeze(1) + torch.arange(count)).reshape(-1)
+        q, k, v = (t.index_select(0, index).view(rows, count, -1, self.head_dim).transpose(1, 2)
+                   for t in (query, key, value))
+        cache = self.core.new_cache(rows, budget=self.budget)
+        o = self.core.prefill(q, k, v, cache)
+        held = cache.num_tokens
+        if held > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {held} tokens after the prompt, the page "
+                                   f"{geometry.slots}")
+        ids = torch.tensor(blocks, dtype=torch.int64)
+        if held:
+            kept = {"keys": cache.keys, "values": cache.values, "positions": cache.positions}
+            kept.update({f"state.{name}": cache.state[name] for name in cache.state_names})
+            for name, t in kept.items():
+                home = pages[name].narrow(2, 0, held)
+                dense = torch.empty((rows, *home.shape[1:]), dtype=home.dtype)
+                dense.copy_(t)  # the cache's views may broadcast over heads
+                home.index_copy_(0, ids, dense)
+        before = pages["hdr"].index_select(0, ids)
+        header = torch.zeros(rows, ring.HEADER, dtype=torch.int64)
+        header[:, 0] = ring.MAGIC
+        header[:, ring.HELD] = held
+        header[:, ring.NEXT] = cache.next_position
+        header[:, ring.GENERATION] = torch.where(before[:, 0] == ring.MAGIC, before[:, ring.GENERATION] + 1, 1)
+        header[:, ring.EVICTED], header[:, ring.EXPIRED] = cache.evicted, cache.expired
+        pages["hdr"].index_copy_(0, ids, header)
+        out.index_copy_(0, index, o.transpose(1, 2).reshape(rows * count, *out.shape[1:]).to(out.dtype))
+
+    def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
+        """One decode step of one request whose page is not full (or a request alone): a cache attached to its
+        page's buffers, the core's decode step; whatever a step moved out of the page is copied back."""
+        from . import ring
+
+        header = pages["hdr"][block]
+        page = {name: view[block:block + 1] for name, view in pages.items()}
+        if int(header[0]) != ring.MAGIC or int(header[ring.NEXT]) != done + 1:
+            raise IntegrationError(f"{self.where}: request {i}'s page (block {block}) does not continue at token "
+                                   f"{done + 1} (header {header.tolist()})")
+        q, k, v = (t[start:start + 1].view(1, -1, 1, self.head_dim) for t in (query, key, value))
+        cache = self.core.new_cache(1, budget=self.budget)
+        cache.attach(page["keys"], page["values"], page["positions"],
+                     {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
+                     int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]), expired=int(header[ring.EXPIRED]),
+                     scrambled=bool(header[ring.SCRAMBLED]), step_state=self.states.get(1))
+        o = self.core.decode(q, k, v, cache)
+        self.states[1] = cache.step_state
+        if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
+            _store(page, cache, cache.num_tokens)
+        header.copy_(torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]),
+                                   int(header[ring.GENERATION]), cache.evicted, cache.expired, int(cache.scrambled),
+                                   0], dtype=torch.int64))
+        out[start] = o[0, :, 0].to(out.dtype)
 
     def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
         """The typed views of every page of this layer's cache tensor (``RingGeometry.all_views``), made once per
