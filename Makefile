@@ -56,7 +56,7 @@ bench-vllm: $(VLLM_STAMP)
 # KV pruning under vLLM: running requests and tokens/s of selective-pruned's pages against the full cache, same KV
 # memory (benchmarks/results/vllm-pruned.md; ~3 min on 2 cores)
 bench-vllm-pruned: $(VLLM_STAMP)
-	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --out benchmarks/results
+	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --out benchmarks/results
 
 # ruff, and the import contracts of .importlinter (no cycles, the layers of docs/architecture.md, the oracle)
 lint: $(STAMP)

@@ -38,12 +38,23 @@ NO_EVICTOR = {"name": "selective-no-cache", "summary": "selective attention with
               "transforms": [{"kind": "selective_mask"}]}
 #: the pruned checkpoints: tokens kept per layer, and tokens decoded (well past the budget)
 BUDGET, PRUNED_TOKENS = 16, 24
+#: prompts shorter and longer than the budget, two of one length (the backend prefills those as one batch)
+PRUNED_LENGTHS = (5, 17, 40, 40)
+#: H2O under a sliding window longer than the budget: its cache has a horizon (tokens the window has passed expire
+#: as well as the evicted ones, so a page may hold fewer than the budget), and each request takes its decode step
+#: alone on its page (the backend's full-page batch needs exactly one eviction per step)
+WINDOWED_H2O = {"name": "h2o-window", "summary": "H2O under a sliding window", "attention": {"causal": True},
+                "transforms": [{"kind": "sliding_window", "window": 24}], "cache": {"evictor": "h2o", "budget": BUDGET}}
+#: {name: (spec, budget)}: each served evictor at the budget; H2O under a window; H2O with a budget per layer (the
+#: page sized by the largest, each layer keeping its own)
+PRUNED = {"streaming": ("streaming", BUDGET), "selective-pruned": ("selective-pruned", BUDGET), "h2o": ("h2o", BUDGET),
+          "tova": ("tova", BUDGET), "h2o-window": (WINDOWED_H2O, BUDGET), "h2o-per-layer": ("h2o", [BUDGET, 24])}
 NEW_TOKENS = 8
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.2)
 
 
-def _checkpoint(path, spec, budget=None, new_tokens=NEW_TOKENS):
+def _checkpoint(path, spec, budget=None, new_tokens=NEW_TOKENS, lengths=PROMPT_LENGTHS):
     """A tiny Llama with ``spec`` applied (its transform parameters moved off their initial values, as training
     would), saved by zt.save_pretrained; returns (prompts, transformers' greedy tokens for each (the whole sequence
     each step), ``generate``'s with attnzoo's cache, or None without a spec)."""
@@ -63,7 +74,7 @@ def _checkpoint(path, spec, budget=None, new_tokens=NEW_TOKENS):
                     p.add_(0.3 * torch.randn_like(p))
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(1)
-    prompts = [[1] + torch.randint(2, 256, (n - 1,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+    prompts = [[1] + torch.randint(2, 256, (n - 1,), generator=gen).tolist() for n in lengths]
     expected = []
     with torch.no_grad():
         for prompt in prompts:  # greedy, the whole sequence each step (the batch form)
@@ -123,23 +134,55 @@ def test_a_declined_spec_fails_at_start_in_one_line(checkpoints):
 
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory):
-    """Checkpoints saved with evicting specs at a budget of 16, selector parameters moved off their initial values:
-    {name: (path, prompts, full-attention greedy tokens, attnzoo's evicting generate() tokens)}."""
+    """The checkpoints of :data:`PRUNED`, saved (selector parameters moved off their initial values) when a test
+    first asks for one: {name: (path, prompts, full-attention greedy tokens, attnzoo's evicting generate() tokens)}."""
     root = tmp_path_factory.mktemp("vllm-pruned")
-    return {name: (str(root / name), *_checkpoint(root / name, name, budget=BUDGET, new_tokens=PRUNED_TOKENS))
-            for name in ("streaming", "selective-pruned", "h2o")}
+
+    class Saved(dict):
+        def __missing__(self, name):
+            spec, budget = PRUNED[name]
+            self[name] = (str(root / name), *_checkpoint(root / name, spec, budget=budget, new_tokens=PRUNED_TOKENS,
+                                                         lengths=PRUNED_LENGTHS))
+            return self[name]
+
+    return Saved()
 
 
-@pytest.mark.parametrize("name", ["streaming", "selective-pruned", "h2o"])
-def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name):
-    """KV pruning served (docs/vllm.md, "KV pruning"): each layer's cache is one page of budget + 1 tokens per
-    request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call,
-    decoding past it, give the tokens of transformers + attnzoo's evicting cache; the pages are reused by the next
-    call's requests."""
-    from vllm import LLM, SamplingParams
+def _can_fail(name, pruned, tmp_path) -> None:
+    """What lets case ``name`` of :data:`PRUNED` fail: eviction changes the tokens; a window's cache has a horizon
+    and expires tokens; budgets per layer give other tokens than any one budget for every layer."""
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.transformers.cache import AttnzooCache
 
     path, prompts, full, evicting = pruned[name]
     assert full != evicting, "eviction does not change the tokens here: the test would not see it"
+    spec, budget = PRUNED[name]
+    if isinstance(budget, list):
+        for each in sorted(set(budget)):
+            alike = _checkpoint(tmp_path / f"budget{each}", spec, budget=each, new_tokens=PRUNED_TOKENS,
+                                lengths=PRUNED_LENGTHS)[2]
+            assert evicting != alike, f"every layer at a budget of {each} gives the same tokens"
+    if isinstance(spec, dict) and any(t["kind"] == "sliding_window" for t in spec["transforms"]):
+        model = zt.from_pretrained(path)
+        cache = AttnzooCache(model)
+        model.generate(torch.tensor([prompts[-1]]), max_new_tokens=PRUNED_TOKENS, do_sample=False, pad_token_id=0,
+                       past_key_values=cache)
+        assert all(layer.kv.horizon is not None for layer in cache.layers)
+        assert all(m["expired"] > 0 and m["evicted"] > 0 for m in cache.memory()), cache.memory()
+
+
+@pytest.mark.parametrize("name", list(PRUNED))
+def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name, tmp_path):
+    """KV pruning served (docs/vllm.md, "KV pruning"): each layer's cache is one page of budget + 1 tokens per
+    request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call (two
+    of one length: one batched prefill), decoding past it, give the tokens of transformers + attnzoo's evicting
+    cache; the pages are reused by the next call's requests. Every served evictor (sink_window, selective, H2O,
+    TOVA); H2O under a sliding window (a cache with a horizon: each request steps alone); H2O with a budget per
+    layer (the page holds the largest budget, each layer keeps its own)."""
+    from vllm import LLM, SamplingParams
+
+    path, prompts, _, evicting = pruned[name]
+    _can_fail(name, pruned, tmp_path)
     llm = LLM(model=path, **ENGINE)
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=PRUNED_TOKENS)
     for order in (prompts, prompts[::-1]):  # the second call's requests take pages the first call's left
@@ -148,6 +191,54 @@ def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name):
         want = evicting if order is prompts else evicting[::-1]
         for g, w in zip(got, want, strict=True):  # generate() stops at EOS (2), vLLM here does not
             assert g[:len(w)] == w
+
+
+def _forced_logprobs(path, prompts, continuations, dtype, evicting=True) -> list[torch.Tensor]:
+    """transformers + attnzoo's log-probabilities (float32, (tokens, vocab)) before each token of each continuation,
+    the model loaded in ``dtype`` and fed the prompt, then the continuation one token at a time (teacher-forced)
+    through an AttnzooCache with the recorded budget (none when not ``evicting``)."""
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.transformers.cache import AttnzooCache
+
+    model = zt.from_pretrained(path, dtype=dtype, **({} if evicting else {"budget": None}))
+    out = []
+    with torch.no_grad():
+        for prompt, tokens in zip(prompts, continuations, strict=True):
+            cache = AttnzooCache(model)
+            steps = [torch.tensor([prompt])] + [torch.tensor([[t]]) for t in tokens[:-1]]
+            logits = [model(ids, past_key_values=cache, use_cache=True).logits[0, -1] for ids in steps]
+            out.append(torch.stack(logits).float().log_softmax(-1))
+    return out
+
+
+def test_a_pruned_checkpoint_served_in_bfloat16(pruned):
+    """A pruned checkpoint (selective-pruned at a budget of 16, trained selector parameters) served with
+    ``dtype="bfloat16"``: its pages hold keys and values in bfloat16 and F in float32 (the accumulator dtype).
+
+    Exact tokens are not expected: this tiny random model's top two logits are often less than one bfloat16 step
+    apart (logits near 1 are rounded to 1/128, and transformers' bfloat16 run even ties them), so vLLM's kernels and
+    transformers' round a near-tie differently. What is compared is the distribution each step: transformers +
+    attnzoo in bfloat16, fed the tokens vLLM generated (teacher-forced, through the evicting cache), give each of
+    vLLM's top-5 log-probabilities within 0.1 nats (measured: 0.07 at worst); the same model without eviction is
+    off by more than 0.2 on every prompt (measured: 0.26 to 0.49), so the tolerance sees eviction. (vLLM's bfloat16
+    tokens here are the float32 evicting generate()'s but for two near-tied ones swapped at the end of one prompt.)"""
+    from vllm import LLM, SamplingParams
+
+    path, prompts, _, _ = pruned["selective-pruned"]
+    llm = LLM(model=path, **{**ENGINE, "dtype": "bfloat16"})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, ignore_eos=True, max_tokens=PRUNED_TOKENS, logprobs=5))
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    served = [o.outputs[0].logprobs for o in outs]
+
+    def worst(evicting):  # per prompt: the largest difference over the steps and vLLM's top tokens
+        forced = _forced_logprobs(path, prompts, tokens, torch.bfloat16, evicting)
+        return [max(abs(float(f[j, t]) - lp.logprob) for j, step in enumerate(steps) for t, lp in step.items())
+                for f, steps in zip(forced, served, strict=True)]
+
+    close, far = worst(True), worst(False)
+    assert max(close) <= 0.1, close
+    assert min(far) > 0.2, f"the tolerance would not see eviction: {far}"
 
 
 def test_a_malformed_record_and_token_inputs_fail_at_start_in_one_line(checkpoints, tmp_path):
