@@ -8,7 +8,7 @@ STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
 .PHONY: demo test test-fast lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
-	bench-vllm bench-vllm-pruned
+	bench-vllm bench-vllm-pruned bench-probability
 
 # serving through vLLM (docs/vllm.md) in its own environment: vLLM's CPU build pins torch 2.13.0+cpu and
 # transformers < 5.20; pip pulls torchvision/torchaudio/torchcodec wheels built for another torch, which break
@@ -74,6 +74,12 @@ test-fast: lint
 
 demo: $(STAMP)
 	$(BIN)/python -m attnzoo.demo $(if $(DETAILS),--details,)
+
+# issue 43: the probability maps (sigmoid, softpick, stick-breaking, diff) on the blocked backend against SDPA at
+# N = 4096, forward and forward+backward, with peak memory (attnzoo bench; results in benchmarks/results/probability)
+bench-probability: $(STAMP)
+	$(BIN)/attnzoo bench vanilla sigmoid softpick stick-breaking diff --lengths 4096 --memory-lengths 4096 \
+		--out benchmarks/results/probability
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

@@ -37,8 +37,8 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "load_spec": (".spec", "load_spec"),
     **{name: (".transforms.base", name) for name in (
         "AccumulatorTransform", "Context", "Dims", "LogitsTransform", "MaskTransform", "NormaliserTransform",
-        "ParamSpec", "PointwiseSelection", "RowMapTransform", "RowScaleTransform", "Slot", "TokenInput",
-        "TokenRows", "Transform", "TransformOptions")},
+        "ParamSpec", "PointwiseSelection", "ProbabilityTransform", "RowMapTransform", "RowScaleTransform", "Slot",
+        "TokenInput", "TokenRows", "Transform", "TransformOptions")},
     "TritonLogits": (".transforms.lowering", "TritonLogits"),
     "TritonMask": (".transforms.lowering", "TritonMask"),
     "TritonSelection": (".transforms.lowering", "TritonSelection"),
@@ -49,10 +49,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = [
     "AccumulatorTransform", "AttnzooError", "Backend", "Context", "Dims", "Evictor", "EvictorOptions",
     "KVCache", "LogitsTransform", "MaskTransform", "Mode", "NormaliserTransform", "ParamSpec", "Plan", "PluginError",
-    "PointwiseSelection", "Registry", "RowMapTransform", "RowScaleTransform", "Slot", "Spec", "SpecError",
-    "TokenInput", "TokenRows", "Transform", "TransformOptions", "TritonLogits", "TritonMask", "TritonSelection",
-    "UnsupportedError", "Variant", "__version__", "attention", "compile", "explain", "get_registry", "hookimpl",
-    "load_spec", "memory_counts", "memory_loss", "new_registry", "nn",
+    "PointwiseSelection", "ProbabilityTransform", "Registry", "RowMapTransform", "RowScaleTransform", "Slot", "Spec",
+    "SpecError", "TokenInput", "TokenRows", "Transform", "TransformOptions", "TritonLogits", "TritonMask",
+    "TritonSelection", "UnsupportedError", "Variant", "__version__", "attention", "compile", "explain", "get_registry",
+    "hookimpl", "load_spec", "memory_counts", "memory_loss", "new_registry", "nn",
 ]  # every name of _LAZY, and __version__ (tests/test_import_cost.py holds the two together)
 
 
@@ -93,6 +93,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names above are impo
         NormaliserTransform,
         ParamSpec,
         PointwiseSelection,
+        ProbabilityTransform,
         RowMapTransform,
         RowScaleTransform,
         Slot,

@@ -184,6 +184,8 @@ def cmd_build(args) -> int:
     from rich.table import Table
 
     from .backends.triton import build as builder
+    from .backends.triton.codegen import problems
+    from .plan import Plan
     from .registry import get_registry
     from .spec import load_spec
 
@@ -201,6 +203,11 @@ def cmd_build(args) -> int:
         table.add_column(col)
     status, rows = EXIT_OK, []
     for spec in specs:
+        if not args.specs:  # every registered spec: those the generator declines are skipped, saying why
+            declined = problems(Plan.from_spec(spec, reg))
+            if declined:
+                print(f"attnzoo: {spec.name}: skipped: {'; '.join(declined)}", file=sys.stderr)
+                continue
         start = time.perf_counter()
         try:
             artifact = builder.build(spec, reg, root, force=args.force)

@@ -140,8 +140,9 @@ class Variant:
 
     def probabilities(self, q, k, v, params=None, positions=None, key_mask=None, inputs=None) -> torch.Tensor:
         """The attention probabilities (B, H, N, N) of the batch form, materialised by the reference backend (for
-        inspection, such as transformers' ``output_attentions``; it costs the N x N the fast backends avoid).
-        Arguments as in ``__call__``."""
+        inspection, such as transformers' ``output_attentions``; it costs the N x N the fast backends avoid); with a
+        probability transform, its weights (``ProbabilityTransform.weights``: for ``diff``, each head's own softmax,
+        before the pairs are combined). Arguments as in ``__call__``."""
         if isinstance(q, torch.Tensor):
             reference = self.registry.backends["reference"]
             why = verdict(reference, self.plan, q.device, q.dtype, Mode.FORWARD)

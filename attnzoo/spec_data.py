@@ -23,7 +23,7 @@ import yaml
 from pydantic import BaseModel, Field, PrivateAttr, ValidationError, create_model, model_validator
 
 from .errors import SpecError
-from .transforms.base import COMPOSING_SLOTS, StrictModel
+from .transforms.base import COMPOSING_SLOTS, Slot, StrictModel
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 32
@@ -65,17 +65,30 @@ class SpecBase(StrictModel):
             if cls.slot not in COMPOSING_SLOTS and cls.slot.value in seen_slots:
                 raise ValueError(
                     f"{where}: slot '{cls.slot.value}' already holds transforms[{seen_slots[cls.slot.value]}]"
-                    " (one accumulator and one normaliser per spec; row maps, logits and masks compose in spec order)"
+                    " (one accumulator, one normaliser and one probability map per spec; row maps, logits and masks"
+                    " compose in spec order)"
                 )
             seen_slots.setdefault(cls.slot.value, index)
             problem = cls(entry).check_spec(self)
             if problem:
                 raise ValueError(f"{where}: {problem}")
+        mapped = seen_slots.get(Slot.PROBABILITY.value)
+        if mapped is not None and Slot.NORMALISER.value in seen_slots:
+            sink = seen_slots[Slot.NORMALISER.value]
+            raise ValueError(
+                f"transforms[{max(sink, mapped)}]: '{self.transforms[sink].kind}' (normaliser) adds a logit to the "
+                f"softmax's denominator, and '{self.transforms[mapped].kind}' (probability) replaces the softmax: a "
+                "normaliser needs the softmax")
         if self.cache is not None:
             evictor = self._evictor_classes[self.cache.evictor](self.cache)
             problem = evictor.check_spec(self)
             if problem:
                 raise ValueError(f"cache: {problem}")
+            if mapped is not None and evictor.needs_probabilities:
+                raise ValueError(
+                    f"cache: evictor '{evictor.kind}' ranks tokens by their softmax attention probabilities, and "
+                    f"transforms[{mapped}] ('{self.transforms[mapped].kind}') replaces the softmax: its weights are "
+                    "no probabilities to rank by")
             problem = evictor.check_budget(self.cache.budget) if self.cache.budget is not None else None
             if problem:
                 raise ValueError(f"cache.budget: {problem}")

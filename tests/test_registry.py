@@ -314,18 +314,29 @@ def test_concurrent_first_use_builds_one_registry(monkeypatch):
 
 
 def test_a_registration_failure_lists_the_slots_is_named_by_the_spec_and_refuses_unimplemented_methods(tmp_path):
-    class Softpick(attnzoo.LogitsTransform):
-        kind = "softpick"
+    class Rectified(attnzoo.LogitsTransform):
+        kind = "rectified"
         slot = "probabilities"  # not a Slot
 
-    with pytest.warns(PluginWarning, match=r"slot must be an attnzoo.Slot \(Slot.QUERY, .*Slot.OUTPUT\), got "
-                                           r"'probabilities'"):
-        reg = isolated(("sp", plugin("sp", register_transforms=lambda register: register(Softpick))))
+    with pytest.warns(PluginWarning, match=r"slot must be an attnzoo.Slot \(Slot.QUERY, .*Slot.PROBABILITY, "
+                                           r"Slot.OUTPUT\), got 'probabilities'"):
+        reg = isolated(("sp", plugin("sp", register_transforms=lambda register: register(Rectified))))
     with pytest.raises(attnzoo.SpecError) as caught:  # the spec says why the kind is unknown
-        attnzoo.load_spec({"name": "s", "transforms": [{"kind": "softpick"}]}, registry=reg)
+        attnzoo.load_spec({"name": "s", "transforms": [{"kind": "rectified"}]}, registry=reg)
     message = str(caught.value)
-    assert "unknown kind 'softpick'" in message and "failed to register" in message and "plugin 'sp'" in message
+    assert "unknown kind 'rectified'" in message and "failed to register" in message and "plugin 'sp'" in message
     assert "\n" not in message
+
+    class Mapped(attnzoo.ProbabilityTransform):  # the probability slot exists: such a plugin registers
+        kind = "rectified"
+        slot = attnzoo.Slot.PROBABILITY
+
+        def weights(self, logits, allowed, ctx, params):
+            return torch.where(allowed, torch.relu(logits), 0.0)
+
+    reg = isolated(("sp", plugin("sp", register_transforms=lambda register: register(Mapped))))
+    assert reg.transforms["rectified"] is Mapped and not reg.errors()
+    attnzoo.load_spec({"name": "s", "transforms": [{"kind": "rectified"}]}, registry=reg)
 
     class NoSink(attnzoo.NormaliserTransform):
         kind = "no_sink"

@@ -292,6 +292,44 @@ def test_every_shipped_spec_validates(capsys):
         assert line.startswith(f"ok  {path}  ({Path(path).stem}, "), line
 
 
+#: The hash of every shipped spec, pinned: a change to the spec model (a new slot, a new option with a default) must
+#: not change what an existing spec file means. The first 23 were computed before the probability slot existed.
+PINNED_HASHES = {
+    "alibi-learnable": "e15692ad999baccfc46365778ec21b4a7e0a0bb78cf24505b73f8bfbac015e8a",
+    "alibi": "66a1ee9e1131e125b8dd0f1ee38879fdeec3ac6b580987113870da2e38935498",
+    "constant-temperature": "89897b61d2ace951122640fd5c40de21debd2448963c8293de4b301548724b40",
+    "forgetting": "92d4a4a7602b9801513219124f8390d9668031559e613641febbd38072b334aa",
+    "h2o": "59aa0a308e2b6fac7964507d65f1330729576b32af1a854050f360d95058489f",
+    "local-global": "ce47707e49e691a64fd901ba5e5492c5a96c9a5a37c0e8beac077aae1af55189",
+    "local": "4189f18367449536af34d42aec62f6f1e62efbb80f363bd8899b12bc05b4fe0e",
+    "off-by-one": "7adaf637897209a3a6fa75ab57bf8fd07b3419705c138f86e8cdaaffb7b942d3",
+    "qk-norm": "775f894008fda721133b105b61d684ae61bcd8c36fa0574eea6bf02b5b92c698",
+    "selective-pruned": "19ea5afd008bcb6b6dcbb97d0ec5903033762bd5a8e4504e69ee447fa4fe9564",
+    "selective-ssa": "3d21607d49e743884d04df0312c4f24c56683c1e99b2d5a1f1fdb6e11d4ab9b7",
+    "selective": "9922c9efe4b0af7c272a31c0a45ac036312b3c26cc0e5e0d1897a6ca15155c51",
+    "sink": "5c20932b54dac81aeea6a6c38acb80a25486ce22c18413c726fd81c9143973b7",
+    "softcap": "74c75ff474999d1d8c5c58838574911424abebcd0682baa2526b3cfba6472e05",
+    "ssa-key": "d0025e2362a6131c84342c56d5c5e73c613e1a916996ded0c0e5a80f2742709a",
+    "ssa-position": "498242e38056eef6426847be521a73a007b125b4e270f48a4c37f34fd2338c6b",
+    "ssa-query": "186cbe12c15c34e0f7877c831e3eb28120f2beefa87116b7b063bcb9d050e5a1",
+    "ssa-value": "db9e5e7972d56cfe346a7ddea89c5c70aad329be65aa3f6ff81c691a8f03f0c6",
+    "ssa": "cf674e2ddbe87dbcfa739fd2786157d56e631bdb0a3b1da185ed1fd3840f736a",
+    "streaming": "7e3145f4cc5d78024948188be127cf5e1688a18e70cbf0ff18ef32b1ee2280af",
+    "tova": "9d1e3b1eff77e7a613e6b40bb8840e83d288e0cad96ee38a7142136ac17d643d",
+    "vanilla": "2b0664502e47a2cbe0988eb288dc315b7a69f715078cfd05e3cc894ef8deb4be",
+    "yarn": "9bcdc256ae8199c54ef0cc19547478c68cc40003e434399d586ec1bfd3435b0b",
+    # the probability maps (issue 43)
+    "sigmoid": "5d15f46981c684cc9aa9577fb0bd16f0a61f4ea34d7522a9873898a022ca1669",
+    "softpick": "0e942f2520ac189afdd78fa4c3541325d20c27851912ad7be01009ca635ba9ed",
+    "stick-breaking": "14a1dfebba0e8246fe4f5eabf30fc9da6f32777630bba9df6a5d73f7aced470e",
+    "diff": "73207eda306d8592fbbb5d5aa5903c622f8eaae9c6e694157c90baa95e5a2530",
+}
+
+
+def test_shipped_spec_hashes_are_pinned():
+    assert {p.stem: attnzoo.load_spec(p).hash for p in shipped()} == PINNED_HASHES
+
+
 @pytest.mark.parametrize("path", shipped(), ids=lambda p: p.name)
 def test_shipped_file_matches_its_registered_spec(path):
     spec = attnzoo.load_spec(path)
@@ -473,8 +511,9 @@ def test_two_transforms_in_one_non_composing_slot():
     data = {"name": "x", "attention": {"causal": True},
             "transforms": [{"kind": "selective_mask"}, {"kind": "other_accumulator"}]}
     with pytest.raises(attnzoo.SpecError, match=r"^<mapping>: transforms\[1\]: slot 'accumulator' already holds "
-                                                r"transforms\[0\] \(one accumulator and one normaliser per spec; "
-                                                r"row maps, logits and masks compose in spec order\)$"):
+                                                r"transforms\[0\] \(one accumulator, one normaliser and one "
+                                                r"probability map per spec; row maps, logits and masks compose in "
+                                                r"spec order\)$"):
         attnzoo.load_spec(data, registry=reg)
     rows = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "query_norm"}, {"kind": "query_temperature"}]})
     assert [t.kind for t in rows.transforms] == ["query_norm", "query_temperature"]

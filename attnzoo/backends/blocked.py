@@ -14,6 +14,19 @@ transforms that are all separable (a query term plus a key term: ALiBi, the forg
 into the keys as one more dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without
 logits transforms hand their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
+A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) takes none of the
+fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
+``block_size`` that hands each block's logits (after the logits slot and the accumulator's -F), allowed pairs and
+values (through the map's ``values``) to the map's blocked form (``start``, ``update``, ``finish``), then its
+``combine``. How the built-in maps merge blocks: ``sigmoid`` needs no normalisation, its blocks' weighted values
+just add; ``softpick`` keeps a running shift m = max(0, the largest logit so far) and rescales its numerator and
+denominator sums by e^(m_old - m_new) as flash attention does for the softmax; ``stick_breaking`` visits the key
+blocks from the nearest back (``order = "reverse"``) and carries the running sum of log(1 - sigmoid) of the later
+keys, which every earlier key's weight is multiplied by (exact: the same sums, grouped by block); ``diff`` merges
+per-head softmaxes with a running maximum and combines the head pairs after the last block. The query blocks are
+checkpointed as usual, so training memory stays O(H · block · N). Decoding takes the same blocks (a map never
+takes the one-query softmax step, nor a fast step).
+
 This module never imports the reference backend (it computes the same function independently).
 """
 
@@ -23,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..core.composition import checked_logits
+from ..core.composition import checked_logits, checked_rows
 from ..core.numerics import accumulator_dtype, f_from_s, subtract_f
 from ..decode import fast
 from ..decode.fast import plain_one
@@ -69,7 +82,12 @@ class BlockedBackend(Backend):
     modes = frozenset(Mode)
 
     def supports(self, plan, device, dtype, mode):
-        return eager_dtype_reasons(dtype)
+        reasons = eager_dtype_reasons(dtype)
+        mapped = plan.one(Slot.PROBABILITY)
+        if mapped is not None and not mapped.has_blocked_form():
+            reasons.append(f"transform '{mapped.kind}' (probability) has no blocked form (start, update, finish): "
+                           "the reference computes it")
+        return reasons
 
     # -- batch form ---------------------------------------------------------------------------------------------
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
@@ -78,8 +96,8 @@ class BlockedBackend(Backend):
         ks = plan.composition.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
         vs = plan.composition.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
         simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
-                  and plan.one(Slot.NORMALISER) is None and plan.causal and consecutive_positions(positions)
-                  and not return_accumulated)
+                  and plan.one(Slot.NORMALISER) is None and plan.one(Slot.PROBABILITY) is None and plan.causal
+                  and consecutive_positions(positions) and not return_accumulated)
         acc = plan.one(Slot.ACCUMULATOR)
         if simple and acc is None:
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
@@ -110,7 +128,8 @@ class BlockedBackend(Backend):
         transforms = plan.many(Slot.LOGITS)
         if (not transforms or key_mask is not None or return_accumulated or plan.many(Slot.MASK)
                 or plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.NORMALISER) is not None
-                or not plan.causal or qs.dtype not in _FOLDED_RANGE or not consecutive_positions(positions)):
+                or plan.one(Slot.PROBABILITY) is not None or not plan.causal or qs.dtype not in _FOLDED_RANGE
+                or not consecutive_positions(positions)):
             return None
         b, h, n, d = qs.shape
         ctx = plan.composition.context(positions, positions.unsqueeze(1), Dims(h, d, ks.shape[1]), None, features,
@@ -176,6 +195,8 @@ class BlockedBackend(Backend):
                                                    ).items()})
 
             def block(*a, _plan=plan, _params=params):
+                if _plan.one(Slot.PROBABILITY) is not None:
+                    return self.mapped_block(_plan, _params, *a, want_probs=want_probs)
                 return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
 
             if grad:
@@ -245,6 +266,52 @@ class BlockedBackend(Backend):
         out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, d)
         return out, f_blk, colsum, (p if want_probs else None)
 
+    def mapped_block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None,
+                     key_features=None, want_probs=False):
+        """One query block against its visible keys under a probability transform: the keys in blocks of
+        ``block_size`` (from the nearest back for a map of ``order = "reverse"``), each block's logits through the
+        logits slot and -F, merged by the map's blocked form, then ``combine``. Returns what :meth:`block` does."""
+        mapped = plan.one(Slot.PROBABILITY)
+        own = params[mapped.kind]
+        if want_probs:  # spec validation refuses evictors that read probabilities with a probability map
+            raise ValueError(f"transform '{mapped.kind}' (probability) has no attention probabilities to hand to an "
+                             "evictor")
+        b, h, nq, d = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        group = h // hkv
+        scale = plan.logit_scale(d)
+        dims = Dims(h, d, hkv)
+        query_features, key_features = query_features or {}, key_features or {}
+        if mapped.order == "reverse" and nk > 1 and not bool((kpos[..., 1:] >= kpos[..., :-1]).all()):
+            raise ValueError(f"transform '{mapped.kind}' visits key blocks by position, and the keys are not in "
+                             "position order")
+        f_blk = colsum = None
+        acc = plan.one(Slot.ACCUMULATOR)
+        if acc is not None:  # the selection over every visible key at once, as block() computes it
+            ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
+            s = plan.composition.selection(acc, q, k, plan.composition.allowed(ctx, key_mask), ctx, params, scale)
+            f_blk = f_from_s(s, carry)[:, 0]
+            colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
+        vs = v.repeat_interleave(group, dim=1) if group > 1 else v
+        width = mapped.values(vs[:, :, :0], own).shape[-1]
+        state = mapped.start((b, h, nq, width), q)
+        starts = range(0, nk, self.block_size)
+        for first in (reversed(starts) if mapped.order == "reverse" else starts):
+            keys = slice(first, min(first + self.block_size, nk))
+            mask = key_mask[:, keys] if key_mask is not None else None
+            ctx = plan.composition.context(qpos, kpos[..., keys], dims, mask, query_features,
+                                           {n: t[:, :, keys] for n, t in key_features.items()})
+            logits = (q.reshape(b, hkv, group * nq, d) @ k[:, :, keys].transpose(-1, -2)).reshape(b, h, nq, -1)
+            logits = logits * scale
+            for t in plan.many(Slot.LOGITS):
+                logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
+            if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
+                logits = subtract_f(logits, f_blk[:, None, :, keys])
+            read = mapped.values(vs[:, :, keys], own)
+            state = mapped.update(state, logits, plan.composition.allowed(ctx, mask), read, ctx, own)
+        out = checked_rows(mapped, "outputs", mapped.combine(mapped.finish(state, own), own), q.shape)
+        return out.to(q.dtype), f_blk, colsum, None
+
     # -- decoding -------------------------------------------------------------------------------------------------
     def decode_one(self, plan, qs, ks, vs, qpos, kpos, params, carry, query_features=None, key_features=None):
         """One query (B, H, 1, D) at the newest position against every cached key, with no mask: the lean
@@ -307,15 +374,17 @@ class BlockedBackend(Backend):
         per_head = cache.evictor is not None and cache.evictor.per_head
         kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
         count = q.shape[2]
+        mapped = plan.one(Slot.PROBABILITY) is not None  # another map than the softmax: the blocks below
         plain = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                  and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS)
-                 and plan.one(Slot.NORMALISER) is None)
+                 and plan.one(Slot.NORMALISER) is None and not mapped)
         if plain and count > 1 and cache.num_tokens == count and consecutive_positions(qpos):
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
                                                  enable_gqa=q.shape[1] != ks.shape[1])
             cache.settle(None, None)
-        elif count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK):
+        elif (count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
+              and not mapped):
             # one query at the newest position: every cached key is visible and no mask applies
             out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.accumulated(),
                                          query_features, key_features)

@@ -49,6 +49,9 @@ class FlexBackend(Backend):
         if plan.one(Slot.NORMALISER) is not None:
             reasons.append(f"'{plan.one(Slot.NORMALISER).kind}' adds a term to the softmax denominator: neither a "
                            "score_mod nor a mask_mod")
+        if plan.one(Slot.PROBABILITY) is not None:
+            reasons.append(f"'{plan.one(Slot.PROBABILITY).kind}' replaces the softmax: FlexAttention's score_mod acts "
+                           "before a fixed softmax")
         if mode == Mode.BACKWARD and torch.device(device).type == "cpu":
             reasons.append("FlexAttention has no backward on CPU")
         if dtype not in SUPPORTED_DTYPES:

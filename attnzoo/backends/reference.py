@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.composition import checked_logits
+from ..core.composition import checked_logits, checked_rows
 from ..transforms.base import Dims, Slot
 from .base import Backend, Mode, eager_dtype_reasons
 
@@ -68,7 +68,9 @@ class ReferenceBackend(Backend):
         ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so);
         ``features``: (the queries', the keys') per-token features {name: (B, H, N)} when the queries are not the
         keys (decoding; the batch form computes them here).
-        Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None).
+        Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None);
+        with a probability transform, ``probs`` are its weights (``ProbabilityTransform.weights``) and the output is
+        ``combine(weights @ values(v'))``.
         """
         b, h, nq, d = q.shape
         hkv = k.shape[1]
@@ -101,8 +103,17 @@ class ReferenceBackend(Backend):
             # subtract in F's (wider) dtype, round the logits once
             logits = (logits.to(accumulated.dtype) - accumulated).to(logits.dtype)
 
-        probs = masked_softmax(logits, allowed, plan.composition.sink(ctx.heads, params, logits))
-        out = probs @ vs
+        mapped = plan.one(Slot.PROBABILITY)
+        if mapped is None:
+            probs = masked_softmax(logits, allowed, plan.composition.sink(ctx.heads, params, logits))
+            out = probs @ vs
+        else:  # another row map in place of the softmax (docs/specs.md, "The probability slot")
+            own = params[mapped.kind]
+            probs = checked_rows(mapped, "weights", mapped.weights(logits, allowed, ctx, own), logits.shape)
+            read = mapped.values(vs, own)
+            checked_rows(mapped, "values", read, (*vs.shape[:-1], read.shape[-1]))
+            out = checked_rows(mapped, "outputs", mapped.combine(probs @ read.to(probs.dtype), own), qs.shape)
+            out = out.to(qs.dtype)
         out = plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated
 

@@ -99,6 +99,9 @@ class XformersBackend(Backend):
         if plan.one(Slot.NORMALISER) is not None:
             reasons.append(f"normaliser '{plan.one(Slot.NORMALISER).kind}': an attention sink is not an attention "
                            "bias")
+        if plan.one(Slot.PROBABILITY) is not None:
+            reasons.append(f"probability map '{plan.one(Slot.PROBABILITY).kind}' replaces the softmax: "
+                           "memory_efficient_attention computes a softmax")
         return reasons
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):

@@ -8,8 +8,9 @@ What counts as non-finite: NaN and +/-inf anywhere in rows (query, key, value, o
 accumulator's selection. In the logits, -inf is how a transform masks a pair, so a logits transform is named when it
 gives NaN or +inf, or when it leaves a row whose allowed pairs (the spec's masks, causality and the key mask:
 ``plan.composition.allowed``) are all -inf although one of them was finite before it. Such a row is 0/0 in the
-softmax (NaN), unless the spec has a normaliser (a sink), whose extra logit keeps every row finite. A -inf at some
-allowed pairs of a row, or at pairs the masks exclude anyway, is never blamed.
+softmax (NaN), unless the spec has a normaliser (a sink), whose extra logit keeps every row finite, or another
+probability map than the softmax. A -inf at some allowed pairs of a row, or at pairs the masks exclude anyway, is
+never blamed. A probability map is named when its weights are non-finite on finite logits.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
         group = dims.num_heads // dims.num_kv_heads
         logits = (qs @ ks.repeat_interleave(group, dim=1).transpose(-1, -2)) * plan.logit_scale(dims.head_dim)
         allowed = plan.composition.allowed(ctx, key_mask)
-        sink = plan.one(Slot.NORMALISER) is not None
+        # a sink keeps every row finite; a probability map other than the softmax has no 0/0 to fear
+        sink = plan.one(Slot.NORMALISER) is not None or plan.one(Slot.PROBABILITY) is not None
         for t in plan.many(Slot.LOGITS):
             before = _bad(logits, allow_neg_inf=True)
             previous, logits = logits, t.apply(logits, ctx, params[t.kind])
@@ -78,6 +80,10 @@ def culprit(plan, q, k, v, params, positions, key_mask=None) -> str | None:
             selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
             if _bad(selection):
                 return f"transform '{acc.kind}' (accumulator slot) gives a non-finite selection in {dtype}"
+        mapped = plan.one(Slot.PROBABILITY)
+        if mapped is not None and not _bad(logits, allow_neg_inf=True):
+            if _bad(mapped.weights(logits, allowed, ctx, params[mapped.kind])):
+                return f"transform '{mapped.kind}' (probability slot) gives non-finite weights in {dtype}"
         t = plan.one(Slot.OUTPUT)
         if t is not None:
             probe = torch.ones_like(q)

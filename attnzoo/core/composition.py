@@ -190,6 +190,16 @@ def _check_scale(t, slot, scale, rows) -> None:
                          f"{tuple(rows.shape)}: a row scale is one number per row, shape {want} (or broadcastable)")
 
 
+def checked_rows(t, what: str, out, want: tuple[int, ...]):
+    """``out`` if probability transform ``t``'s ``what`` (weights, values, outputs) has shape ``want``, else one line
+    naming it."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(want):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"transform '{t.kind}' ({t.slot.value}) returned {what} of shape {got}, expected "
+                         f"{tuple(want)}")
+    return out
+
+
 def checked_logits(t, out, logits):
     """``out`` if transform ``t`` kept the logits' shape, else one line naming it."""
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(logits.shape):

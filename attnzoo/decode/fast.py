@@ -76,8 +76,8 @@ def offer(plan, cache, params, decode_one) -> FastStep | None:
     """The fast step for ``plan`` and ``cache`` after a validated full step, or None (``Backend.decode_step`` of
     the blocked backend; ``decode_one(plan, qs, ks, vs, qpos, kpos, params, carry)`` is its one-query attention,
     which the selective step of other accumulators and dtypes uses)."""
-    if not plan.causal:
-        return None
+    if not plan.causal or plan.one(Slot.PROBABILITY) is not None:
+        return None  # every step below computes the softmax: another probability map takes the full path
     kinds = [t.kind for t in plan.transforms]
     dtype = cache._k.dtype
     scale = plan.logit_scale(cache._k.shape[-1])

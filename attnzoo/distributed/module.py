@@ -43,6 +43,10 @@ def unsupported(spec, registry=None) -> list[str]:
     if acc is not None and acc.pointwise() is None:
         reasons.append(f"transform '{acc.kind}' (accumulator) does not declare its selection pointwise "
                        f"(AccumulatorTransform.pointwise): the sharded path computes S one key block at a time")
+    mapped = plan.one(Slot.PROBABILITY)
+    if mapped is not None:
+        reasons.append(f"transform '{mapped.kind}' (probability) replaces the softmax: the sharded pairs merge "
+                       "softmax partial results by their log-sum-exp")
     return reasons
 
 

@@ -25,6 +25,7 @@ class Slot(str, enum.Enum):
     ACCUMULATOR = "accumulator"
     MASK = "mask"
     NORMALISER = "normaliser"
+    PROBABILITY = "probability"
     OUTPUT = "output"
 
 
@@ -198,11 +199,16 @@ class Transform:
             return "Options must subclass attnzoo.TransformOptions"
         bases = {Slot.QUERY: RowMapTransform, Slot.KEY: RowMapTransform, Slot.VALUE: RowMapTransform,
                  Slot.OUTPUT: RowMapTransform, Slot.LOGITS: LogitsTransform, Slot.MASK: MaskTransform,
-                 Slot.ACCUMULATOR: AccumulatorTransform, Slot.NORMALISER: NormaliserTransform}
+                 Slot.ACCUMULATOR: AccumulatorTransform, Slot.NORMALISER: NormaliserTransform,
+                 Slot.PROBABILITY: ProbabilityTransform}
         if not issubclass(cls, bases[cls.slot]):
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
         missing = [name for base, name in _REQUIRED if issubclass(cls, base) and getattr(cls, name) is
                    getattr(base, name)]
+        if issubclass(cls, ProbabilityTransform) and not missing:
+            problem = _blocked_form_problem(cls)
+            if problem:
+                return problem
         if missing:
             return (f"it does not implement {', '.join(f'{m}()' for m in missing)}, which a transform in slot "
                     f"'{cls.slot.value}' must")
@@ -343,6 +349,87 @@ class NormaliserTransform(Transform):
         raise NotImplementedError
 
 
+class ProbabilityTransform(Transform):
+    """Slot ``probability``: the row map from the logits to the weights on the values, in place of the softmax
+    (sigmoid attention, softpick, stick-breaking, differential attention's pair of softmaxes). At most one per spec;
+    a spec without one is softmax attention, exactly as before (docs/specs.md, "The probability slot").
+
+    The reference form is :meth:`weights`: the logits (B, H, Nq, Nk) as they stand after the logits slot and the
+    accumulator's subtraction of F, the allowed pairs (bool, broadcastable to the logits) and the context → the
+    weights (B, H, Nq, Nk), exactly 0 where ``allowed`` is False (a row with no allowed key: all 0). The logits at
+    pairs that are not allowed may hold anything (-inf, a large number): read them only through ``allowed``
+    (``torch.where(allowed, logits, 0)`` first, so that no NaN or inf reaches the gradient). Compare positions
+    (``ctx.kpos``, ``ctx.qpos``), never slot indices: a decode cache may hold its keys in any order.
+
+    The blocked form (optional; the ``blocked`` backend declines a map without it) computes the same weights
+    online over key blocks, as flash attention does for the softmax: :meth:`start` makes a state for one block of
+    queries, :meth:`update` merges one key block into it, :meth:`finish` gives the outputs. ``order`` says which
+    key blocks come first: ``"any"`` (the merge is order-free: sums, a running maximum) or ``"reverse"`` (from the
+    block nearest the queries back to the first: the merge carries what the later keys left, as stick-breaking's
+    running sum of log(1 - sigma)). A backend must give the same result, up to rounding, as :meth:`weights`.
+
+    Several maps per head (differential attention): :meth:`values` gives the rows each map reads (the values
+    (B, H, Nk, D) after the value slot, repeated to the query heads → (B, H, Nk, D'), per key token: a token's rows
+    from its own rows, all heads, so that a backend may apply it one key block at a time) and :meth:`combine` maps
+    the maps' outputs (B, H, Nq, D') to each head's (B, H, Nq, D). Both default to the identity. The output is
+
+        ``combine(weights(l) @ values(v))``
+
+    and the blocked form computes ``combine(finish(update(... start(...), values(v_block) ...)))``.
+    """
+
+    #: the order the blocked form takes key blocks in: "any", or "reverse" (nearest block first, by position)
+    order: ClassVar[str] = "any"
+
+    def weights(self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context,
+                params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """logits (B, H, Nq, Nk), allowed (bool, broadcastable) → weights (B, H, Nq, Nk), 0 where not allowed."""
+        raise NotImplementedError
+
+    def values(self, vs: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The rows the maps weigh: vs (B, H, Nk, D) → (B, H, Nk, D'); the identity by default."""
+        return vs
+
+    def combine(self, out: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The maps' outputs (B, H, Nq, D') → each head's output (B, H, Nq, D); the identity by default."""
+        return out
+
+    # -- the blocked form (optional) ------------------------------------------------------------------------------
+    def start(self, out_shape: tuple[int, ...], like: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state of one block of queries before any key: ``out_shape`` is (B, H, Bq, D') (D' the width of
+        :meth:`values`), ``like`` the queries (their dtype and device; keep sums in at least float32)."""
+        raise NotImplementedError
+
+    def update(self, state: dict[str, torch.Tensor], logits: torch.Tensor, allowed: torch.Tensor,
+               values: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Merge one key block: its logits (B, H, Bq, Bk), allowed pairs (broadcastable), rows from :meth:`values`
+        (B, H, Bk, D') and context (``ctx.kpos`` the block's key positions) → the new state. Do not change the
+        state's tensors in place (autograd may hold them)."""
+        raise NotImplementedError
+
+    def finish(self, state: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The state after the last key block → the maps' outputs (B, H, Bq, D'), before :meth:`combine`."""
+        raise NotImplementedError
+
+    @classmethod
+    def has_blocked_form(cls) -> bool:
+        """Whether the class implements :meth:`start`, :meth:`update` and :meth:`finish`."""
+        return cls.start is not ProbabilityTransform.start
+
+
+def _blocked_form_problem(cls) -> str | None:
+    """A probability transform's blocked form is all of start(), update() and finish(), or none of them."""
+    if cls.order not in ("any", "reverse"):
+        return f"order must be 'any' or 'reverse', got {cls.order!r}"
+    names = ("start", "update", "finish")
+    done = [n for n in names if getattr(cls, n) is not getattr(ProbabilityTransform, n)]
+    if done and len(done) < len(names):
+        lacking = [f"{n}()" for n in names if n not in done]
+        return (f"it implements {', '.join(f'{n}()' for n in done)} but not {', '.join(lacking)}: the blocked "
+                "form is all three (or none)")
+    return None
+
+
 def gelu_dot_tanh(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """tanh(u · GELU(x)) per row: rows (B, Hx, N, D), weight (Hx, D) or (D,) → (B, Hx, N)."""
     g = torch.nn.functional.gelu(rows)
@@ -354,4 +441,5 @@ def gelu_dot_tanh(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 #: The methods each slot's base class leaves to its transforms (a transform that inherits one unimplemented is
 #: refused at registration, not met as a bare NotImplementedError at its first call).
 _REQUIRED = ((RowScaleTransform, "scale"), (RowMapTransform, "map"), (LogitsTransform, "apply"),
-             (MaskTransform, "allowed"), (AccumulatorTransform, "selection"), (NormaliserTransform, "sink"))
+             (MaskTransform, "allowed"), (AccumulatorTransform, "selection"), (NormaliserTransform, "sink"),
+             (ProbabilityTransform, "weights"))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from ..hookspecs import hookimpl
+from .differential import Diff, DiffNorm
 from .forgetting import ForgettingGate
 from .logits import Alibi, ConstantTemperature, LearnableAlibi, Softcap, YarnScale
 from .masks import Causal, Chunked, LocalGlobal, Prefix, SlidingWindow
 from .norm import KeyNorm, QueryNorm
+from .probability import Sigmoid, Softpick, StickBreaking
 from .selective import SelectiveMask
 from .sinks import AttentionSink
 from .temperature import KeyTemperature, QueryTemperature, ValueTemperature
@@ -17,6 +19,8 @@ BUILTIN_TRANSFORMS = (
     Softcap, Alibi, LearnableAlibi, ConstantTemperature, YarnScale, ForgettingGate,
     SelectiveMask,
     AttentionSink,
+    Sigmoid, Softpick, StickBreaking, Diff,
+    DiffNorm,
     Causal, SlidingWindow, Chunked, LocalGlobal, Prefix,
 )
 

@@ -212,7 +212,9 @@ def _kernel_body(name):
 #: shapes and causality; vanilla itself gets everything
 SHARES_VANILLA = {name for name in get_registry().specs if name != "vanilla"
                   and _plan(name).evictor_cls is None and _plan(name).one(Slot.NORMALISER) is None
-                  and _kernel_body(name) == _kernel_body("vanilla")}
+                  and _plan(name).one(Slot.PROBABILITY) is None and _kernel_body(name) == _kernel_body("vanilla")}
+#: specs the kernels do not compute (another probability map than the softmax): declined, with the reason
+DECLINED = {name for name in get_registry().specs if _plan(name).one(Slot.PROBABILITY) is not None}
 _SHARED_CHECKS = ("vectors/", "outputs/gqa-n63", "gradients/gqa-n63", "outputs/offset-gaps-n45",
                   "gradients/offset-gaps-n45", "causality")
 
@@ -229,6 +231,12 @@ def test_conformance_float32(spec):
     (a sample for the specs whose kernels are vanilla's, :data:`SHARES_VANILLA`). (N = 127, N = 1,030 and
     float16 in full run in `make conformance-triton`.)"""
     cases = _triton_cases([spec], torch.float32, SMALL_SHAPES)
+    if spec in DECLINED:
+        kind = _plan(spec).one(Slot.PROBABILITY).kind
+        results = runner.run_suite(cases)
+        assert results and all(r.status == "unsupported" for r in results), [r.message for r in results][:3]
+        assert f"transform '{kind}' (probability) replaces the softmax" in results[0].message
+        return
     if spec in SHARES_VANILLA:
         cases = [c for c in cases if c.check.startswith(_SHARED_CHECKS)]
     results = runner.run_suite(cases)

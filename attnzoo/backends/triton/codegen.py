@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...transforms.base import LogitsTransform, NormaliserTransform, RowMapTransform, Slot
+from ...transforms.base import LogitsTransform, NormaliserTransform, ProbabilityTransform, RowMapTransform, Slot
 from ...transforms.lowering import TritonLogits, TritonMask, TritonSelection
 from .template import ACC_BACKWARD, ACC_FORWARD, ACC_SHARED, BACKWARD, COMMON, FORWARD
 
@@ -49,6 +49,10 @@ def problems(plan) -> list[str]:
     for t in plan.transforms:
         if isinstance(t, (RowMapTransform, NormaliserTransform)):
             continue  # computed by the host with the transform's torch maths
+        if isinstance(t, ProbabilityTransform):
+            reasons.append(f"transform '{t.kind}' (probability) replaces the softmax: the kernels are generated for "
+                           "the softmax only so far")
+            continue
         if host_termed(plan, t):
             if plan.one(Slot.ACCUMULATOR) is not None:
                 reasons.append(f"transform '{t.kind}': per-token terms with an accumulator are not lowered (the "

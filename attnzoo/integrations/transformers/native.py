@@ -111,7 +111,8 @@ CONFLICTS = {
     "chunk": ("a mask that bounds how far back queries see (sliding_window, local_global, chunked, ...)",
               _bounds_keys),
     "softcap": ("a softcap transform", lambda cls, entry: entry.kind == "softcap"),
-    "sink": ("a normaliser transform (attention_sink: one per spec)", lambda cls, entry: cls.slot is Slot.NORMALISER),
+    "sink": ("a normaliser transform (attention_sink: one per spec), or a probability map (it replaces the softmax "
+             "the sinks are a term of)", lambda cls, entry: cls.slot in (Slot.NORMALISER, Slot.PROBABILITY)),
     "scale": ("attention.scale other than the model's", None),
 }
 

@@ -31,8 +31,8 @@ from attnzoo.transforms.base import TokenInput  # noqa: E402
 VOCAB = 64
 #: Values for the options a transform requires (no default): sizes that fit the tiny model and its short inputs.
 REQUIRED = {"chunk": 4, "window": 6, "global_heads": 1, "length": 2, "cap": 30.0, "factor": 2.0}
-#: Transforms that need other transforms beside them in a spec (none of the built-ins does today).
-COMPANIONS: dict[str, list[dict]] = {}
+#: Transforms that need other transforms beside them in a spec: differential attention's norm needs its map.
+COMPANIONS: dict[str, list[dict]] = {"diff_norm": [{"kind": "diff"}]}
 #: Transform variants that cannot be applied to a causal LM, with the reason (none of those with parameters today).
 CANNOT_APPLY: dict[str, str] = {}
 
@@ -154,7 +154,8 @@ def test_every_registered_transform_with_parameters_or_token_inputs_is_covered()
     the forgetting gate's ``source: input`` (token projections) among them."""
     kinds = {entry["kind"] for _, entry in VARIANTS}
     assert {"query_temperature", "key_temperature", "value_temperature", "query_norm", "key_norm", "alibi_learnable",
-            "attention_sink", "constant_temperature", "forgetting_gate", "sigmoid_output_gate"} <= kinds
+            "attention_sink", "constant_temperature", "forgetting_gate", "sigmoid_output_gate", "sigmoid", "diff",
+            "diff_norm"} <= kinds
     assert ("forgetting_gate", "input") in {(e["kind"], e.get("source")) for _, e in VARIANTS}
 
 
