@@ -272,10 +272,10 @@ class _Layer:
 
     def attend_pruned(self, geometry, query, key, value, kv_cache, meta, output) -> None:
         """An evicting spec: each request's pruned cache lives in its page (``ring.py``; block
-        ``block_table[i, 0]``, the same for the request's whole life). Prompts (nothing computed before) of one
-        length run the core's prefill with eviction as one batch (:meth:`_prefill`), as attnzoo's own prefill does,
-        and store what they keep in their pages; decoding requests whose pages are full step as one batch
-        (:meth:`_decode_full`), the others one at a time (:meth:`_decode_one`)."""
+        ``block_table[i, 0]``, the same for the request's whole life). A prompt (nothing computed before) runs the
+        core's prefill with eviction (:meth:`_prefill`), as attnzoo's own prefill does, and stores what it keeps in
+        its page; decoding requests whose pages are full step as one batch (:meth:`_decode_full`), the others one at
+        a time (:meth:`_decode_one`)."""
         n = meta.num_actual_tokens
         pages = self._pages(geometry, kv_cache)
         starts_t = meta.query_start_loc.to(torch.int64)
@@ -289,26 +289,23 @@ class _Layer:
                               out)
             counts_t = counts_t.index_fill(0, full, 0)
         starts, lengths, blocks = starts_t.tolist(), lengths_t.tolist(), blocks_t.tolist()
-        prompts: dict[int, list[int]] = {}  # prompt length: the requests prefilling a prompt of that length
         for i in torch.nonzero(counts_t).flatten().tolist():
             count, length = starts[i + 1] - starts[i], lengths[i]
-            if count == length:
-                prompts.setdefault(count, []).append(i)
-                continue
-            if count != 1:
+            if count == length:  # one request's prompt at a time: measured faster than a batch of equal prompts
+                self._prefill(geometry, pages, query, key, value, [starts[i]], count, [blocks[i]], out)
+            elif count == 1:
+                self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
+            else:
                 raise IntegrationError(f"{self.where}: {count} new tokens after {length - count} for request {i}: a "
                                        f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
                                        f"start)")
-            self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
-        for count, rows in prompts.items():
-            self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
-                          [blocks[i] for i in rows], out)
 
     def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
-        """Prompts of ``count`` tokens (from ``starts``, into the pages ``blocks``) as one batch: the core's prefill
-        with eviction into a fresh cache (its rows independent: each as its own prefill), then each row's kept
-        tokens, in position order, into its page's first slots and its header afresh (the generation counts the
-        page's prefills)."""
+        """Prompts of ``count`` tokens (from ``starts``, into the pages ``blocks``): the core's prefill with
+        eviction into a fresh cache (rows are independent: a batch gives each row's own prefill), then each row's
+        kept tokens, in position order, into its page's first slots and its header afresh (the generation counts
+        the page's prefills). The engine hands it one prompt at a time: a batch of equal prompts was slower on the
+        CPU (benchmarks/vllm_pruned.py, 8 prompts of 512 tokens: 3.5x the time of one at a time in the engine)."""
         from . import ring
 
         rows = len(starts)

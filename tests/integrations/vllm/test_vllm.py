@@ -38,7 +38,7 @@ NO_EVICTOR = {"name": "selective-no-cache", "summary": "selective attention with
               "transforms": [{"kind": "selective_mask"}]}
 #: the pruned checkpoints: tokens kept per layer, and tokens decoded (well past the budget)
 BUDGET, PRUNED_TOKENS = 16, 24
-#: prompts shorter and longer than the budget, two of one length (the backend prefills those as one batch)
+#: prompts shorter and longer than the budget, two of one length (rows at the same position in a decode batch)
 PRUNED_LENGTHS = (5, 17, 40, 40)
 #: H2O under a sliding window longer than the budget: its cache has a horizon (tokens the window has passed expire
 #: as well as the evicted ones, so a page may hold fewer than the budget), and each request takes its decode step
@@ -175,7 +175,7 @@ def _can_fail(name, pruned, tmp_path) -> None:
 def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name, tmp_path):
     """KV pruning served (docs/vllm.md, "KV pruning"): each layer's cache is one page of budget + 1 tokens per
     request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call (two
-    of one length: one batched prefill), decoding past it, give the tokens of transformers + attnzoo's evicting
+    of one length), decoding past it, give the tokens of transformers + attnzoo's evicting
     cache; the pages are reused by the next call's requests. Every served evictor (sink_window, selective, H2O,
     TOVA); H2O under a sliding window (a cache with a horizon: each request steps alone); H2O with a budget per
     layer (the page holds the largest budget, each layer keeps its own)."""
