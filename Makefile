@@ -47,7 +47,7 @@ vllm-env: $(VLLM_STAMP)
 
 # the vLLM tests (tests/integrations/vllm/test_vllm.py; skipped in .venv, which has no vLLM)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py
 
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)

@@ -405,8 +405,9 @@ class _Layer:
         held = cache.buffers()
         for name in ("keys", "values", "positions"):
             pages[name].narrow(2, 0, m).index_copy_(0, blocks, held[name].narrow(2, 0, m))
-        for name in cache.state_names:
-            pages[f"state.{name}"].narrow(2, 0, m).index_copy_(0, blocks, held[f"held.{name}"])
+        for name in cache.state_names:  # an evictor's own scores tensor may broadcast over heads
+            home = pages[f"state.{name}"].narrow(2, 0, m)
+            home.index_copy_(0, blocks, held[f"held.{name}"].expand(rows, *home.shape[1:]))
         headers[:, ring.NEXT] += 1
         headers[:, ring.EVICTED] += 1
         headers[:, ring.SCRAMBLED] = int(cache.scrambled)

@@ -40,15 +40,17 @@ NO_EVICTOR = {"name": "selective-no-cache", "summary": "selective attention with
 BUDGET, PRUNED_TOKENS = 16, 24
 #: prompts shorter and longer than the budget, two of one length (rows at the same position in a decode batch)
 PRUNED_LENGTHS = (5, 17, 40, 40)
-#: H2O under a sliding window longer than the budget: its cache has a horizon (tokens the window has passed expire
-#: as well as the evicted ones, so a page may hold fewer than the budget), and each request takes its decode step
-#: alone on its page (the backend's full-page batch needs exactly one eviction per step)
-WINDOWED_H2O = {"name": "h2o-window", "summary": "H2O under a sliding window", "attention": {"causal": True},
-                "transforms": [{"kind": "sliding_window", "window": 24}], "cache": {"evictor": "h2o", "budget": BUDGET}}
-#: {name: (spec, budget)}: each served evictor at the budget; H2O under a window; H2O with a budget per layer (the
-#: page sized by the largest, each layer keeping its own)
+#: TOVA under a sliding window longer than its budgets, with a budget per layer: its cache has a horizon (tokens the
+#: window has passed expire as well as the evicted ones, so a page may hold fewer than the budget, and each request
+#: takes its decode step alone on its page: the backend's full-page batch needs exactly one eviction per step), and
+#: the page is sized by the largest budget while each layer keeps its own. One checkpoint (one engine start) for the
+#: three: TOVA's rule, a window's horizon, per-layer budgets
+WINDOWED_TOVA = {"name": "tova-window", "summary": "TOVA under a sliding window", "attention": {"causal": True},
+                 "transforms": [{"kind": "sliding_window", "window": 24}],
+                 "cache": {"evictor": "tova", "budget": BUDGET}}
+#: {name: (spec, budget)}: each served evictor at the budget; TOVA under a window with a budget per layer
 PRUNED = {"streaming": ("streaming", BUDGET), "selective-pruned": ("selective-pruned", BUDGET), "h2o": ("h2o", BUDGET),
-          "tova": ("tova", BUDGET), "h2o-window": (WINDOWED_H2O, BUDGET), "h2o-per-layer": ("h2o", [BUDGET, 24])}
+          "tova-window": (WINDOWED_TOVA, [BUDGET, 20])}
 NEW_TOKENS = 8
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.2)
@@ -177,8 +179,8 @@ def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name, tm
     request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call (two
     of one length), decoding past it, give the tokens of transformers + attnzoo's evicting
     cache; the pages are reused by the next call's requests. Every served evictor (sink_window, selective, H2O,
-    TOVA); H2O under a sliding window (a cache with a horizon: each request steps alone); H2O with a budget per
-    layer (the page holds the largest budget, each layer keeps its own)."""
+    TOVA); TOVA under a sliding window (a cache with a horizon: each request steps alone) with a budget per layer
+    (the page holds the largest budget, each layer keeps its own)."""
     from vllm import LLM, SamplingParams
 
     path, prompts, _, evicting = pruned[name]
