@@ -89,6 +89,10 @@ def declined(spec) -> str | None:
                 f"state vLLM's paged KV cache does not hold (a spec with an evictor keeps it in the request's page)")
     if spec.cache is not None and evictor is None:
         return "a cache section without an evictor: nothing to bound a request's page by"
+    mapped = plan.one(Slot.PROBABILITY)
+    if mapped is not None:
+        return (f"transform '{mapped.kind}' (probability) replaces the softmax: not yet checked against transformers "
+                f"+ attnzoo under vLLM (docs/vllm.md)")
     for t in plan.transforms:
         if t.token_inputs():
             return f"transform '{t.kind}' reads per-token inputs (the layer input), which vLLM's attention is not given"

@@ -17,6 +17,8 @@ from attnzoo.spec import load_spec
     ({"name": "selective-no-cache", "transforms": [{"kind": "selective_mask"}]},
      ["selective_mask", "accumulator", "without a cache evictor"]),
     ("forgetting", ["forgetting_gate", "features"]),
+    ("sigmoid", ["sigmoid", "probability", "replaces the softmax"]),
+    ("diff", ["diff", "probability"]),
 ])
 def test_what_the_paged_cache_cannot_hold_is_declined_naming_the_transform(name, words):
     reason = declined(load_spec(name))
