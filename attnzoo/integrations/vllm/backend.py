@@ -292,7 +292,7 @@ class _Layer:
         for i in torch.nonzero(counts_t).flatten().tolist():
             count, length = starts[i + 1] - starts[i], lengths[i]
             if count == length:  # one request's prompt at a time: measured faster than a batch of equal prompts
-                self._prefill(geometry, pages, query, key, value, [starts[i]], count, [blocks[i]], out)
+                self._prefill(geometry, pages, query, key, value, starts[i], count, blocks[i], out)
             elif count == 1:
                 self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
             else:
@@ -300,42 +300,24 @@ class _Layer:
                                        f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
                                        f"start)")
 
-    def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
-        """Prompts of ``count`` tokens (from ``starts``, into the pages ``blocks``): the core's prefill with
-        eviction into a fresh cache (rows are independent: a batch gives each row's own prefill), then each row's
-        kept tokens, in position order, into its page's first slots and its header afresh (the generation counts
-        the page's prefills). The engine hands it one prompt at a time: a batch of equal prompts was slower on the
-        CPU (benchmarks/vllm_pruned.py, 8 prompts of 512 tokens: 3.5x the time of one at a time in the engine)."""
+    def _prefill(self, geometry, pages, query, key, value, start, count, block, out) -> None:
+        """A prompt of ``count`` tokens (from ``start``, into the page ``block``): the core's prefill with eviction
+        into a fresh cache, its kept tokens, in position order, into the page's first slots, the header afresh (the
+        generation counts the page's prefills). One prompt at a time: a batch of equal prompts was slower on the CPU
+        (benchmarks/vllm_pruned.py, 8 prompts of 512 tokens: 3.5x the time of one at a time in the engine)."""
         from . import ring
 
-        rows = len(starts)
-        index = (torch.tensor(starts, dtype=torch.int64).unsqueeze(1) + torch.arange(count)).reshape(-1)
-        q, k, v = (t.index_select(0, index).view(rows, count, -1, self.head_dim).transpose(1, 2)
+        q, k, v = (t[start:start + count].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0)
                    for t in (query, key, value))
-        cache = self.core.new_cache(rows, budget=self.budget)
+        cache = self.core.new_cache(1, budget=self.budget)
         o = self.core.prefill(q, k, v, cache)
-        held = cache.num_tokens
-        if held > geometry.slots:
-            raise IntegrationError(f"{self.where}: the cache holds {held} tokens after the prompt, the page "
-                                   f"{geometry.slots}")
-        ids = torch.tensor(blocks, dtype=torch.int64)
-        if held:
-            kept = {"keys": cache.keys, "values": cache.values, "positions": cache.positions}
-            kept.update({f"state.{name}": cache.state[name] for name in cache.state_names})
-            for name, t in kept.items():
-                home = pages[name].narrow(2, 0, held)
-                dense = torch.empty((rows, *home.shape[1:]), dtype=home.dtype)
-                dense.copy_(t)  # the cache's views may broadcast over heads
-                home.index_copy_(0, ids, dense)
-        before = pages["hdr"].index_select(0, ids)
-        header = torch.zeros(rows, ring.HEADER, dtype=torch.int64)
-        header[:, 0] = ring.MAGIC
-        header[:, ring.HELD] = held
-        header[:, ring.NEXT] = cache.next_position
-        header[:, ring.GENERATION] = torch.where(before[:, 0] == ring.MAGIC, before[:, ring.GENERATION] + 1, 1)
-        header[:, ring.EVICTED], header[:, ring.EXPIRED] = cache.evicted, cache.expired
-        pages["hdr"].index_copy_(0, ids, header)
-        out.index_copy_(0, index, o.transpose(1, 2).reshape(rows * count, *out.shape[1:]).to(out.dtype))
+        if cache.num_tokens > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
+                                   f"page {geometry.slots}")
+        _store({name: view[block:block + 1] for name, view in pages.items()}, cache, cache.num_tokens)
+        header = pages["hdr"][block]
+        header.copy_(_header(cache, int(header[ring.GENERATION]) + 1 if int(header[0]) == ring.MAGIC else 1))
+        out[start:start + count] = o[0].transpose(0, 1).to(out.dtype)
 
     def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
         """One decode step of one request whose page is not full (or a request alone): a cache attached to its
@@ -357,9 +339,7 @@ class _Layer:
         self.states[1] = cache.step_state
         if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
             _store(page, cache, cache.num_tokens)
-        header.copy_(torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]),
-                                   int(header[ring.GENERATION]), cache.evicted, cache.expired, int(cache.scrambled),
-                                   0], dtype=torch.int64))
+        header.copy_(_header(cache, int(header[ring.GENERATION])))
         out[start] = o[0, :, 0].to(out.dtype)
 
     def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
@@ -437,6 +417,15 @@ class _Layer:
         vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
         out = self.blocked.attend_rows(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+
+def _header(cache, generation: int) -> torch.Tensor:
+    """A one-request page's header after a step of ``cache`` (ring.py: magic, tokens held, next position,
+    generation, evicted, expired, scrambled, 0)."""
+    from . import ring
+
+    return torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]), generation, cache.evicted,
+                         cache.expired, int(cache.scrambled), 0], dtype=torch.int64)
+
 
 def _store(page, cache, held: int) -> None:
     """The cache's tokens, in position order, into the page's first ``held`` slots."""
