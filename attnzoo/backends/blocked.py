@@ -14,8 +14,12 @@ transforms that are all separable (a query term plus a key term: ALiBi, the forg
 into the keys as one more dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without
 logits transforms hand their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
-A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) takes none of the
-fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
+A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) whose map is the
+softmax itself (``softmax_map``: ``diff``) takes the softmax's paths above over the rows ``values(v)`` gives
+(wider values go through SDPA a slice of D at a time), then ``combine``. Causal ``sigmoid`` with nothing but row
+scales, at consecutive positions, in float32/float64, is one autograd node (``sigmoid_blocks.py``: no row
+statistics, so each query block is two products and an in-place sigmoid, and its backward recomputes the block).
+Every other map takes none of the fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
 ``block_size`` that hands each block's logits (after the logits slot and the accumulator's -F), allowed pairs and
 values (through the map's ``values``) to the map's blocked form (``start``, ``update``, ``finish``), then its
 ``combine``. How the built-in maps merge blocks: ``sigmoid`` needs no normalisation, its blocks' weighted values
@@ -41,8 +45,10 @@ from ..core.numerics import accumulator_dtype, f_from_s, subtract_f
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..transforms.base import Context, Dims, Slot
+from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import SelectiveCausal
+from .sigmoid_blocks import SigmoidCausal
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
@@ -50,6 +56,9 @@ _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
 #: the dtypes the fused CPU selective kernel (selective_kernel.py) runs in: its forward fails on float16 and bfloat16
 #: (``torch.neg`` into its float32 -F buffer), so those take the blocks below
 _FUSED_DTYPES = (torch.float32, torch.float64)
+#: sigmoid_blocks.py's query block: measured (benchmarks/results/probability, 2 threads, N = 4096) 128 beats 256
+#: and 512 (less of the diagonal block computed and discarded; the N-wide tile stays in cache)
+_SIGMOID_BLOCK = 128
 
 
 def fusable_pointwise(acc):
@@ -58,6 +67,61 @@ def fusable_pointwise(acc):
     if acc is None or len(acc.heads()) != 1 or acc.parameters():
         return None
     return acc.pointwise()
+
+
+def other_map(plan):
+    """The spec's probability transform unless it is the softmax itself (``ProbabilityTransform.softmax_map``:
+    those run the softmax paths below over ``values(v)`` and ``combine`` the result), else None."""
+    mapped = plan.one(Slot.PROBABILITY)
+    return None if mapped is None or mapped.softmax_map else mapped
+
+
+def softmax_map_rows(plan, ks, vs, kpos, num_heads, params):
+    """For a softmax map (``ProbabilityTransform.softmax_map``): the keys repeated to the query heads and the rows
+    its softmaxes weigh, ``values(v repeated)`` (B, H, Nk, D'), with the key positions to match; the inputs
+    unchanged for any other spec."""
+    mapped = plan.one(Slot.PROBABILITY)
+    if mapped is None or not mapped.softmax_map:
+        return ks, vs, kpos
+    group = num_heads // ks.shape[1]
+    if group > 1:
+        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
+        if kpos is not None and kpos.shape[1] > 1:
+            kpos = kpos.repeat_interleave(group, dim=1)
+    return ks, mapped.values(vs, params[mapped.kind]), kpos
+
+
+def softmax_map_combine(plan, out, q_shape, params):
+    """``combine`` of a softmax map's outputs (B, H, Nq, D') → (B, H, Nq, D); the outputs unchanged otherwise."""
+    mapped = plan.one(Slot.PROBABILITY)
+    if mapped is None or not mapped.softmax_map:
+        return out
+    return checked_rows(mapped, "outputs", mapped.combine(out, params[mapped.kind]), q_shape).to(out.dtype)
+
+
+def sdpa(q, k, v, **kwargs):
+    """``scaled_dot_product_attention`` for values as wide as the queries or wider (a softmax map's ``values``):
+    wider values go through in slices of the queries' width (the last one padded), each a call of the fused kernel
+    (CPU SDPA takes its slow path when the value width differs from the key width)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv == d:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    parts = []
+    for first in range(0, dv, d):
+        part = v[..., first:first + d]
+        width = part.shape[-1]
+        if width < d:
+            part = F.pad(part, (0, d - width))
+        parts.append(F.scaled_dot_product_attention(q, k, part, **kwargs)[..., :width])
+    return torch.cat(parts, dim=-1)
+
+
+def sigmoid_bias(mapped, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bias of sigmoid attention at each query position (N,), as ``Sigmoid.bias`` gives it, without the
+    learnable per-head offset."""
+    if mapped.options.bias == "-log n":
+        return -torch.log(positions.to(dtype))
+    return torch.full(positions.shape, float(mapped.options.bias), dtype=dtype, device=positions.device)
 
 
 def consecutive_positions(positions: torch.Tensor) -> bool:
@@ -95,26 +159,37 @@ class BlockedBackend(Backend):
         qs = plan.composition.row_scale(Slot.QUERY, q, positions.unsqueeze(1), params)
         ks = plan.composition.row_scale(Slot.KEY, k, positions.unsqueeze(1), params)
         vs = plan.composition.row_scale(Slot.VALUE, v, positions.unsqueeze(1), params)
-        simple = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
-                  and plan.one(Slot.NORMALISER) is None and plan.one(Slot.PROBABILITY) is None and plan.causal
-                  and consecutive_positions(positions) and not return_accumulated)
+        raw = (ks, vs)  # the per-token features read the keys and values as the value slot leaves them
+        ks, vs, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params)
+        mapped = other_map(plan)
+        plain = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
+                 and plan.one(Slot.NORMALISER) is None and plan.causal and consecutive_positions(positions)
+                 and not return_accumulated)
+        simple = plain and mapped is None
         acc = plan.one(Slot.ACCUMULATOR)
         if simple and acc is None:
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d),
-                                                 enable_gqa=q.shape[1] != k.shape[1])
+            out = sdpa(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d), enable_gqa=q.shape[1] != k.shape[1])
             accumulated = None
-        elif (simple and qs.device.type == "cpu" and qs.dtype in _FUSED_DTYPES
+        elif plain and acc is None and isinstance(mapped, Sigmoid) and qs.dtype in _FUSED_DTYPES:
+            # sigmoid attention, causal, nothing but row scales: one autograd node (sigmoid_blocks.py)
+            bias = sigmoid_bias(mapped, positions[0], qs.dtype)
+            offset = params[mapped.kind]["bias"] if mapped.options.learnable else None
+            block = min(self.block_size, _SIGMOID_BLOCK)
+            out = SigmoidCausal.apply(qs, ks, vs, bias, offset, plan.logit_scale(d), block)
+            accumulated = None
+        elif (simple and qs.device.type == "cpu" and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == d
               and (pointwise := fusable_pointwise(acc)) is not None):
             out = SelectiveCausal.apply(qs, ks, vs, plan.logit_scale(d), acc.heads()[0], pointwise,
                                         int(positions[0, 0]), self.block_size)
             accumulated = None
         else:
-            features = plan.composition.token_features(qs, ks, vs, positions, key_mask, params)  # once, for either path
+            features = plan.composition.token_features(qs, *raw, positions, key_mask, params)  # once, for either path
             out = self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features)
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
                                                key_mask, None, return_accumulated, features=features)
+        out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
 
@@ -128,7 +203,7 @@ class BlockedBackend(Backend):
         transforms = plan.many(Slot.LOGITS)
         if (not transforms or key_mask is not None or return_accumulated or plan.many(Slot.MASK)
                 or plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.NORMALISER) is not None
-                or plan.one(Slot.PROBABILITY) is not None or not plan.causal or qs.dtype not in _FOLDED_RANGE
+                or other_map(plan) is not None or not plan.causal or qs.dtype not in _FOLDED_RANGE
                 or not consecutive_positions(positions)):
             return None
         b, h, n, d = qs.shape
@@ -151,7 +226,7 @@ class BlockedBackend(Backend):
         q2 = torch.cat([qs, qs.new_ones(b, h, n, 1)], dim=-1)
         k2 = torch.cat([ks, (col / scale).unsqueeze(-1)], dim=-1)
         v2 = F.pad(vs, (0, 1))
-        return F.scaled_dot_product_attention(q2, k2, v2, is_causal=True, scale=scale)[..., :d]
+        return sdpa(q2, k2, v2, is_causal=True, scale=scale)[..., :vs.shape[-1]]
 
     def attend_rows(self, plan, qs, ks, vs, qpos, kpos, params, key_mask=None):
         """The contract's :meth:`~attnzoo.core.contract.Backend.attend_rows`: :meth:`blocks` with no carry."""
@@ -171,7 +246,7 @@ class BlockedBackend(Backend):
         wide = accumulator_dtype(qs.dtype)
         if acc is not None and carry is None:
             carry = torch.zeros(b, nk, dtype=wide, device=qs.device)
-        out = torch.full_like(qs, float("nan"))  # every element must be written: a missed one stays NaN
+        out = qs.new_full((*qs.shape[:-1], vs.shape[-1]), float("nan"))  # every element must be written
         accumulated = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
                        if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
@@ -195,7 +270,7 @@ class BlockedBackend(Backend):
                                                    ).items()})
 
             def block(*a, _plan=plan, _params=params):
-                if _plan.one(Slot.PROBABILITY) is not None:
+                if other_map(_plan) is not None:
                     return self.mapped_block(_plan, _params, *a, want_probs=want_probs)
                 return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
 
@@ -245,10 +320,10 @@ class BlockedBackend(Backend):
                 # sink logit (no row is then empty)
                 mask = torch.cat([mask.expand(b, h, nq, mask.shape[-1]), sink.expand(b, h, nq, 1)], dim=-1)
                 k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+                out = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
                 return out, f_blk, colsum, None
             mask = torch.where(has_key, mask, zero)  # a row with no key: any finite row, zeroed below
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+            out = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
             return torch.where(has_key, out, zero), f_blk, colsum, None
 
         # eager: logits of all heads, grouped so that each key/value head is read once
@@ -263,7 +338,7 @@ class BlockedBackend(Backend):
             p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].masked_fill(~allowed, 0.0)
         else:
             p = torch.softmax(logits.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~allowed, 0.0)
-        out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, d)
+        out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, v.shape[-1])
         return out, f_blk, colsum, (p if want_probs else None)
 
     def mapped_block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None,
@@ -390,9 +465,11 @@ class BlockedBackend(Backend):
                                          query_features, key_features)
             cache.settle(carry, None)
         else:
+            ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
                                                want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
                                                features=query_features, key_features=key_features)
+            out = softmax_map_combine(plan, out, qs.shape, params)
             cache.settle(carry, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 

@@ -380,6 +380,10 @@ class ProbabilityTransform(Transform):
 
     #: the order the blocked form takes key blocks in: "any", or "reverse" (nearest block first, by position)
     order: ClassVar[str] = "any"
+    #: True when :meth:`weights` is the masked softmax itself (a row with no allowed key: all 0) and the
+    #: transform's own work is in :meth:`values` and :meth:`combine` (differential attention): a backend may then
+    #: compute it as softmax attention over ``values(v)`` with its softmax kernels, and ``combine`` the result
+    softmax_map: ClassVar[bool] = False
 
     def weights(self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context,
                 params: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -230,6 +230,7 @@ class OnlineSoftmax:
     ``values``/``combine`` (differential attention). A row with no allowed key gives 0."""
 
     order = "any"
+    softmax_map = True
 
     def weights(self, logits, allowed, ctx, params):
         dtype = logits.dtype

@@ -13,9 +13,10 @@ import torch
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
 from attnzoo.backends.reference import ReferenceBackend
+from attnzoo.backends.sigmoid_blocks import SigmoidCausal
 from attnzoo.decode import fast
 from attnzoo.registry import PluginWarning, new_registry
-from attnzoo.transforms.base import Context, Dims, ProbabilityTransform, Slot
+from attnzoo.transforms.base import Context, Dims, ProbabilityTransform
 from attnzoo.transforms.probability import Softpick, later_sum
 
 BLOCK = 4
@@ -212,6 +213,54 @@ def test_sigmoid_bias_options(registry, backend):
     check(got, sigmoid_by_hand(logits_by_hand(q, k), allowed, positions, v, offset=offset), (q, k, v, offset))
 
 
+@pytest.mark.parametrize("learnable", [False, True])
+@pytest.mark.parametrize("bias", ["-log n", -1.5])
+@pytest.mark.parametrize("size", [dict(b=2, h=4, hkv=2, n=11), dict(b=1, h=3, hkv=1, n=9, d=5)], ids=["gqa", "mqa"])
+def test_sigmoid_fast_path_equals_its_formula(registry, monkeypatch, size, bias, learnable):
+    """Causal sigmoid with nothing but row scales takes one autograd node (sigmoid_blocks.py), its query blocks of
+    4 against every earlier key: outputs and gradients of q, k, v and the learnable offset against the paper's
+    formula, at consecutive positions from 40 (n in b = -log n is the position), odd lengths, GQA and MQA."""
+    ran = []
+    forward = SigmoidCausal.forward
+    monkeypatch.setattr(SigmoidCausal, "forward", staticmethod(lambda *a: ran.append(1) or forward(*a)))
+    q, k, v = inputs(**size, seed=11, spread=1.5)
+    n, h = size["n"], size["h"]
+    positions = torch.arange(40, 40 + n)
+    entry = {"kind": "sigmoid", "bias": bias, "learnable": learnable}
+    variant = attnzoo.compile(spec_of(entry), backend="blocked4", registry=registry)
+    tensors = [q, k, v]
+    params = {}
+    if learnable:
+        offset = torch.linspace(-1.0, 1.0, h, dtype=torch.float64).requires_grad_()
+        params, tensors = {"sigmoid.bias": offset}, [q, k, v, offset]
+    got = variant(q, k, v, positions=positions, params=params)
+    assert ran
+    want = sigmoid_by_hand(logits_by_hand(q, k), allowed_by_hand(size["b"], n, positions), positions, v,
+                           bias=None if bias == "-log n" else bias, offset=params.get("sigmoid.bias"))
+    check(got, want, tensors)
+
+
+def test_sigmoid_fast_path_composes_with_row_scales_and_float32(registry, monkeypatch):
+    """Row scales (SSA's query and value temperatures) before the fast path, against the reference; float32 within
+    float32's rounding."""
+    ran = []
+    forward = SigmoidCausal.forward
+    monkeypatch.setattr(SigmoidCausal, "forward", staticmethod(lambda *a: ran.append(a[1].dtype) or forward(*a)))
+    spec = spec_of({"kind": "sigmoid"}, {"kind": "query_temperature"}, {"kind": "value_temperature"})
+    q, k, v = inputs(n=10, seed=12)
+    fast_path = attnzoo.compile(spec, backend="blocked4", registry=registry)
+    reference = attnzoo.compile(spec, backend="reference", registry=registry)
+    params = {name: (torch.randn(p.shape, generator=torch.Generator().manual_seed(i), dtype=torch.float64) * 0.3)
+              .requires_grad_() for i, (name, p) in enumerate(reference.init_params(4, 8, 2).items())}
+    assert params
+    got, want = fast_path(q, k, v, params=params), reference(q, k, v, params=params)
+    check(got, want, (q, k, v, *params.values()))
+    q32, k32, v32 = (t.detach().float() for t in (q, k, v))
+    p32 = {name: t.detach().float() for name, t in params.items()}
+    torch.testing.assert_close(fast_path(q32, k32, v32, params=p32), want.detach().float(), rtol=1e-5, atol=1e-5)
+    assert ran == [torch.float64, torch.float32]
+
+
 @pytest.mark.parametrize("name", MAPS)
 def test_gradcheck_through_the_blocks(registry, name):
     entry, _ = MAPS[name]
@@ -351,24 +400,37 @@ def test_attnzoo_build_skips_the_maps_unless_named(tmp_path, capsys):
 
 def test_only_a_map_takes_the_key_block_loop(monkeypatch):
     """A spec without a probability transform keeps blocked's paths (vanilla: one SDPA call); a map takes the
-    generic loop, in the batch form and in decoding."""
-    calls = []
+    generic loop, in the batch form and in decoding, except where a fast path takes it: causal sigmoid with only
+    row scales (sigmoid_blocks.py, batch form), and a softmax map (diff), whose softmaxes take the softmax's paths."""
+    calls, sigmoid_calls = [], []
     original = BlockedBackend.mapped_block
+    original_sigmoid = SigmoidCausal.forward
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return original(self, *args, **kwargs)
 
+    def counted_sigmoid(*args, **kwargs):
+        sigmoid_calls.append(1)
+        return original_sigmoid(*args, **kwargs)
+
     monkeypatch.setattr(BlockedBackend, "mapped_block", counted)
+    monkeypatch.setattr(SigmoidCausal, "forward", staticmethod(counted_sigmoid))
     q, k, v = (t.detach() for t in inputs(n=9))
-    for name in ("vanilla", "sink", "softcap", "selective"):
+    for name in ("vanilla", "sink", "softcap", "selective", "diff"):
         attnzoo.compile(name, backend="blocked")(q, k, v)
-        assert attnzoo.compile(name).plan.one(Slot.PROBABILITY) is None
-    assert not calls
-    variant = attnzoo.compile("sigmoid", backend="blocked")
+        cache = attnzoo.compile(name, backend="blocked").new_cache(batch=2)
+        attnzoo.compile(name, backend="blocked").decode(q[:, :, :1], k[:, :, :1], v[:, :, :1], cache)
+    assert not calls and not sigmoid_calls
+    variant = attnzoo.compile("softpick", backend="blocked")
     variant(q, k, v)
     variant.decode(q[:, :, :1], k[:, :, :1], v[:, :, :1], variant.new_cache(batch=2))
     assert len(calls) == 2
+    variant = attnzoo.compile("sigmoid", backend="blocked")
+    variant(q, k, v)
+    assert len(sigmoid_calls) == 1 and len(calls) == 2
+    variant.decode(q[:, :, :1], k[:, :, :1], v[:, :, :1], variant.new_cache(batch=2))
+    assert len(sigmoid_calls) == 1 and len(calls) == 3
 
 
 # -- a plugin's probability map ---------------------------------------------------------------------------------------
