@@ -14,22 +14,22 @@ transforms that are all separable (a query term plus a key term: ALiBi, the forg
 into the keys as one more dimension and stay one causal SDPA call (``_key_bias_sdpa``); other blocks without
 logits transforms hand their mask (−F and −inf) to SDPA as an additive float mask; the rest runs eager per block.
 
-A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) whose map is the
-softmax itself (``softmax_map``: ``diff``) takes the softmax's paths above over the rows ``values(v)`` gives
-(wider values go through SDPA a slice of D at a time), then ``combine``. Causal ``sigmoid`` with nothing but row
-scales, at consecutive positions, in float32/float64, is one autograd node (``sigmoid_blocks.py``: no row
-statistics, so each query block is two products and an in-place sigmoid, and its backward recomputes the block).
-Every other map takes none of the fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
+A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) whose map is the softmax
+itself (``softmax_map``: ``diff``) takes the softmax's paths above over the rows ``values(v)`` gives (wider values
+go through SDPA a slice of D at a time), then ``combine``. Causal ``sigmoid`` with nothing but row scales, at
+consecutive positions, in float32/float64, is one autograd node (``sigmoid_blocks.py``: no row statistics, so each
+query block is two products and an in-place sigmoid, and its backward recomputes the block). Every other map takes
+none of the fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
 ``block_size`` that hands each block's logits (after the logits slot and the accumulator's -F), allowed pairs and
 values (through the map's ``values``) to the map's blocked form (``start``, ``update``, ``finish``), then its
 ``combine``. How the built-in maps merge blocks: ``sigmoid`` needs no normalisation, its blocks' weighted values
 just add; ``softpick`` keeps a running shift m = max(0, the largest logit so far) and rescales its numerator and
 denominator sums by e^(m_old - m_new) as flash attention does for the softmax; ``stick_breaking`` visits the key
 blocks from the nearest back (``order = "reverse"``) and carries the running sum of log(1 - sigmoid) of the later
-keys, which every earlier key's weight is multiplied by (exact: the same sums, grouped by block); ``diff`` merges
-per-head softmaxes with a running maximum and combines the head pairs after the last block. The query blocks are
-checkpointed as usual, so training memory stays O(H · block · N). Decoding takes the same blocks (a map never
-takes the one-query softmax step, nor a fast step).
+keys, which every earlier key's weight is multiplied by (exact: the same sums, grouped by block); ``diff``'s blocked
+form (per-head softmaxes merged with a running maximum) is not taken here: its softmaxes take the paths above. The
+query blocks are checkpointed as usual, so training memory stays O(H · block · N). Decoding takes the same blocks (a
+map never takes the one-query softmax step, nor a fast step).
 
 This module never imports the reference backend (it computes the same function independently).
 """
@@ -49,6 +49,7 @@ from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import SelectiveCausal
 from .sigmoid_blocks import SigmoidCausal
+from .softmax_maps import other_map, softmax_map_combine, softmax_map_rows
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
@@ -67,36 +68,6 @@ def fusable_pointwise(acc):
     if acc is None or len(acc.heads()) != 1 or acc.parameters():
         return None
     return acc.pointwise()
-
-
-def other_map(plan):
-    """The spec's probability transform unless it is the softmax itself (``ProbabilityTransform.softmax_map``:
-    those run the softmax paths below over ``values(v)`` and ``combine`` the result), else None."""
-    mapped = plan.one(Slot.PROBABILITY)
-    return None if mapped is None or mapped.softmax_map else mapped
-
-
-def softmax_map_rows(plan, ks, vs, kpos, num_heads, params):
-    """For a softmax map (``ProbabilityTransform.softmax_map``): the keys repeated to the query heads and the rows
-    its softmaxes weigh, ``values(v repeated)`` (B, H, Nk, D'), with the key positions to match; the inputs
-    unchanged for any other spec."""
-    mapped = plan.one(Slot.PROBABILITY)
-    if mapped is None or not mapped.softmax_map:
-        return ks, vs, kpos
-    group = num_heads // ks.shape[1]
-    if group > 1:
-        ks, vs = ks.repeat_interleave(group, dim=1), vs.repeat_interleave(group, dim=1)
-        if kpos is not None and kpos.shape[1] > 1:
-            kpos = kpos.repeat_interleave(group, dim=1)
-    return ks, mapped.values(vs, params[mapped.kind]), kpos
-
-
-def softmax_map_combine(plan, out, q_shape, params):
-    """``combine`` of a softmax map's outputs (B, H, Nq, D') → (B, H, Nq, D); the outputs unchanged otherwise."""
-    mapped = plan.one(Slot.PROBABILITY)
-    if mapped is None or not mapped.softmax_map:
-        return out
-    return checked_rows(mapped, "outputs", mapped.combine(out, params[mapped.kind]), q_shape).to(out.dtype)
 
 
 def sdpa(q, k, v, **kwargs):

@@ -2,7 +2,9 @@
 
 Query/key/value temperatures become a pre-scale of q, k and v (a per-row scalar commutes with the dot product),
 logits transforms become the ``score_mod`` (the transforms' own pointwise maths, traced with scalar positions),
-masks become a block mask (``mask_mod``), the output scale is applied after. The accumulator is declined: F is not
+masks become a block mask (``mask_mod``), the output scale is applied after. A probability map that is the softmax
+itself (``softmax_map``: ``diff``) runs over its ``values(v)`` (FlexAttention takes values wider than the keys) and is
+combined after; every other map is declined (the softmax is fixed). The accumulator is declined: F is not
 a pointwise function of (b, h, q, kv) and FlexAttention could only take it as a captured N×N tensor. On CPU,
 FlexAttention has no backward, so cases that need gradients are declined there.
 
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode
+from .softmax_maps import other_map, softmax_map_combine, softmax_map_rows
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 PAD = 128  # FlexAttention's default block size
@@ -49,7 +52,7 @@ class FlexBackend(Backend):
         if plan.one(Slot.NORMALISER) is not None:
             reasons.append(f"'{plan.one(Slot.NORMALISER).kind}' adds a term to the softmax denominator: neither a "
                            "score_mod nor a mask_mod")
-        if plan.one(Slot.PROBABILITY) is not None:
+        if other_map(plan) is not None:
             reasons.append(f"'{plan.one(Slot.PROBABILITY).kind}' replaces the softmax: FlexAttention's score_mod acts "
                            "before a fixed softmax")
         if mode == Mode.BACKWARD and torch.device(device).type == "cpu":
@@ -66,6 +69,9 @@ class FlexBackend(Backend):
         qs = plan.composition.row_scale(Slot.QUERY, q, pos, params)
         ks = plan.composition.row_scale(Slot.KEY, k, pos, params)
         vs = plan.composition.row_scale(Slot.VALUE, v, pos, params)
+        raw_ks, raw_vs = ks, vs  # the per-token features read them as the value slot leaves them
+        ks, vs, _ = softmax_map_rows(plan, ks, vs, None, h, params)  # a softmax map (diff): its rows, H heads
+        hkv = ks.shape[1]
         # Pad N to a multiple of FlexAttention's block: torch's compiled CPU kernel was seen returning garbage or
         # NaN for lengths that are not (caught by the conformance suite); padded keys are masked, padded query
         # rows dropped. It also means one compiled kernel per 128 tokens of length, not per length.
@@ -78,8 +84,8 @@ class FlexBackend(Backend):
         masks = plan.many(Slot.MASK)
         # per-token features are captured (B, H, M) tensors the score_mod indexes, as FlexAttention allows
         features = {name: F.pad(f, (0, m - n)) for name, f in
-                    plan.composition.token_features(qs[:, :, :n], ks[:, :, :n], vs[:, :, :n], positions, key_mask,
-                                        params).items()}
+                    plan.composition.token_features(qs[:, :, :n], raw_ks, raw_vs, positions, key_mask,
+                                                    params).items()}
 
         def context(batch, head, q_idx, kv_idx):
             return Context(qpos=padded_pos[batch, q_idx], kpos=padded_pos[batch, kv_idx], heads=head, dims=dims,
@@ -108,5 +114,6 @@ class FlexBackend(Backend):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None,
                                  block_mask=block_mask, scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
+        out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_accumulated else out

@@ -118,6 +118,29 @@ def test_diff_without_its_norm_and_with_a_window_and_another_lambda_init(registr
           (q, k, v, *params.values()))
 
 
+@pytest.mark.parametrize("size", [dict(h=4, hkv=2, n=13), dict(h=2, hkv=2, n=7)], ids=["gqa-n13", "n7"])
+def test_flex_runs_diff_as_softmaxes_over_the_pairs_values(size):
+    """FlexAttention (forward only on CPU, float32) computes diff's softmaxes over the pairs' values (2D wide) and
+    the backend combines them: the paper's form within float32's rounding, with a window, a key mask and a position
+    offset."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    q, k, v = (t.detach().float() for t in inputs(**size, seed=9))
+    params = {name: t.detach().float() for name, t in parameters(8).items()}
+    n = size["n"]
+    key_mask = torch.ones(2, n, dtype=torch.bool)
+    key_mask[1, :3] = False
+    spec = {"name": "diff-window", "transforms": [{"kind": "diff"}, {"kind": "diff_norm"},
+                                                  {"kind": "sliding_window", "window": 6}]}
+    variant = attnzoo.compile(spec, backend="flex")
+    exact = (*(t.double() for t in (q, k, v)), {name: t.double() for name, t in params.items()})
+    got = variant(q, k, v, params=params, key_mask=key_mask)
+    torch.testing.assert_close(got, diff_by_hand(*exact, causal(2, n, key_mask, window=6)).float(), rtol=2e-5,
+                               atol=2e-5)
+    assert torch.equal(got[1, :, :3], torch.zeros_like(got[1, :, :3]))  # rows that see no key
+    got = variant(q, k, v, params=params, positions=torch.arange(30, 30 + n))
+    torch.testing.assert_close(got, diff_by_hand(*exact, causal(2, n, window=6)).float(), rtol=2e-5, atol=2e-5)
+
+
 def test_lambda_starts_nonzero_and_its_vectors_get_gradients():
     variant = attnzoo.compile("diff", backend="blocked")
     initial = variant.init_params(num_heads=4, head_dim=8, num_kv_heads=2, dtype=torch.float64)
