@@ -41,6 +41,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         "TokenInput", "TokenRows", "Transform", "TransformOptions")},
     "TritonLogits": (".transforms.lowering", "TritonLogits"),
     "TritonMask": (".transforms.lowering", "TritonMask"),
+    "TritonProbability": (".transforms.lowering", "TritonProbability"),
     "TritonSelection": (".transforms.lowering", "TritonSelection"),
     "memory_counts": (".transforms.selective", "memory_counts"),
     "memory_loss": (".transforms.selective", "memory_loss"),
@@ -51,8 +52,8 @@ __all__ = [
     "KVCache", "LogitsTransform", "MaskTransform", "Mode", "NormaliserTransform", "ParamSpec", "Plan", "PluginError",
     "PointwiseSelection", "ProbabilityTransform", "Registry", "RowMapTransform", "RowScaleTransform", "Slot", "Spec",
     "SpecError", "TokenInput", "TokenRows", "Transform", "TransformOptions", "TritonLogits", "TritonMask",
-    "TritonSelection", "UnsupportedError", "Variant", "__version__", "attention", "compile", "explain", "get_registry",
-    "hookimpl", "load_spec", "memory_counts", "memory_loss", "new_registry", "nn",
+    "TritonProbability", "TritonSelection", "UnsupportedError", "Variant", "__version__", "attention", "compile",
+    "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss", "new_registry", "nn",
 ]  # every name of _LAZY, and __version__ (tests/test_import_cost.py holds the two together)
 
 
@@ -102,5 +103,5 @@ if TYPE_CHECKING:  # what static tools see; at run time the names above are impo
         Transform,
         TransformOptions,
     )
-    from .transforms.lowering import TritonLogits, TritonMask, TritonSelection
+    from .transforms.lowering import TritonLogits, TritonMask, TritonProbability, TritonSelection
     from .transforms.selective import memory_counts, memory_loss

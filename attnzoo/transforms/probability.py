@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from pydantic import Field, field_validator
 
 from .base import ParamSpec, ProbabilityTransform, Slot, TransformOptions
+from .lowering import TritonProbability
 
 
 def wide(like: torch.Tensor) -> torch.dtype:
@@ -93,6 +94,17 @@ class Sigmoid(ProbabilityTransform):
             b = b + params["bias"].to(dtype)[ctx.heads]
         return b
 
+    def triton(self):
+        """Pointwise: ``w = sigmoid(x + b)``, ``b`` from the query's 1-based position ``qp`` (``-log n``) or a number,
+        plus the per-head parameter when learnable; dw/dx = dw/db = w (1 - w)."""
+        bias = "-tl.log(qp.to(tl.float32))" if self.options.bias == "-log n" else repr(float(self.options.bias))
+        params: tuple[str, ...] = ()
+        if self.options.learnable:
+            bias, params = f"{bias} + {{p_bias}}", ("bias",)
+        slope = "{y} * (1.0 - {y})"
+        return TritonProbability(mode="pointwise", weight=f"tl.sigmoid({{x}} + ({bias}))", derivative=slope,
+                                 params=params, param_derivatives=(slope,) * len(params))
+
     def weights(self, logits, allowed, ctx, params):
         x = safe_logits(logits, allowed, logits.dtype)
         w = torch.sigmoid(x + self.bias(ctx, params, logits.dtype))
@@ -141,6 +153,17 @@ class Softpick(ProbabilityTransform):
         numerator = torch.where(allowed, torch.relu(e), zero)
         denominator = torch.where(allowed, e.abs(), zero).sum(-1, keepdim=True) + self.options.eps * torch.exp(-m)
         return (numerator / denominator).to(logits.dtype)
+
+    def triton(self):
+        """A ratio map with the shifted form above: N = relu(e), D = |e|, C = eps e^{-m}, e = e^{x-m} - e^{-m}, the
+        shift at least 0; dN/dx and dD/dx are relu'(e) and sign(e) times e^{x-m} (torch's subgradients at 0)."""
+        e = "(tl.exp({x} - {m}) - tl.exp(-{m}))"
+        grow = "tl.exp({x} - {m})"
+        return TritonProbability(
+            mode="ratio", numerator=f"tl.maximum({e}, 0.0)", numerator_derivative=f"tl.where({e} > 0.0, {grow}, 0.0)",
+            denominator=f"tl.abs({e})",
+            denominator_derivative=f"tl.where({e} > 0.0, 1.0, tl.where({e} < 0.0, -1.0, 0.0)) * {grow}",
+            constant=f"{float(self.options.eps)!r} * tl.exp(-{{m}})", shift_floor=0.0)
 
     def start(self, out_shape, like):
         dtype = wide(like)

@@ -377,8 +377,10 @@ def test_what_composes_validates():
 
 
 @pytest.mark.parametrize("spec", ["sigmoid", "softpick", "stick-breaking", "diff"])
-def test_flex_triton_and_xformers_decline_with_a_reason(spec):
-    """flex and xformers compute a softmax (flex takes diff, whose map is the softmax itself)."""
+def test_flex_and_xformers_decline_with_a_reason(spec):
+    """flex and xformers compute a softmax (flex takes diff, whose map is the softmax itself); the triton kernels
+    take every map but stick-breaking (its key blocks go from the nearest back:
+    tests/backends/test_triton_probability.py)."""
     text = attnzoo.explain(spec, device="cpu", dtype=torch.float32)
     kind = {"stick-breaking": "stick_breaking"}.get(spec, spec)
     flex = f"flex       no: '{kind}' replaces the softmax: FlexAttention's score_mod acts before a fixed softmax"
@@ -386,21 +388,25 @@ def test_flex_triton_and_xformers_decline_with_a_reason(spec):
         assert flex not in text and "flex       yes" in text
     else:
         assert flex in text
-    for said in (f"transform '{kind}' (probability) replaces the softmax: the kernels are generated for the softmax",
-                 f"probability map '{kind}' replaces the softmax: memory_efficient_attention computes a softmax"):
-        assert said in text
+    assert f"probability map '{kind}' replaces the softmax: memory_efficient_attention computes a softmax" in text
+    if kind == "stick_breaking":
+        assert "triton     no: transform 'stick_breaking' (probability) takes key blocks in order 'reverse'" in text
+    elif "triton     " in text:  # listed where triton is installed
+        assert "triton     yes" in text
     assert "auto -> blocked" in text
 
 
-def test_attnzoo_build_skips_the_maps_unless_named(tmp_path, capsys):
+def test_attnzoo_build_skips_stick_breaking_unless_named(tmp_path, capsys):
+    pytest.importorskip("triton")
     from attnzoo.cli import main
 
     assert main(["build", "--cache-dir", str(tmp_path), "--json"]) == 0
     err = capsys.readouterr().err
-    assert ("attnzoo: stick-breaking: skipped: transform 'stick_breaking' (probability) replaces the softmax: the "
-            "kernels are generated for the softmax only so far") in err
-    assert main(["build", "sigmoid", "--cache-dir", str(tmp_path)]) == 1
-    assert "attnzoo: sigmoid: cannot build: transform 'sigmoid' (probability)" in capsys.readouterr().err
+    assert ("attnzoo: stick-breaking: skipped: transform 'stick_breaking' (probability) takes key blocks in order "
+            "'reverse'") in err
+    assert "sigmoid" not in err and "softpick" not in err
+    assert main(["build", "stick-breaking", "--cache-dir", str(tmp_path)]) == 1
+    assert "attnzoo: stick-breaking: cannot build: transform 'stick_breaking' (probability)" in capsys.readouterr().err
 
 
 def test_only_a_map_takes_the_key_block_loop(monkeypatch):
@@ -531,4 +537,4 @@ def test_conformance_runs_a_plugin_map_on_every_backend_that_takes_it():
     assert sum(r.status == "pass" for r in results) >= 20
     said = attnzoo.explain("relu-mean", registry=registry)  # and the others decline it, saying why
     assert "flex       no: 'relu_mean' replaces the softmax" in said
-    assert "transform 'relu_mean' (probability) replaces the softmax" in said
+    assert "triton     no: transform 'relu_mean' (probability) has no Triton lowering" in said

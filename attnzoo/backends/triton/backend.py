@@ -20,6 +20,7 @@ import torch
 from ...core.numerics import accumulator_dtype, f_from_s
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
+from ..softmax_maps import softmax_map_combine, softmax_map_rows
 from . import codegen
 from .build import SOURCES, build, interpreting, kernel_module_name, load_kernels, triton_version
 
@@ -69,6 +70,13 @@ class _Run:
         """QT and KT as kernel arguments (a dummy pointer each without per-token terms)."""
         return (self.qt, self.kt) if self.qt is not None else (dummy, dummy)
 
+    def _stats(self, b, h, nq, device) -> torch.Tensor:
+        """The per-row statistics the forward writes, NaN-filled: the softmax's log-sum-exp (B, H, NQ), or with a
+        probability map in the kernels its shift and denominator, interleaved (B, H, NQ, 2)."""
+        mapped = self.layout.probability in ("pointwise", "ratio")
+        shape = (b, h, nq, 2) if mapped else (b, h, nq)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+
     def _meta(self, q):
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_D=max(16, _pow2(q.shape[-1])), **self.launch)
 
@@ -110,7 +118,7 @@ class _Run:
         total = self.select(q, k, prm)
         carry = self.carry
         out = torch.full_like(q, float("nan"))  # every element must be written: a missed one stays NaN
-        lse = torch.full((b, h, nq), float("nan"), dtype=torch.float32, device=q.device)
+        lse = self._stats(b, h, nq, q.device)
         logits = (torch.full((b, h, nq, nk), float("nan"), dtype=torch.float32, device=q.device)
                   if self.write_logits else dummy)
         bounds = self.bounds if self.bounds is not None else dummy
@@ -196,7 +204,7 @@ class _Run:
         dummy = q.new_empty(1, dtype=torch.float32)
         has_acc = self.layout.selector is not None
         out = torch.full_like(q, float("nan"))
-        lse = torch.full((b, h, 1), float("nan"), dtype=torch.float32, device=q.device)
+        lse = self._stats(b, h, 1, q.device)
         srow = torch.full((b, nk), float("nan"), dtype=torch.float32, device=q.device) if has_acc else None
         logits = (torch.full((b, h, 1, nk), float("nan"), dtype=torch.float32, device=q.device)
                   if self.write_logits else None)
@@ -430,12 +438,20 @@ class TritonBackend(Backend):
         qs = plan.composition.row_scale(Slot.QUERY, q, pos, params, widen=True).contiguous()
         ks = plan.composition.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
         vs = plan.composition.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
-        run = self.prepare_run(plan, q, positions, pos, key_mask, None, plan.causal and _increasing(positions))
+        causal_skip = plan.causal and _increasing(positions)
+        run = self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip)
         features = plan.composition.token_features(qs, ks, vs, positions, key_mask, params)
         qt, kt = self._terms(plan, params, positions, pos, Dims(q.shape[1], q.shape[3], k.shape[1]), key_mask,
                              features, features)
-        out = _Attention.apply(run, qs, ks, vs, self.packed_params(plan, params, q.shape[1], q),
-                               self._sink(plan, params, q.shape[1], q), qt, kt)
+        prm, sink = self.packed_params(plan, params, q.shape[1], q), self._sink(plan, params, q.shape[1], q)
+        if codegen.layout(plan).probability == "softmax":  # the softmax kernels over each slice of values(v)
+            kr, read, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params)
+            kr = kr.contiguous()
+            outs = [_Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip),
+                                     qs, kr, piece, prm, sink, qt, kt) for piece in _slices(read, q.shape[-1])]
+            out = softmax_map_combine(plan, _joined(outs, read), qs.shape, params)
+        else:
+            out = _Attention.apply(run, qs, ks, vs, prm, sink, qt, kt)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_accumulated:
             return out
@@ -451,23 +467,50 @@ class TritonBackend(Backend):
         qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
         want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
+        mapped = plan.one(Slot.PROBABILITY)
+        if want_probs and mapped is not None:  # spec validation refuses this pair; never hand weights as probabilities
+            raise ValueError(f"transform '{mapped.kind}' (probability) has no attention probabilities to hand to an "
+                             "evictor")
         carry = cache.accumulated()
-        run = self.prepare_run(plan, q, qpos, cache.positions, mask, carry, False, want_probs)
-        run.sink = self._sink(plan, params, q.shape[1], q)
-        run.qt, run.kt = self._terms(plan, params, qpos, cache.positions, Dims(q.shape[1], q.shape[3], ks.shape[1]),
-                                     mask, query_features, cache.key_features())
+        kpos, pieces = cache.positions, [vs]
+        sink = self._sink(plan, params, q.shape[1], q)
+        qt, kt = self._terms(plan, params, qpos, cache.positions, Dims(q.shape[1], q.shape[3], ks.shape[1]), mask,
+                             query_features, cache.key_features())
         prm = self.packed_params(plan, params, q.shape[1], q)
         with torch.no_grad():
-            if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way
-                out, lse, srow, logits = run.decode(qs, ks, vs, prm)
-                total = carry.float() + srow if srow is not None else None
-            else:
-                out, lse, total, logits = run.forward(qs, ks, vs, prm)
+            softmax_map = codegen.layout(plan).probability == "softmax"
+            if softmax_map:  # the softmax kernels over each slice of values(v)
+                ks, read, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
+                ks, pieces = ks.contiguous(), _slices(read, vs.shape[-1])
+            outs = []
+            for piece in pieces:
+                run = self.prepare_run(plan, q, qpos, kpos, mask, carry, False, want_probs)
+                run.sink, run.qt, run.kt = sink, qt, kt
+                if count == 1 and mask is None:  # the decode kernel has no key mask: padding goes the general way
+                    out, lse, srow, logits = run.decode(qs, ks, piece, prm)
+                    total = carry.float() + srow if srow is not None else None
+                else:
+                    out, lse, total, logits = run.forward(qs, ks, piece, prm)
+                outs.append(out)
+            out = softmax_map_combine(plan, _joined(outs, read), qs.shape, params) if softmax_map else outs[0]
         # F and the evictor's probabilities stay in float32: the cache keeps running sums in at least float32
         # (numerics contract), rounding them to a half-precision q every step would lose the small increments
         probs = torch.exp(logits - lse[..., None]) if want_probs else None
         cache.settle(total, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
+
+
+def _slices(read: torch.Tensor, d: int) -> list[torch.Tensor]:
+    """A softmax map's rows ``values(v)`` (B, H, N, D') in D-wide slices, the last zero-padded (zero rows add
+    exactly 0): the kernels use one head dim for q, k and v, so they run once per slice (twice for diff, D' = 2D)."""
+    if read.shape[-1] % d:
+        read = torch.nn.functional.pad(read, (0, d - read.shape[-1] % d))
+    return [piece.contiguous() for piece in read.split(d, dim=-1)]
+
+
+def _joined(outs: list[torch.Tensor], read: torch.Tensor) -> torch.Tensor:
+    """The slices' outputs joined back to (B, H, N, D'), the padding dropped."""
+    return (torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])[..., :read.shape[-1]]
 
 
 def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):

@@ -448,3 +448,111 @@ def _bwd_dq(Q, K, V, DO, LSE, DELTA, DQ, QPOS, KPOS, KMASK, CARRY, PRM, BOUNDS, 
     t = tl.arange(0, NTP)[None, :]
     tl.store(DQT + t * TQS + qoff, dqt, mask=(t < NT) & rv[:, None])
 '''
+
+
+# -- probability maps (docs/triton.md, "Probability maps") ---------------------------------------------------------
+# A spec with a probability map gets the kernels above with the softmax's row statistics swapped for calls to the
+# generated _map_* helpers (codegen.py writes them from the map's TritonProbability lowering). The swaps are made
+# here, on the text above, so that the block skipping, GQA, key masks, per-token terms and the accumulator stay one
+# template; a spec without a map gets the text above unchanged. With a map, LSE holds two float32 statistics per
+# row, interleaved (B, H, NQ, 2): the final shift m and the denominator Z (a pointwise map: 0 and 1).
+MAP_COMMON = '''
+# _map_store / _map_stats: a row's two statistics (the map's final shift and denominator), interleaved in LSE.
+@triton.jit
+def _map_store(LSE, index, mask, shift, total):
+    tl.store(LSE + 2 * index, shift, mask=mask)
+    tl.store(LSE + 2 * index + 1, total, mask=mask)
+
+
+@triton.jit
+def _map_stats(LSE, index, mask):
+    return tl.load(LSE + 2 * index, mask=mask, other=0.0), tl.load(LSE + 2 * index + 1, mask=mask, other=1.0)
+'''
+
+
+def _swap(text: str, old: str, new: str, count: int = 1) -> str:
+    """``text`` with the ``count`` occurrences of ``old`` replaced by ``new`` (a list: one replacement each, in
+    order); the template must hold ``old`` exactly ``count`` times (a change above that moves it fails here, at
+    import, not in a generated kernel)."""
+    found = text.count(old)
+    if found != count:
+        raise AssertionError(f"template: expected {count} occurrence(s) of {old.strip()[:60]!r}, found {found}")
+    for each in new if isinstance(new, list) else [new] * count:
+        text = text.replace(old, each, 1)
+    return text
+
+
+def _map_forward(text: str) -> str:
+    text = _swap(text, '    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)\n',
+                 "    m_i = _map_start(BLOCK_M)  # the map's shift floor\n", count=2)
+    sink = ("    if HAS_SINK:  # the normaliser's sink: one more logit in the denominator, with a zero value row\n"
+            "        m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINK + h)\n"
+            "        l_i = tl.full([BLOCK_M], 1.0, tl.float32)\n")
+    text = _swap(text, sink, "    # no normaliser: spec validation refuses one beside a probability map\n")
+    text = _swap(text, '''    if HAS_SINK:
+        m_i = tl.load(SINK + kvh * group + r, mask=rv, other=0.0)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
+''', "")
+    step = '''        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+'''
+    mapped = '''        m_new, alpha, p, dsum = _map_step(s, ok, m_i, qp, kp, {head}, H, PRM)
+        l_i = l_i * alpha + dsum
+'''
+    text = _swap(text, step, [mapped.format(head="h"), mapped.format(head="head")], count=2)
+    finish = '''    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    m_fin = tl.where(m_i == float("-inf"), 0.0, m_i)
+    _store_rows(O, {base}, {rows}, {nrows}, D, acc / l_safe[:, None], BLOCK_D)
+    lse = tl.where(l_i == 0.0, float("inf"), m_fin + tl.log(l_safe))
+    tl.store(LSE + {index}, lse, mask=rv)
+'''
+    mapped = '''    m_fin, z = _map_total(m_i, l_i, qp, {head}, H, PRM, BLOCK_M)
+    _store_rows(O, {base}, {rows}, {nrows}, D, acc / tl.where(z == 0.0, 1.0, z)[:, None], BLOCK_D)
+    _map_store(LSE, {index}, rv, m_fin, z)
+'''
+    for where in (dict(head="h", base="(b * H + h) * NQ", rows="rows", nrows="NQ", index="(b * H + h) * NQ + rows"),
+                  dict(head="head", base="b * H + kvh * group", rows="r", nrows="group",
+                       index="b * H + kvh * group + r")):
+        text = _swap(text, finish.format(**where), mapped.format(**where))
+    return text
+
+
+def _map_backward(text: str, accumulator: bool = False) -> str:
+    if accumulator:  # _ds_sum: dL/ds of every head through the map
+        text = _swap(text, "        lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rows < NQ, other=0.0)\n",
+                     "        mst, zst = _map_stats(LSE, (b * H + h) * NQ + rows, rows < NQ)\n")
+        return _swap(text, '''        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        total += p * (dp - delta[:, None])
+''', '''        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        p, ds = _map_bwd(s, ok, dp, mst, zst, delta, qp, kp, h, H, PRM)
+        total += ds
+''')
+    for pad in ("            ", "    "):  # _bwd_dkdv, _bwd_dq
+        text = _swap(text, f"\n{pad}lse = tl.load(LSE + (b * H + h) * NQ + rows, mask=rv, other=0.0)\n",
+                     f"\n{pad}mst, zst = _map_stats(LSE, (b * H + h) * NQ + rows, rv)\n")
+    text = _swap(text, '''            p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+            ds = p * (dp - delta[:, None])
+''', '''            dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+            p, ds = _map_bwd(s, ok, dp, mst, zst, delta, qp, kp, h, H, PRM)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do).to(tl.float32)
+''')
+    text = _swap(text, "            dpv += dpc\n            dkt += gk\n",
+                 "            dpv += dpc + _map_pgrad(s, ok, dp, mst, zst, delta, qp, kp, h, H, PRM, NPP)\n"
+                 "            dkt += gk\n")
+    return _swap(text, '''        p = tl.where(ok, tl.exp(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        ds = p * (dp - delta[:, None])
+''', '''        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
+        p, ds = _map_bwd(s, ok, dp, mst, zst, delta, qp, kp, h, H, PRM)
+''')
+
+
+MAP_FORWARD = _map_forward(FORWARD)
+MAP_BACKWARD = _map_backward(BACKWARD)
+MAP_ACC_BACKWARD = _map_backward(ACC_BACKWARD, accumulator=True)
