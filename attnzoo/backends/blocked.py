@@ -217,7 +217,10 @@ class BlockedBackend(Backend):
         wide = accumulator_dtype(qs.dtype)
         if acc is not None and carry is None:
             carry = torch.zeros(b, nk, dtype=wide, device=qs.device)
-        out = qs.new_full((*qs.shape[:-1], vs.shape[-1]), float("nan"))  # every element must be written
+        # every element must be written: a missed one stays NaN; as wide as the values (a softmax map's may be wider),
+        # laid out as the queries where the widths agree (a host that views the output may rely on it)
+        out = (torch.full_like(qs, float("nan")) if vs.shape[-1] == d
+               else qs.new_full((*qs.shape[:-1], vs.shape[-1]), float("nan")))
         accumulated = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
                        if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None

@@ -419,8 +419,9 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             with torch.no_grad():
                 probs = core.variant.probabilities(query, key, value, params=core.params(), positions=positions,
                                                    key_mask=mask, inputs=core.token_inputs(x, n))
-            return out.transpose(1, 2), probs.to(query.dtype)
-    return out.transpose(1, 2), None
+            return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
+    # (B, N, H, D) contiguous, as transformers' own attention functions return it (models view it: afmoe)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _new_token_mask(attention_mask, b: int, n: int, here: str, exact: bool) -> torch.Tensor | None:
