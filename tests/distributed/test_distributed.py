@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawned import finish
 
 import attnzoo
 from attnzoo.builtin_specs import shipped_spec_files
@@ -349,7 +350,7 @@ def _worker(rank, world, store, out_dir):
         failures += _check_pruned(rank, world) + _check_staged(rank, world)
     finally:
         dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"checked": checked, "failures": failures}))
+    finish(out_dir / f"rank{rank}.json", {"checked": checked, "failures": failures})
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawned import finish
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -93,7 +94,7 @@ def _worker(rank, world, store, out_dir, specs):
             (out_dir / f"{spec}-{rank}.paths").write_text(json.dumps(sorted(paths)))
     finally:
         dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(failures))
+    finish(out_dir / f"rank{rank}.json", failures)
 
 
 def test_a_sharded_transformers_model_equals_the_whole_one(tmp_path):

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from spawned import finish
 
 import attnzoo
 from attnzoo.distributed import ContextParallel, Layout, sum_gradients
@@ -172,7 +173,7 @@ def _worker(rank, world, store, out_dir):
         failures += _check_half(rank, world) + _check_declines(rank, world)
     finally:
         dist.destroy_process_group()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(failures))
+    finish(out_dir / f"rank{rank}.json", failures)
 
 
 def test_triton_pairs_equal_the_reference(tmp_path):
