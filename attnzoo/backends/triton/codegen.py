@@ -87,16 +87,23 @@ def problems(plan) -> list[str]:
         if t.slot is Slot.ACCUMULATOR and len(t.heads()) != 1:
             reasons.append(f"transform '{t.kind}': the Triton accumulator reads exactly one selector head")
         if t.slot is Slot.LOGITS:
-            declared = {p.name: p for p in t.parameters()}
-            if len(lowering.param_derivatives) != len(lowering.params):
-                reasons.append(f"transform '{t.kind}': Triton lowering needs one derivative per parameter")
-            for name in lowering.params:
-                if name not in declared or tuple(declared[name].shape) != ("H",):
-                    reasons.append(f"transform '{t.kind}': Triton lowerings read per-head parameters of shape "
-                                   f"(H,) only, not '{name}'")
-            if set(declared) - set(lowering.params):
-                reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
+            reasons += _parameter_problems(t, lowering)
         reasons += _fragment_problems(t, lowering)
+    return reasons
+
+
+def _parameter_problems(t, lowering) -> list[str]:
+    """A lowering's per-head parameters against the transform's declared ones (logits and probability maps)."""
+    reasons = []
+    declared = {p.name: p for p in t.parameters()}
+    if len(lowering.param_derivatives) != len(lowering.params):
+        reasons.append(f"transform '{t.kind}': Triton lowering needs one derivative per parameter")
+    for name in lowering.params:
+        if name not in declared or tuple(declared[name].shape) != ("H",):
+            reasons.append(f"transform '{t.kind}': Triton lowerings read per-head parameters of shape (H,) only, "
+                           f"not '{name}'")
+    if set(declared) - set(lowering.params):
+        reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
     return reasons
 
 
@@ -118,18 +125,9 @@ def _probability_problems(t) -> list[str]:
         return [f"transform '{t.kind}': its Triton lowering's mode must be 'pointwise' or 'ratio', not "
                 f"{lowering.mode!r}"]
     reasons = []
-    declared = {p.name: p for p in t.parameters()}
     if lowering.mode == "ratio" and (lowering.params or lowering.param_derivatives):
         reasons.append(f"transform '{t.kind}': a ratio map's Triton lowering reads no parameters (not lowered yet)")
-    if len(lowering.param_derivatives) != len(lowering.params):
-        reasons.append(f"transform '{t.kind}': Triton lowering needs one derivative per parameter")
-    for name in lowering.params:
-        if name not in declared or tuple(declared[name].shape) != ("H",):
-            reasons.append(f"transform '{t.kind}': Triton lowerings read per-head parameters of shape (H,) only, "
-                           f"not '{name}'")
-    if set(declared) - set(lowering.params):
-        reasons.append(f"transform '{t.kind}': its Triton lowering ignores a learnable parameter")
-    return reasons + _fragment_problems(t, lowering)
+    return reasons + _parameter_problems(t, lowering) + _fragment_problems(t, lowering)
 
 
 def _fragment_problems(t, lowering) -> list[str]:
