@@ -296,9 +296,11 @@ class BlockedBackend(Backend):
                 k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))
                 out = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
                 return out, f_blk, colsum, None
-            mask = torch.where(has_key, mask, zero)  # a row with no key: any finite row, zeroed below
+            every = bool(has_key.all())  # the usual case (a causal prompt: each row sees its own key)
+            if not every:
+                mask = torch.where(has_key, mask, zero)  # a row with no key: any finite row, zeroed below
             out = sdpa(q, k, v, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-            return torch.where(has_key, out, zero), f_blk, colsum, None
+            return (out if every else torch.where(has_key, out, zero)), f_blk, colsum, None
 
         # eager: logits of all heads, grouped so that each key/value head is read once
         logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
