@@ -49,7 +49,7 @@ from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import SelectiveCausal
 from .sigmoid_blocks import SigmoidCausal
-from .softmax_maps import other_map, softmax_map_combine, softmax_map_rows
+from .softmax_maps import joined, other_map, softmax_map_combine, softmax_map_rows, value_slices
 
 #: the largest key term (after centring) folded into the keys: the logit's rounding grows with it (float32 rounds
 #: a term of 256 to about 1.5e-5, below the conformance floor); past it the blocks take the additive mask instead
@@ -57,8 +57,9 @@ _FOLDED_RANGE = {torch.float32: 256.0, torch.float64: 1e9}
 #: the dtypes the fused CPU selective kernel (selective_kernel.py) runs in: its forward fails on float16 and bfloat16
 #: (``torch.neg`` into its float32 -F buffer), so those take the blocks below
 _FUSED_DTYPES = (torch.float32, torch.float64)
-#: sigmoid_blocks.py's query block: measured (benchmarks/results/probability, 2 threads, N = 4096) 128 beats 256
-#: and 512 (less of the diagonal block computed and discarded; the N-wide tile stays in cache)
+#: sigmoid_blocks.py's query block: 128 measured faster than 256 and 512 (forward, float32, B1 H8 D64, N = 4096, 2
+#: threads, one ad-hoc run: about 1.15x, 1.25x and 1.6x SDPA's time; less of the diagonal block computed and
+#: discarded, the N-wide tile in cache); make bench-probability then measured the node at 128
 _SIGMOID_BLOCK = 128
 
 
@@ -72,27 +73,12 @@ def fusable_pointwise(acc):
 
 def sdpa(q, k, v, **kwargs):
     """``scaled_dot_product_attention`` for values as wide as the queries or wider (a softmax map's ``values``):
-    wider values go through in slices of the queries' width (the last one padded), each a call of the fused kernel
-    (CPU SDPA takes its slow path when the value width differs from the key width)."""
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv == d:
+    wider values go through in slices of the queries' width (``softmax_maps.value_slices``), each a call of the fused
+    kernel (CPU SDPA takes its slow path when the value width differs from the key width)."""
+    if v.shape[-1] == q.shape[-1]:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
-    parts = []
-    for first in range(0, dv, d):
-        part = v[..., first:first + d]
-        width = part.shape[-1]
-        if width < d:
-            part = F.pad(part, (0, d - width))
-        parts.append(F.scaled_dot_product_attention(q, k, part, **kwargs)[..., :width])
-    return torch.cat(parts, dim=-1)
-
-
-def sigmoid_bias(mapped, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The bias of sigmoid attention at each query position (N,), as ``Sigmoid.bias`` gives it, without the
-    learnable per-head offset."""
-    if mapped.options.bias == "-log n":
-        return -torch.log(positions.to(dtype))
-    return torch.full(positions.shape, float(mapped.options.bias), dtype=dtype, device=positions.device)
+    outs = [F.scaled_dot_product_attention(q, k, piece, **kwargs) for piece in value_slices(v, q.shape[-1])]
+    return joined(outs, v.shape[-1])
 
 
 def consecutive_positions(positions: torch.Tensor) -> bool:
@@ -143,7 +129,7 @@ class BlockedBackend(Backend):
             accumulated = None
         elif plain and acc is None and isinstance(mapped, Sigmoid) and qs.dtype in _FUSED_DTYPES:
             # sigmoid attention, causal, nothing but row scales: one autograd node (sigmoid_blocks.py)
-            bias = sigmoid_bias(mapped, positions[0], qs.dtype)
+            bias = mapped.row_bias(positions[0], qs.dtype)
             offset = params[mapped.kind]["bias"] if mapped.options.learnable else None
             block = min(self.block_size, _SIGMOID_BLOCK)
             out = SigmoidCausal.apply(qs, ks, vs, bias, offset, plan.logit_scale(d), block)

@@ -1,8 +1,11 @@
 """Probability maps that are the softmax itself (``ProbabilityTransform.softmax_map``: differential attention's pair
 of softmaxes): a backend with softmax kernels computes them as softmax attention over the rows ``values(v)``
-gives, then ``combine`` (docs/backends.md). Shared by the blocked and flex backends."""
+gives, then ``combine`` (docs/backends.md). Shared by the blocked, flex and triton backends."""
 
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
 
 from ..core.composition import checked_rows
 from ..transforms.base import Slot
@@ -36,3 +39,18 @@ def softmax_map_combine(plan, out, q_shape, params):
     if mapped is None or not mapped.softmax_map:
         return out
     return checked_rows(mapped, "outputs", mapped.combine(out, params[mapped.kind]), q_shape).to(out.dtype)
+
+
+def value_slices(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """Rows wider than the queries (a softmax map's ``values(v)``, (..., D')) in contiguous slices ``width`` wide,
+    the last zero-padded (zero value rows add exactly 0), for kernels that take one head dim for q, k and v (CPU
+    SDPA's fused kernel, the generated Triton kernels). Join their outputs with :func:`joined`."""
+    if rows.shape[-1] % width:
+        rows = F.pad(rows, (0, width - rows.shape[-1] % width))
+    return [piece.contiguous() for piece in rows.split(width, dim=-1)]
+
+
+def joined(outs: list[torch.Tensor], width: int) -> torch.Tensor:
+    """The outputs of :func:`value_slices`' slices side by side, cut back to the rows' ``width`` (the padding
+    dropped)."""
+    return (torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])[..., :width]

@@ -84,12 +84,16 @@ class Sigmoid(ProbabilityTransform):
     def parameters(self):
         return [ParamSpec("bias", ("H",), 0.0)] if self.options.learnable else []
 
+    def row_bias(self, qpos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """b at the query positions ``qpos`` (any shape, the same shape back) in ``dtype``, without the learnable
+        per-head offset: ``-log qpos`` or the number."""
+        if self.options.bias == "-log n":
+            return -torch.log(qpos.to(dtype))
+        return torch.full(qpos.shape, float(self.options.bias), dtype=dtype, device=qpos.device)
+
     def bias(self, ctx, params, dtype) -> torch.Tensor:
         """b broadcastable to (B, H', Nq, 1) in ``dtype``."""
-        if self.options.bias == "-log n":
-            b = -torch.log(ctx.qpos.to(dtype))
-        else:
-            b = torch.full((), float(self.options.bias), dtype=dtype, device=ctx.qpos.device)
+        b = self.row_bias(ctx.qpos, dtype)
         if self.options.learnable:
             b = b + params["bias"].to(dtype)[ctx.heads]
         return b

@@ -20,7 +20,7 @@ import torch
 from ...core.numerics import accumulator_dtype, f_from_s
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
-from ..softmax_maps import softmax_map_combine, softmax_map_rows
+from ..softmax_maps import joined, softmax_map_combine, softmax_map_rows, value_slices
 from . import codegen
 from .build import SOURCES, build, interpreting, kernel_module_name, load_kernels, triton_version
 
@@ -439,7 +439,6 @@ class TritonBackend(Backend):
         ks = plan.composition.row_scale(Slot.KEY, k, pos, params, widen=True).contiguous()
         vs = plan.composition.row_scale(Slot.VALUE, v, pos, params, widen=True).contiguous()
         causal_skip = plan.causal and _increasing(positions)
-        run = self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip)
         features = plan.composition.token_features(qs, ks, vs, positions, key_mask, params)
         qt, kt = self._terms(plan, params, positions, pos, Dims(q.shape[1], q.shape[3], k.shape[1]), key_mask,
                              features, features)
@@ -448,10 +447,11 @@ class TritonBackend(Backend):
             kr, read, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params)
             kr = kr.contiguous()
             outs = [_Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip),
-                                     qs, kr, piece, prm, sink, qt, kt) for piece in _slices(read, q.shape[-1])]
-            out = softmax_map_combine(plan, _joined(outs, read), qs.shape, params)
+                                     qs, kr, piece, prm, sink, qt, kt) for piece in value_slices(read, q.shape[-1])]
+            out = softmax_map_combine(plan, joined(outs, read.shape[-1]), qs.shape, params)
         else:
-            out = _Attention.apply(run, qs, ks, vs, prm, sink, qt, kt)
+            out = _Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip), qs, ks, vs,
+                                   prm, sink, qt, kt)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_accumulated:
             return out
@@ -481,7 +481,7 @@ class TritonBackend(Backend):
             softmax_map = codegen.layout(plan).probability == "softmax"
             if softmax_map:  # the softmax kernels over each slice of values(v)
                 ks, read, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
-                ks, pieces = ks.contiguous(), _slices(read, vs.shape[-1])
+                ks, pieces = ks.contiguous(), value_slices(read, vs.shape[-1])
             outs = []
             for piece in pieces:
                 run = self.prepare_run(plan, q, qpos, kpos, mask, carry, False, want_probs)
@@ -492,25 +492,12 @@ class TritonBackend(Backend):
                 else:
                     out, lse, total, logits = run.forward(qs, ks, piece, prm)
                 outs.append(out)
-            out = softmax_map_combine(plan, _joined(outs, read), qs.shape, params) if softmax_map else outs[0]
+            out = softmax_map_combine(plan, joined(outs, read.shape[-1]), qs.shape, params) if softmax_map else outs[0]
         # F and the evictor's probabilities stay in float32: the cache keeps running sums in at least float32
         # (numerics contract), rounding them to a half-precision q every step would lose the small increments
         probs = torch.exp(logits - lse[..., None]) if want_probs else None
         cache.settle(total, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
-
-
-def _slices(read: torch.Tensor, d: int) -> list[torch.Tensor]:
-    """A softmax map's rows ``values(v)`` (B, H, N, D') in D-wide slices, the last zero-padded (zero rows add
-    exactly 0): the kernels use one head dim for q, k and v, so they run once per slice (twice for diff, D' = 2D)."""
-    if read.shape[-1] % d:
-        read = torch.nn.functional.pad(read, (0, d - read.shape[-1] % d))
-    return [piece.contiguous() for piece in read.split(d, dim=-1)]
-
-
-def _joined(outs: list[torch.Tensor], read: torch.Tensor) -> torch.Tensor:
-    """The slices' outputs joined back to (B, H, N, D'), the padding dropped."""
-    return (torch.cat(outs, dim=-1) if len(outs) > 1 else outs[0])[..., :read.shape[-1]]
 
 
 def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):
