@@ -70,21 +70,13 @@ class RingGeometry:
         return self.layout()["total"][1]
 
     def views(self, page: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of one page (a contiguous tensor of ``page_bytes`` bytes, any dtype)."""
+        """Typed views of one page (a contiguous tensor of ``page_bytes`` bytes, any dtype): ``hdr`` (8,),
+        ``keys``/``values`` (1, H_kv, S, D), ``positions`` and ``state.<name>`` (1, H_kv, S)."""
         raw = page.reshape(-1).view(torch.uint8)
         if raw.numel() < self.page_bytes:
             raise ValueError(f"a ring page of {raw.numel()} bytes, the geometry needs {self.page_bytes}")
-        h, s, d = self.kv_heads, self.slots, self.head_dim
-        layout = self.layout()
-
-        def section(name, dtype, shape):
-            offset, nbytes = layout[name]
-            return raw[offset:offset + nbytes].view(dtype).view(shape)
-
-        out = {"hdr": section("hdr", torch.int64, (HEADER,)), "keys": section("keys", self.dtype, (1, h, s, d)),
-               "values": section("values", self.dtype, (1, h, s, d)),
-               "positions": section("positions", torch.int64, (1, h, s))}
-        out.update({f"state.{n}": section(f"state.{n}", self.state_dtype, (1, h, s)) for n in self.state_names})
+        out = self._sections(raw[:self.page_bytes].view(1, -1))
+        out["hdr"] = out["hdr"][0]
         return out
 
     def all_views(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -100,19 +92,22 @@ class RingGeometry:
         if raw.shape[1] < self.page_bytes or raw.shape[1] % 8:  # every section starts 8-byte aligned
             raise ValueError(f"a ring block of {raw.shape[1]} bytes, the geometry needs {self.page_bytes} (a "
                              f"multiple of 8)")
+        return self._sections(raw)
+
+    def _sections(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The typed sections of pages given as bytes, ``raw`` (pages, bytes per page) uint8, pages first."""
+        pages, layout = raw.shape[0], self.layout()
         h, s, d = self.kv_heads, self.slots, self.head_dim
-        layout = self.layout()
 
         def section(name, dtype, shape):
             offset, nbytes = layout[name]
-            return raw[:, offset:offset + nbytes].view(dtype).view((blocks, *shape))
+            return raw[:, offset:offset + nbytes].view(dtype).view((pages, *shape))
 
         out = {"hdr": section("hdr", torch.int64, (HEADER,)), "keys": section("keys", self.dtype, (h, s, d)),
                "values": section("values", self.dtype, (h, s, d)),
                "positions": section("positions", torch.int64, (h, s))}
         out.update({f"state.{n}": section(f"state.{n}", self.state_dtype, (h, s)) for n in self.state_names})
         return out
-
 
 #: this process's page geometry, published by the attention impl while the worker builds the model (every layer
 #: of a checkpoint shares one record, so one geometry); ``customize_spec`` reads it
