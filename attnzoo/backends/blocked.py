@@ -47,7 +47,7 @@ from ..decode.fast import plain_one
 from ..transforms.base import Context, Dims, Slot
 from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
-from .selective_kernel import SelectiveCausal
+from .selective_kernel import PREFILL_BLOCK, SelectiveCausal, selective_prefill
 from .sigmoid_blocks import SigmoidCausal
 from .softmax_maps import joined, other_map, softmax_map_combine, softmax_map_rows, value_slices
 
@@ -412,14 +412,27 @@ class BlockedBackend(Backend):
         kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
         count = q.shape[2]
         mapped = plan.one(Slot.PROBABILITY) is not None  # another map than the softmax: the blocks below
-        plain = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
-                 and plan.one(Slot.ACCUMULATOR) is None and not plan.many(Slot.LOGITS)
-                 and plan.one(Slot.NORMALISER) is None and not mapped)
-        if plain and count > 1 and cache.num_tokens == count and consecutive_positions(qpos):
+        acc = plan.one(Slot.ACCUMULATOR)
+        bare = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
+                and not plan.many(Slot.LOGITS) and plan.one(Slot.NORMALISER) is None and not mapped)
+        # SDPA with a causal flag or an additive mask computes q·k for keys a query must not see and adds the mask:
+        # a NaN or an infinite key would then reach earlier queries (the reference masks the logits, they never
+        # do); several new tokens over such keys take the eager blocks
+        finite = count == 1 or bool(torch.isfinite(ks).all())
+        prompt = bare and finite and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
+        if prompt and acc is None:
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
                                                  enable_gqa=q.shape[1] != ks.shape[1])
             cache.settle(None, None)
+        elif (prompt and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == qs.shape[-1]
+              and (pointwise := fusable_pointwise(acc)) is not None
+              and not (torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params))))):
+            # a prompt into an empty cache under a pointwise selection, no gradient wanted: the selective kernel's
+            # forward by small query blocks, and the carry its keys start decoding with
+            out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(q.shape[-1]), acc.heads()[0], pointwise,
+                                           int(qpos[0, 0]), min(self.block_size, PREFILL_BLOCK))
+            cache.settle(carry, None)
         elif (count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
               and not mapped):
             # one query at the newest position: every cached key is visible and no mask applies
@@ -429,7 +442,7 @@ class BlockedBackend(Backend):
         else:
             ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
-                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
+                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1 and finite,
                                                features=query_features, key_features=key_features)
             out = softmax_map_combine(plan, out, qs.shape, params)
             cache.settle(carry, probs)

@@ -97,6 +97,78 @@ def test_fused_selective_path_matches_reference(registry, options, first_positio
         torch.testing.assert_close(g, w, rtol=0, atol=1e-11)
 
 
+@pytest.mark.parametrize("options", [{}, {"selector_head": 1}, {"protect_bos": False}, {"self_mask": True}])
+@pytest.mark.parametrize("heads", [(4, 2), (3, 1), (2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_selective_prompt_into_an_empty_cache_takes_the_kernels_forward_exactly(registry, monkeypatch, options,
+                                                                                  heads, dtype):
+    """A prompt into an empty cache under a pointwise selection, no gradient wanted: selective_kernel's
+    selective_prefill (blocks of 16 here), the same outputs, kept tokens and running F as the reference's prefill
+    with eviction, then the same decode steps; with a gradient wanted, or in float16, it is not taken."""
+    from attnzoo.backends import blocked, selective_kernel
+
+    calls = []
+    real = selective_kernel.selective_prefill
+    monkeypatch.setattr(blocked, "selective_prefill", lambda *a: calls.append(a[-1]) or real(*a))
+    spec = {"name": "s", "transforms": [{"kind": "selective_mask", **options}], "cache": {"evictor": "selective"}}
+    h, hkv = heads
+    ref = attnzoo.compile(spec, backend="reference", registry=registry)
+    fast = attnzoo.compile(spec, backend="blocked16", registry=registry)
+    q = torch.randn(2, h, 45, 8, dtype=torch.float64) * 2
+    k, v = (torch.randn(2, hkv, 45, 8, dtype=torch.float64) * 2 for _ in range(2))
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    tol = {"rtol": 0, "atol": 1e-12} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    want_cache, got_cache = ref.new_cache(batch=2, budget=12), fast.new_cache(batch=2, budget=12)
+    with torch.no_grad():
+        want = ref.prefill(q[:, :, :40], k[:, :, :40], v[:, :, :40], want_cache)
+        got = fast.prefill(q[:, :, :40], k[:, :, :40], v[:, :, :40], got_cache)
+        assert calls == [16]
+        torch.testing.assert_close(got, want, **tol)
+        assert torch.equal(got_cache.positions, want_cache.positions)
+        torch.testing.assert_close(got_cache.accumulated(), want_cache.accumulated(), **tol)
+        for i in range(40, 45):
+            step = (t[:, :, i:i + 1] for t in (q, k, v))
+            torch.testing.assert_close(fast.decode(*step, got_cache), ref.decode(
+                *(t[:, :, i:i + 1] for t in (q, k, v)), want_cache), **tol)
+        assert torch.equal(got_cache.positions, want_cache.positions)
+    calls.clear()
+    q.requires_grad_(True)
+    out = fast.prefill(q[:, :, :40], k[:, :, :40], v[:, :, :40], fast.new_cache(batch=2, budget=12))
+    assert out.requires_grad and not calls
+    with torch.no_grad():
+        fast.prefill(*(t[:, :, :40].half() for t in (q, k, v)), fast.new_cache(batch=2, budget=12))
+    assert not calls
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_a_prompt_with_nan_or_inf_gives_what_the_reference_gives(registry, monkeypatch, bad, where):
+    """A non-finite query (the selector head's: every later query's F) takes the selective prompt path; a
+    non-finite key takes the eager blocks, since SDPA would add it into queries before it (the reference masks
+    those logits): outputs, kept tokens and F as the reference's, NaN where it gives NaN; so does a prompt of
+    ``streaming`` (no accumulator: otherwise one causal SDPA call)."""
+    from attnzoo.backends import blocked, selective_kernel
+
+    calls = []
+    real = selective_kernel.selective_prefill
+    monkeypatch.setattr(blocked, "selective_prefill", lambda *a: calls.append(a[-1]) or real(*a))
+    q = torch.randn(1, 4, 37, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 37, 8, dtype=torch.float64) for _ in range(2))
+    {"query": q[0, 0, 20], "key": k[0, 1, 9], "value": v[0, 1, 9]}[where][3] = bad
+    for spec in ("selective-pruned", "streaming"):
+        got = []
+        for backend in ("reference", "blocked16"):
+            variant = attnzoo.compile(spec, backend=backend, registry=registry)
+            cache = variant.new_cache(batch=1, budget=12)
+            with torch.no_grad():
+                got.append((variant.prefill(q, k, v, cache), cache.positions, cache.accumulated()))
+        torch.testing.assert_close(got[1][0], got[0][0], rtol=0, atol=1e-12, equal_nan=True)
+        assert torch.equal(got[1][1], got[0][1])
+        if spec == "selective-pruned":
+            torch.testing.assert_close(got[1][2], got[0][2], rtol=0, atol=1e-12, equal_nan=True)
+    assert calls == ([] if where == "key" else [16])
+
+
 def test_private_flash_op_still_matches_its_contract():
     """torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is private: notice if an upgrade changes it."""
     from attnzoo.backends import selective_kernel
