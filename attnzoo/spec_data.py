@@ -51,6 +51,7 @@ class SpecBase(StrictModel):
     _transform_classes: ClassVar[dict[str, type]] = {}
     _evictor_classes: ClassVar[dict[str, type]] = {}
     _source: str = PrivateAttr("<mapping>")
+    _hash: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -105,10 +106,21 @@ class SpecBase(StrictModel):
 
     @property
     def hash(self) -> str:
-        """sha256 of the canonical JSON without ``summary`` (documentation does not change the function)."""
-        data = self.model_dump(mode="json", exclude={"summary"})
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        """sha256 of the canonical JSON without ``summary`` (documentation does not change the function). Computed
+        once: a spec is frozen (a decode cache is made, and its steps checked, against it at every step of a
+        server's batch)."""
+        if self._hash is None:
+            data = self.model_dump(mode="json", exclude={"summary"})
+            text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+            self._hash = hashlib.sha256(text.encode()).hexdigest()
+        return self._hash
+
+    def model_copy(self, *, update=None, deep: bool = False):
+        """pydantic's copy; one with ``update`` hashes afresh (the copied hash would be the original's)."""
+        copied = super().model_copy(update=update, deep=deep)
+        if update:
+            copied._hash = None
+        return copied
 
     def slots(self) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}

@@ -520,3 +520,13 @@ def test_two_transforms_in_one_non_composing_slot():
     # logits compose: two different logits transforms are fine
     ok = attnzoo.load_spec({"name": "x", "transforms": [{"kind": "softcap", "cap": 30.0}, {"kind": "alibi"}]})
     assert [t.kind for t in ok.transforms] == ["softcap", "alibi"]
+
+
+def test_the_hash_is_computed_once_and_a_changed_copy_hashes_afresh():
+    spec = attnzoo.load_spec("selective-ssa")
+    first = spec.hash
+    assert spec.hash is first  # computed once (a server's decode step checks it per step)
+    renamed = spec.model_copy(update={"name": "other"})
+    assert renamed.hash != first
+    assert renamed.hash == attnzoo.load_spec({**spec.model_dump(mode="json"), "name": "other"}).hash
+    assert spec.model_copy().hash == first
