@@ -81,6 +81,14 @@ def sdpa(q, k, v, **kwargs):
     return joined(outs, v.shape[-1])
 
 
+def all_finite(keys: torch.Tensor) -> bool:
+    """Whether SDPA may take an additive mask over ``keys``: it adds the mask to q·k, so a NaN or infinite key would
+    reach the queries the mask hides it from (NaN + -inf is NaN), where the reference (and SDPA's causal flag) masks
+    the logit itself. Checked on the keys' sum in at least float32: any NaN or infinity makes it non-finite; a sum
+    that overflows from finite keys only sends the call to the eager blocks, which compute the same."""
+    return bool(torch.isfinite(keys.sum(dtype=accumulator_dtype(keys.dtype))))
+
+
 def consecutive_positions(positions: torch.Tensor) -> bool:
     """Positions p0, p0 + 1, ... with the same p0 in every batch row (index causality == position causality)."""
     n = positions.shape[-1]
@@ -145,7 +153,8 @@ class BlockedBackend(Backend):
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
-                                               key_mask, None, return_accumulated, features=features)
+                                               key_mask, None, return_accumulated, use_sdpa=all_finite(ks),
+                                               features=features)
         out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
@@ -415,11 +424,7 @@ class BlockedBackend(Backend):
         acc = plan.one(Slot.ACCUMULATOR)
         bare = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                 and not plan.many(Slot.LOGITS) and plan.one(Slot.NORMALISER) is None and not mapped)
-        # SDPA with a causal flag or an additive mask computes q·k for keys a query must not see and adds the mask:
-        # a NaN or an infinite key would then reach earlier queries (the reference masks the logits, they never
-        # do); several new tokens over such keys take the eager blocks
-        finite = count == 1 or bool(torch.isfinite(ks).all())
-        prompt = bare and finite and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
+        prompt = bare and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
         if prompt and acc is None:
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
@@ -427,7 +432,8 @@ class BlockedBackend(Backend):
             cache.settle(None, None)
         elif (prompt and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == qs.shape[-1]
               and (pointwise := fusable_pointwise(acc)) is not None
-              and not (torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params))))):
+              and not (torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params))))
+              and all_finite(ks)):
             # a prompt into an empty cache under a pointwise selection, no gradient wanted: the selective kernel's
             # forward by small query blocks, and the carry its keys start decoding with
             out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(q.shape[-1]), acc.heads()[0], pointwise,
@@ -442,7 +448,7 @@ class BlockedBackend(Backend):
         else:
             ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
-                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1 and finite,
+                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1 and all_finite(ks),
                                                features=query_features, key_features=key_features)
             out = softmax_map_combine(plan, out, qs.shape, params)
             cache.settle(carry, probs)

@@ -169,6 +169,26 @@ def test_a_prompt_with_nan_or_inf_gives_what_the_reference_gives(registry, monke
     assert calls == ([] if where == "key" else [16])
 
 
+@pytest.mark.parametrize("spec", ["vanilla", "selective", "local", "alibi", "sigmoid", "diff"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nan_or_inf_key_reaches_only_the_queries_that_see_it(registry, spec, bad):
+    """SDPA with an additive mask adds -inf to q·k, so a NaN or infinite key would reach the queries the mask hides
+    it from (the batch form's float-mask blocks did, for ``local``): blocked gives the reference's output, NaN
+    exactly where it gives NaN, in the batch form, a prompt and the decode steps after it."""
+    q = torch.randn(1, 4, 37, 8, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 37, 8, dtype=torch.float64) for _ in range(2))
+    k[0, 1, 9, 3] = bad
+    ref = attnzoo.compile(spec, backend="reference", registry=registry)
+    fast = attnzoo.compile(spec, backend="blocked16", registry=registry)
+    torch.testing.assert_close(fast(q, k, v), ref(q, k, v), rtol=0, atol=1e-12, equal_nan=True)
+    caches = ref.new_cache(batch=1), fast.new_cache(batch=1)
+    with torch.no_grad():
+        for lo, hi in ((0, 30), (30, 31), (31, 32)):
+            want, got = (variant.prefill(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], cache)
+                         for variant, cache in zip((ref, fast), caches, strict=True))
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12, equal_nan=True)
+
+
 def test_private_flash_op_still_matches_its_contract():
     """torch.ops.aten._scaled_dot_product_flash_attention_for_cpu is private: notice if an upgrade changes it."""
     from attnzoo.backends import selective_kernel
