@@ -23,13 +23,15 @@ reported is each engine's median, the tokens/s ratio the median of the ratios wi
 drift then hits both sides of a ratio alike).
 
     .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64]
-        [--rounds 3] [--keep-freed-memory] [--out DIR]
+        [--rounds 3] [--keep-freed-memory] [--one-process] [--out DIR]
 
 ``--keep-freed-memory`` runs every engine with glibc keeping the memory it frees (``KEEP_FREED``): on this project's
 virtual machine a page faulted in afresh costs about 20 us, and the pruned engine's prefill steps of 4,096 tokens
 (8 prompts at once: it admits them all) fault their activations in afresh at every step, where the full-cache
 engine's steps are small. Measured in the worker during the timed call: 245k minor faults and 1.8 s of system time
-against 66k and 1.4 s with the option (the full-cache engine: 45k faults, 0.5 s).
+against 66k and 1.4 s with the option (the full-cache engine: 45k faults, 0.5 s). ``--one-process`` runs each
+engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core process spinning beside the worker,
+and vLLM's layers measured at their single-process speed (docs/vllm.md, "Measured").
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ def main(argv=None) -> int:
     parser.add_argument("--keep-freed-memory", action="store_true",
                         help="glibc keeps what the engines free (MALLOC_* below), as vLLM's bundled tcmalloc would "
                              "(results named vllm-pruned-keep.*)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="each engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core or worker "
+                             "process; results named vllm-pruned-one.*)")
     parser.add_argument("--out", type=Path, default=None, help="directory for vllm-pruned.json and vllm-pruned.md")
     parser.add_argument("--one", nargs=3, metavar=("PATH", "KV_BYTES", "RESULT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -186,6 +191,8 @@ def main(argv=None) -> int:
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     if args.keep_freed_memory:
         env |= KEEP_FREED
+    if args.one_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     runs: dict[str, dict] = {}
     walls: dict[str, list[float]] = {side: [] for side in SIDES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -250,13 +257,14 @@ def main(argv=None) -> int:
     result = {"cpu": cpu_model(), "torch": torch.__version__, "vllm": _vllm_version(),
               "config": vars(args) | {"out": None, "one": None, "kv_cache_memory_bytes": kv_bytes,
                                       "engine": ENGINE, "specs": SIDES,
-                                      "keep_freed": KEEP_FREED if args.keep_freed_memory else None},
+                                      "keep_freed": KEEP_FREED if args.keep_freed_memory else None,
+                                      "one_process": args.one_process},
               "method": method, "rows": rows, "ratios": ratios, "targets": targets, "tokens": sanity}
     text = _markdown(result, args)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "vllm-pruned-keep" if args.keep_freed_memory else "vllm-pruned"
+        name = "vllm-pruned" + ("-keep" if args.keep_freed_memory else "") + ("-one" if args.one_process else "")
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / f"{name}.md").write_text(text)
     return 0
@@ -276,6 +284,9 @@ def _g(value) -> str:
 
 def _per_side(values: dict) -> str:
     return " / ".join(str(values[side]) for side in ("pruned", "full", "vllm"))
+
+
+ONE_PROCESS = ", each engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, `--one-process`)"
 
 
 def _keep(result) -> str:
@@ -300,7 +311,9 @@ def _markdown(result: dict, args) -> str:
     engine = rows["full"]["engine"]
     lines = ["# KV pruning served by vLLM: requests at once and tokens/s under the same KV memory", "",
              f"`benchmarks/vllm_pruned.py` on {result['cpu']}, torch {result['torch']}, vLLM {result['vllm']} (CPU "
-             f"build), float32, eager{', ' + _keep(result) if args.keep_freed_memory else ''}: the tiny Llama of "
+             f"build), float32, eager{', ' + _keep(result) if args.keep_freed_memory else ''}"
+             f"{ONE_PROCESS if args.one_process else ''}"
+             f": the tiny Llama of "
              f"`vllm_throughput.py` ({args.layers} layers, width 256, 4 "
              f"heads of 64, 2 KV heads), {args.prompts} requests of {args.length} prompt tokens + {args.new} "
              f"generated each, greedy, EOS ignored, one `generate` call per engine, each engine in its own process. "
