@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.composition import checked_logits, checked_rows
-from ..core.numerics import accumulator_dtype, f_from_s, subtract_f
+from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..transforms.base import Context, Dims, Slot
@@ -79,14 +79,6 @@ def sdpa(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     outs = [F.scaled_dot_product_attention(q, k, piece, **kwargs) for piece in value_slices(v, q.shape[-1])]
     return joined(outs, v.shape[-1])
-
-
-def all_finite(keys: torch.Tensor) -> bool:
-    """Whether SDPA may take an additive mask over ``keys``: it adds the mask to q·k, so a NaN or infinite key would
-    reach the queries the mask hides it from (NaN + -inf is NaN), where the reference (and SDPA's causal flag) masks
-    the logit itself. Checked on the keys' sum in at least float32: any NaN or infinity makes it non-finite; a sum
-    that overflows from finite keys only sends the call to the eager blocks, which compute the same."""
-    return bool(torch.isfinite(keys.sum(dtype=accumulator_dtype(keys.dtype))))
 
 
 def consecutive_positions(positions: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..core.numerics import all_finite
 from ..transforms.base import Context, Dims, Slot
 from .base import Backend, Mode
 from .softmax_maps import other_map, softmax_map_combine, softmax_map_rows
@@ -114,6 +115,16 @@ class FlexBackend(Backend):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
             out = flex_attention(qs, ks, vs, score_mod=score_mod if logits_transforms else None,
                                  block_mask=block_mask, scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
+            if q.device.type == "cpu" and not (all_finite(qs) and all_finite(ks)):
+                # FlexAttention's CPU kernel drops a NaN logit (a row that sees one comes out finite, where the
+                # reference's is NaN): a second pass, over the same mask, gives 1 to the rows that have one
+                def nan_mod(score, batch, head, q_idx, kv_idx):
+                    score = score_mod(score, batch, head, q_idx, kv_idx) if logits_transforms else score
+                    return torch.where(torch.isnan(score), 0.0, float("-inf"))
+
+                mark = flex_attention(qs, ks, torch.ones_like(vs), score_mod=nan_mod, block_mask=block_mask,
+                                      scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n, :1]
+                out = out.masked_fill(mark > 0, float("nan"))
         out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_accumulated else out

@@ -2,6 +2,7 @@
 
 - :func:`accumulator_dtype`: the wide dtype accumulated quantities (F, running sums, scores) are kept in.
 - :data:`ACCUMULATED_STATE`: the name of the per-token state holding the running F in a decode cache.
+- :func:`all_finite`: whether a fast path that masks by adding -inf (or drops NaN) may take a tensor.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ def f_from_s(selection: torch.Tensor, carry: torch.Tensor | None = None) -> torc
     # 0.75 ms); F comes back as a transposed view
     f = torch.nn.functional.pad(s[:, :, :-1].transpose(-1, -2).cumsum(-1), (1, 0)).transpose(-1, -2)
     return f if carry is None else f + carry[:, None, None, :]
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, checked on its sum in :func:`accumulator_dtype`: a NaN or an
+    infinity makes the sum non-finite; a sum that overflows from finite elements gives False, so a caller must only
+    use it to choose an exact path over a fast one. Why the fast paths ask: SDPA with an additive mask adds -inf to
+    q·k, so a NaN or infinite key would reach the queries the mask hides it from (NaN + -inf is NaN), where the
+    reference (and SDPA's causal flag) masks the logit itself; FlexAttention's CPU kernel drops a NaN logit."""
+    return bool(torch.isfinite(t.sum(dtype=accumulator_dtype(t.dtype))))
 
 
 def subtract_f(logits: torch.Tensor, f: torch.Tensor) -> torch.Tensor:

@@ -29,3 +29,19 @@ def test_declines_with_a_reason(case, reason):
     assert reason in line
     with pytest.raises(attnzoo.UnsupportedError, match=reason):
         attnzoo.compile(spec, backend="flex").backend_for("cpu", dtype, grad)
+
+
+@pytest.mark.parametrize("spec", ["vanilla", "local"])
+def test_a_nan_logit_gives_the_references_nan(spec):
+    """FlexAttention's CPU kernel drops a NaN logit (a row that sees a NaN key or holds a NaN query came out finite):
+    the flex backend marks those rows NaN by a second pass over the same mask, as the reference has them."""
+    ref = attnzoo.compile(spec, backend="reference")
+    flex = attnzoo.compile(spec, backend="flex")
+    for where in ("query", "key"):
+        q = torch.randn(1, 4, 37, 16)
+        k, v = (torch.randn(1, 2, 37, 16) for _ in range(2))
+        {"query": q[0, 2, 20], "key": k[0, 1, 9]}[where][3] = float("nan")
+        want = ref(q.double(), k.double(), v.double())
+        got = flex(q, k, v)
+        assert bool(want.isnan().any())
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
