@@ -25,10 +25,10 @@ drift then hits both sides of a ratio alike).
     .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64]
         [--rounds 3] [--keep-freed-memory] [--one-process] [--out DIR]
 
-``--keep-freed-memory`` runs every engine with glibc keeping the memory it frees (``KEEP_FREED``): on this project's
-virtual machine a page faulted in afresh costs about 20 us, and the pruned engine's prefill steps of 4,096 tokens
-(8 prompts at once: it admits them all) fault their activations in afresh at every step, where the full-cache
-engine's steps are small. Measured in the worker during the timed call: 245k minor faults and 1.8 s of system time
+``--keep-freed-memory`` runs every engine with glibc keeping the memory it frees (``KEEP_FREED``): the pruned
+engine's prefill steps of 4,096 tokens (8 prompts at once: it admits them all) fault their activations in afresh at
+every step, slow on this project's virtual machine, where the full-cache engine's steps are small. Measured in the
+worker during the timed call: 245k minor faults and 1.8 s of system time
 against 66k and 1.4 s with the option (the full-cache engine: 45k faults, 0.5 s). ``--one-process`` runs each
 engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core process spinning beside the worker,
 and vLLM's layers measured at their single-process speed (docs/vllm.md, "Measured").
@@ -60,9 +60,8 @@ ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max
 SIDES = {"pruned": "selective-pruned", "full": "vanilla", "vllm": None}
 #: ``--keep-freed-memory``: glibc's allocator keeps freed memory for the next allocation (no trimming of the heap's
 #: top, chunks up to 32 MiB from the heap) instead of returning it to the kernel. vLLM preloads a bundled tcmalloc
-#: for the same reason where its wheel has one (the CPU wheel measured here has none: "libtcmalloc is not found"). On
-#: a virtual machine whose fresh pages cost about 20 us each to fault in, a prefill step of 4,096 tokens otherwise
-#: faults its activations in afresh at every step (docs/vllm.md, "KV pruning")
+#: for the same reason where its wheel has one (the CPU wheel measured here has none: "libtcmalloc is not found").
+#: Otherwise a prefill step of 4,096 tokens faults its activations in afresh at every step (docs/vllm.md, "Measured")
 KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(1 << 32), "MALLOC_MMAP_THRESHOLD_": str(1 << 25),
               "MALLOC_TOP_PAD_": str(1 << 28)}
 LABELS = {"pruned": "attnzoo `selective-pruned`, budget {budget} (ring pages)",

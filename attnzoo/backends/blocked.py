@@ -145,8 +145,7 @@ class BlockedBackend(Backend):
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
-                                               key_mask, None, return_accumulated, use_sdpa=all_finite(ks),
-                                               features=features)
+                                               key_mask, None, return_accumulated, features=features)
         out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
@@ -197,7 +196,8 @@ class BlockedBackend(Backend):
         (B, H, Nq) by name, or None; key_features: the keys' (B, H, Nk), or None for the batch form's (queries
         and keys are the same tokens). Returns (out, F or None, carry, probs or None).
 
-        The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract)."""
+        The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract). SDPA takes
+        a block's additive mask only over finite keys (``all_finite``), for every caller."""
         b, h, nq, d = qs.shape
         nk = ks.shape[2]
         acc = plan.one(Slot.ACCUMULATOR)
@@ -211,7 +211,8 @@ class BlockedBackend(Backend):
         accumulated = (torch.zeros(b, nq, nk, dtype=wide, device=qs.device)
                        if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params)))
+        grad = _wants_grad(qs, ks, vs, params)
+        use_sdpa = use_sdpa and all_finite(ks)
         step = self.block_size
         for start in range(0, nq, step):
             stop = min(start + step, nq)
@@ -424,8 +425,7 @@ class BlockedBackend(Backend):
             cache.settle(None, None)
         elif (prompt and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == qs.shape[-1]
               and (pointwise := fusable_pointwise(acc)) is not None
-              and not (torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params))))
-              and all_finite(ks)):
+              and not _wants_grad(qs, ks, vs, params) and all_finite(ks)):
             # a prompt into an empty cache under a pointwise selection, no gradient wanted: the selective kernel's
             # forward by small query blocks, and the carry its keys start decoding with
             out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(q.shape[-1]), acc.heads()[0], pointwise,
@@ -440,7 +440,7 @@ class BlockedBackend(Backend):
         else:
             ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
-                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1 and all_finite(ks),
+                                               want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
                                                features=query_features, key_features=key_features)
             out = softmax_map_combine(plan, out, qs.shape, params)
             cache.settle(carry, probs)
@@ -449,3 +449,8 @@ class BlockedBackend(Backend):
 
 def _flat(params):
     return [t for group in params.values() for t in group.values()]
+
+
+def _wants_grad(qs, ks, vs, params) -> bool:
+    """Whether autograd wants a gradient of the rows or of a transform parameter."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in (qs, ks, vs, *_flat(params)))
