@@ -289,35 +289,60 @@ class _Layer:
                               out)
             counts_t = counts_t.index_fill(0, full, 0)
         starts, lengths, blocks = starts_t.tolist(), lengths_t.tolist(), blocks_t.tolist()
+        prompts: dict[int, list[int]] = {}  # prompt length -> its requests
         for i in torch.nonzero(counts_t).flatten().tolist():
             count, length = starts[i + 1] - starts[i], lengths[i]
-            if count == length:  # one request's prompt at a time: measured faster than a batch of equal prompts
-                self._prefill(geometry, pages, query, key, value, starts[i], count, blocks[i], out)
+            if count == length:
+                prompts.setdefault(count, []).append(i)
             elif count == 1:
                 self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
             else:
                 raise IntegrationError(f"{self.where}: {count} new tokens after {length - count} for request {i}: a "
                                        f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
                                        f"start)")
+        for count, rows in prompts.items():
+            self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
+                          blocks_t.index_select(0, torch.tensor(rows)), out)
 
-    def _prefill(self, geometry, pages, query, key, value, start, count, block, out) -> None:
-        """A prompt of ``count`` tokens (from ``start``, into the page ``block``): the core's prefill with eviction
-        into a fresh cache, its kept tokens, in position order, into the page's first slots, the header afresh (the
-        generation counts the page's prefills). One prompt at a time: a batch of equal prompts was slower on the CPU
-        (benchmarks/vllm_pruned.py, 8 prompts of 512 tokens: 3.5x the time of one at a time in the engine)."""
+    def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
+        """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
+        prefill with eviction into a fresh cache (each row exactly as alone: the prompts are the same length), the
+        kept tokens, in position order, into each page's first slots, the headers afresh (the generation counts a
+        page's prefills). Prompts of one length in a step go together: 8 prompts of 512 tokens took 0.85x the time
+        of one at a time (the selective prefill kernel, one thread)."""
         from . import ring
 
-        q, k, v = (t[start:start + count].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0)
-                   for t in (query, key, value))
-        cache = self.core.new_cache(1, budget=self.budget)
+        rows = len(starts)
+        if rows == 1:
+            q, k, v = (t[starts[0]:starts[0] + count].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0)
+                       for t in (query, key, value))
+        else:
+            index = (torch.tensor(starts).unsqueeze(1) + torch.arange(count)).flatten()
+            q, k, v = (t.index_select(0, index).view(rows, count, -1, self.head_dim).transpose(1, 2)
+                       for t in (query, key, value))
+        cache = self.core.new_cache(rows, budget=self.budget)
         o = self.core.prefill(q, k, v, cache)
-        if cache.num_tokens > geometry.slots:
-            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
-                                   f"page {geometry.slots}")
-        _store({name: view[block:block + 1] for name, view in pages.items()}, cache, cache.num_tokens)
-        header = pages["hdr"][block]
-        header.copy_(_header(cache, int(header[ring.GENERATION]) + 1 if int(header[0]) == ring.MAGIC else 1))
-        out[start:start + count] = o[0].transpose(0, 1).to(out.dtype)
+        held = cache.num_tokens
+        if held > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {held} tokens after the prompt, the page "
+                                   f"{geometry.slots}")
+        if held:
+            for name, got in (("keys", cache.keys), ("values", cache.values), ("positions", cache.positions),
+                              *((f"state.{n}", cache.state[n]) for n in cache.state_names)):
+                home = pages[name].narrow(2, 0, held)  # an evictor's own scores tensor may broadcast over heads
+                home.index_copy_(0, blocks, got.to(home.dtype).expand(rows, *home.shape[1:]))
+        headers = pages["hdr"].index_select(0, blocks)
+        generation = torch.where(headers[:, 0] == ring.MAGIC, headers[:, ring.GENERATION] + 1, 1)
+        fresh = torch.tensor([ring.MAGIC, held, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
+                             dtype=torch.int64).repeat(rows, 1)
+        fresh[:, ring.NEXT] = cache.next_position.to(torch.int64).reshape(rows)
+        fresh[:, ring.GENERATION] = generation
+        pages["hdr"].index_copy_(0, blocks, fresh)
+        o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
+        if rows == 1:
+            out[starts[0]:starts[0] + count] = o[0]
+        else:
+            out.index_copy_(0, index, o.reshape(rows * count, *o.shape[2:]))
 
     def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
         """One decode step of one request whose page is not full (or a request alone): a cache attached to its
@@ -364,30 +389,42 @@ class _Layer:
         return torch.nonzero(full).flatten()
 
     def _decode_full(self, pages, query, key, value, index, blocks, out) -> None:
-        """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch:
-        their pages gathered into one cache (each section one ``index_select``, the spare slot included; rows at
-        their own positions), the core's decode step (the fused C step over the rows), the held slots and headers
-        scattered back (in slot order: a page stays ``scrambled`` while the lean steps leave it so)."""
+        """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch,
+        the core's decode step (the fused C step over the rows) on one cache holding the rows at their own
+        positions. Pages in consecutive blocks (in any order: the rows then go in block order; vLLM hands out free
+        blocks in order, so requests admitted together usually are) are that cache's buffers, strided views of the
+        pages: the step reads and writes them in place.
+        Otherwise each page section is gathered (one ``index_select``, the spare slot included) and the held slots
+        scattered back as the step left them (in slot order: a page stays ``scrambled`` while the lean steps leave
+        it so); so is whatever an in-place step moved out of the pages."""
         from . import ring
 
         m, rows = self.budget, blocks.shape[0]
+        run = _consecutive(blocks)
+        in_place = run is not None
+        if in_place:  # the rows in block order
+            first, order = run
+            blocks, index = blocks.index_select(0, order), index.index_select(0, order)
         headers = pages["hdr"].index_select(0, blocks)
         cache = self.core.new_cache(rows, budget=m)
-        keys, values, positions = (pages[name].index_select(0, blocks) for name in ("keys", "values", "positions"))
-        state = {name: pages[f"state.{name}"].index_select(0, blocks) for name in cache.state_names}
-        cache.attach(keys, values, positions, state, m, headers[:, ring.NEXT],
+        names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
+        home = {name: pages[name].narrow(0, first, rows) if in_place else pages[name].index_select(0, blocks)
+                for name in names}
+        cache.attach(home["keys"], home["values"], home["positions"],
+                     {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, ring.NEXT],
                      scrambled=bool(headers[:, ring.SCRAMBLED].any()), step_state=self.states.get(rows))
         q, k, v = (t.index_select(0, index).view(rows, -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
         self.states[rows] = cache.step_state
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        held = cache.buffers()
-        for name in ("keys", "values", "positions"):
-            pages[name].narrow(2, 0, m).index_copy_(0, blocks, held[name].narrow(2, 0, m))
-        for name in cache.state_names:  # an evictor's own scores tensor may broadcast over heads
-            home = pages[f"state.{name}"].narrow(2, 0, m)
-            home.index_copy_(0, blocks, held[f"held.{name}"].expand(rows, *home.shape[1:]))
+        buffers = cache.buffers()
+        for name in names:
+            held = buffers[name.replace("state.", "held.")]  # a state's held slots: the evictor's own tensor, maybe
+            if in_place and held is not None and held.data_ptr() == home[name].data_ptr():
+                continue  # the step wrote the page itself
+            section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
+            section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
         headers[:, ring.NEXT] += 1
         headers[:, ring.EVICTED] += 1
         headers[:, ring.SCRAMBLED] = int(cache.scrambled)
@@ -417,6 +454,14 @@ class _Layer:
         vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
         out = self.blocked.attend_rows(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+
+def _consecutive(blocks: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(the first block, the order that sorts ``blocks``) if ``blocks`` are consecutive once sorted (one strided
+    view then holds their pages, in that order), else None."""
+    ordered, order = blocks.sort()
+    first = int(ordered[0])
+    return (first, order) if bool((ordered == torch.arange(first, first + blocks.shape[0])).all()) else None
+
 
 def _header(cache, generation: int) -> torch.Tensor:
     """A one-request page's header after a step of ``cache`` (ring.py: magic, tokens held, next position,

@@ -31,3 +31,79 @@ def test_every_pages_views_are_each_pages_bytes(dtype):
     assert not bool((geometry.views(cache[1])["keys"] == 1).all())
     with pytest.raises(ValueError, match="contiguous"):
         geometry.all_views(cache.t())
+
+
+def _serving_layer(spec: str, budget: int, dtype):
+    """The serving layer of ``attnzoo.integrations.vllm.backend`` around a core of ``spec`` (its parameters moved off
+    their initial values), made without a checkpoint or an engine; and the core alone, for the reference."""
+    from attnzoo.integrations.vllm import backend
+    from attnzoo.nn import Attention
+    from attnzoo.spec import load_spec
+    from attnzoo.transforms.base import Dims
+
+    torch.manual_seed(3)
+    core = Attention(load_spec(spec), 4, 16, 2, backend="blocked", dtype=dtype)
+    with torch.no_grad():
+        for p in core.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    core.requires_grad_(False)
+    layer = object.__new__(backend._Layer)
+    layer.core, layer.plan, layer.blocked = core, core.variant.plan, backend.BlockedBackend()
+    layer.heads, layer.kv_heads, layer.head_dim, layer.dims = 4, 2, 16, Dims(4, 16, 2)
+    layer.budget, layer.where, layer.batchable, layer.states, layer.page_views = budget, "test", True, {}, None
+    return layer, core
+
+
+@pytest.mark.parametrize("spec", ["selective-pruned", "h2o"])
+@pytest.mark.parametrize("blocks", [[3, 4, 5, 6, 7], [5, 3, 7, 4, 6], [6, 2, 9, 4, 0]],
+                         ids=["consecutive", "permuted", "scattered"])
+def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blocks, monkeypatch):
+    """The serving layer over ring pages (``attend_pruned``) against each request alone in attnzoo's own cache
+    (core prefill, then decode steps), float64: prompts of one length prefilled as one batch, the full pages
+    stepped as one batch, in place where their blocks are consecutive in any order (else gathered and scattered
+    back), pages still filling stepped alone; outputs every step and each page's tokens at the end."""
+    import types
+
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.vllm import backend
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+
+    dtype, budget, lengths, steps = torch.float64, 8, [7, 20, 20, 20, 3], 12
+    layer, core = _serving_layer(spec, budget, dtype)
+    names = tuple(core.new_cache(1, budget=budget).state_names)
+    geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+    kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
+    seen = []
+    real = backend._consecutive
+    monkeypatch.setattr(backend, "_consecutive", lambda b: seen.append(real(b)) or seen[-1])
+    gen = torch.Generator().manual_seed(0)
+    caches = [core.new_cache(1, budget=budget) for _ in lengths]
+    table = torch.tensor(blocks, dtype=torch.int32).unsqueeze(1)
+    done = [0] * len(lengths)
+    for step in range(steps + 1):
+        counts = lengths if step == 0 else [1] * len(lengths)
+        n = sum(counts)
+        q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
+        starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        done = [d + c for d, c in zip(done, counts, strict=True)]
+        meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
+                                     seq_lens=torch.tensor(done, dtype=torch.int32), block_table=table)
+        out = torch.full((n, 64), float("nan"), dtype=dtype)
+        layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+        for i, cache in enumerate(caches):
+            rows = slice(int(starts[i]), int(starts[i + 1]))
+            args = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+            want = (core.prefill if step == 0 else core.decode)(*args, cache)[0].transpose(0, 1)
+            torch.testing.assert_close(out[rows].view_as(want), want, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m, i=i, s=step: f"request {i}, step {s}: {m}")
+    in_place = {s is not None for s in seen}  # which path the batched steps took: in place, gathered
+    assert in_place == {"consecutive": {True}, "permuted": {True, False}, "scattered": {False}}[
+        "consecutive" if blocks == sorted(blocks) else "scattered" if max(blocks) - min(blocks) >= 5 else "permuted"]
+    pages = geometry.all_views(kv_cache)
+    for i, cache in enumerate(caches):
+        header = pages["hdr"][blocks[i]].tolist()  # magic, held, next position, generation, evicted, expired
+        held = header[1]
+        assert header[1:6] == [cache.num_tokens, int(cache.next_position[0]), 1, cache.evicted, cache.expired]
+        order = pages["positions"][blocks[i], 0, :held].argsort()
+        torch.testing.assert_close(pages["positions"][blocks[i], :, :held][:, order], cache.positions[0])
+        torch.testing.assert_close(pages["keys"][blocks[i], :, :held][:, order], cache.keys[0])
