@@ -56,9 +56,10 @@ bench-vllm: $(VLLM_STAMP)
 # KV pruning under vLLM: running requests and tokens/s of selective-pruned's pages against the full cache, same KV
 # memory, with tcmalloc preloaded as vLLM's CPU setup does (benchmarks/results/vllm-pruned.md; the library comes from
 # the system: apt-get install libtcmalloc-minimal4), then under glibc's malloc (vllm-pruned-glibc.md) and with each
-# engine in one process (vllm-pruned-one.md; ~16 min in all on 2 cores)
+# engine in one process (vllm-pruned-one.md); 5 rounds for the first (this host's runs drift), 3 for the others: ~18
+# min in all on 2 cores
 bench-vllm-pruned: $(VLLM_STAMP)
-	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --out benchmarks/results
+	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 5 --out benchmarks/results
 	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --allocator glibc --out benchmarks/results
 	$(VLLM_BIN)/python benchmarks/vllm_pruned.py --rounds 3 --one-process --out benchmarks/results
 
