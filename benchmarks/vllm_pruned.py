@@ -23,7 +23,7 @@ reported is each engine's median, the tokens/s ratio the median of the ratios wi
 drift then hits both sides of a ratio alike).
 
     .venv-vllm/bin/python benchmarks/vllm_pruned.py [--prompts 64] [--length 512] [--new 64] [--budget 64]
-        [--rounds 3] [--allocator tcmalloc|glibc] [--one-process] [--out DIR]
+        [--rounds 5] [--allocator tcmalloc|glibc] [--one-process] [--out DIR]
 
 Every engine runs with tcmalloc preloaded (``--allocator tcmalloc``, the default), as vLLM's CPU installation guide
 sets it up (``apt-get install libtcmalloc-minimal4``, ``LD_PRELOAD``): vLLM's CPU platform preloads a copy bundled in
@@ -260,9 +260,7 @@ def main(argv=None) -> int:
               "vllm:num_preemptions counter (delta over the timed call)")
     result = {"cpu": cpu_model(), "torch": torch.__version__, "vllm": _vllm_version(),
               "config": vars(args) | {"out": None, "one": None, "kv_cache_memory_bytes": kv_bytes,
-                                      "engine": ENGINE, "specs": SIDES,
-                                      "preload": preload,
-                                      "one_process": args.one_process},
+                                      "engine": ENGINE, "specs": SIDES, "preload": preload},
               "method": method, "rows": rows, "ratios": ratios, "targets": targets, "tokens": sanity}
     text = _markdown(result, args)
     print(text)

@@ -237,13 +237,17 @@ class _Layer:
                     raise IntegrationError(f"{where}: parameter {name} has shape {tuple(value.shape)} in the "
                                            f"checkpoint, the spec needs {tuple(wanted[name].shape)}")
                 wanted[name].copy_(value)
+        recorded = budgets(impl.record)
+        self._adopt(core, recorded[index] if len(recorded) > 1 else recorded[0], where)
+
+    def _adopt(self, core: Attention, budget: int | None, where: str) -> None:
+        """Serve ``core`` (its parameters loaded), an evicting spec's pages holding ``budget`` tokens."""
         core.requires_grad_(False)
         self.core, self.plan = core, core.variant.plan
         self.blocked = BlockedBackend()
-        self.heads, self.kv_heads, self.head_dim = impl.num_heads, impl.num_kv_heads, impl.head_size
+        self.heads, self.kv_heads, self.head_dim = core.num_heads, core.num_kv_heads, core.head_dim
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
-        recorded = budgets(impl.record)
-        self.budget = recorded[index] if len(recorded) > 1 else recorded[0]  # an evicting spec's, for its page
+        self.budget = budget  # an evicting spec's, for its page
         self.where = where
         #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
         #: no window horizon, so each row's step evicts exactly one token
@@ -322,22 +326,13 @@ class _Layer:
                        for t in (query, key, value))
         cache = self.core.new_cache(rows, budget=self.budget)
         o = self.core.prefill(q, k, v, cache)
-        held = cache.num_tokens
-        if held > geometry.slots:
-            raise IntegrationError(f"{self.where}: the cache holds {held} tokens after the prompt, the page "
-                                   f"{geometry.slots}")
-        if held:
-            for name, got in (("keys", cache.keys), ("values", cache.values), ("positions", cache.positions),
-                              *((f"state.{n}", cache.state[n]) for n in cache.state_names)):
-                home = pages[name].narrow(2, 0, held)  # an evictor's own scores tensor may broadcast over heads
-                home.index_copy_(0, blocks, got.to(home.dtype).expand(rows, *home.shape[1:]))
+        if cache.num_tokens > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
+                                   f"page {geometry.slots}")
+        _store(pages, blocks, cache)
         headers = pages["hdr"].index_select(0, blocks)
-        generation = torch.where(headers[:, 0] == ring.MAGIC, headers[:, ring.GENERATION] + 1, 1)
-        fresh = torch.tensor([ring.MAGIC, held, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
-                             dtype=torch.int64).repeat(rows, 1)
-        fresh[:, ring.NEXT] = cache.next_position.to(torch.int64).reshape(rows)
-        fresh[:, ring.GENERATION] = generation
-        pages["hdr"].index_copy_(0, blocks, fresh)
+        pages["hdr"].index_copy_(0, blocks, _headers(cache, torch.where(
+            headers[:, 0] == ring.MAGIC, headers[:, ring.GENERATION] + 1, 1)))
         o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
         if rows == 1:
             out[starts[0]:starts[0] + count] = o[0]
@@ -363,8 +358,8 @@ class _Layer:
         o = self.core.decode(q, k, v, cache)
         self.states[1] = cache.step_state
         if _moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
-            _store(page, cache, cache.num_tokens)
-        header.copy_(_header(cache, int(header[ring.GENERATION])))
+            _store(pages, torch.tensor([block]), cache)
+        header.copy_(_headers(cache, header[ring.GENERATION])[0])
         out[start] = o[0, :, 0].to(out.dtype)
 
     def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
@@ -463,23 +458,28 @@ def _consecutive(blocks: torch.Tensor) -> tuple[int, torch.Tensor] | None:
     return (first, order) if bool((ordered == torch.arange(first, first + blocks.shape[0])).all()) else None
 
 
-def _header(cache, generation: int) -> torch.Tensor:
-    """A one-request page's header after a step of ``cache`` (ring.py: magic, tokens held, next position,
-    generation, evicted, expired, scrambled, 0)."""
+def _headers(cache, generation) -> torch.Tensor:
+    """Each row's page header (B, 8) after a step of ``cache`` (ring.py: magic, tokens held, next position,
+    generation (an int or a (B,) tensor), evicted, expired, scrambled, 0)."""
     from . import ring
 
-    return torch.tensor([ring.MAGIC, cache.num_tokens, int(cache.next_position[0]), generation, cache.evicted,
-                         cache.expired, int(cache.scrambled), 0], dtype=torch.int64)
+    out = torch.tensor([ring.MAGIC, cache.num_tokens, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
+                       dtype=torch.int64).repeat(cache.batch, 1)
+    out[:, ring.NEXT] = cache.next_position.to(torch.int64).reshape(cache.batch)
+    out[:, ring.GENERATION] = generation
+    return out
 
 
-def _store(page, cache, held: int) -> None:
-    """The cache's tokens, in position order, into the page's first ``held`` slots."""
-    if held:
-        page["keys"][:, :, :held] = cache.keys
-        page["values"][:, :, :held] = cache.values
-        page["positions"][:, :, :held] = cache.positions
-        for name in cache.state_names:
-            page[f"state.{name}"][:, :, :held] = cache.state[name]
+def _store(pages, blocks: torch.Tensor, cache) -> None:
+    """Each row of ``cache``'s tokens, in position order, into the first slots of its page (``blocks``, one per
+    row)."""
+    held = cache.num_tokens
+    if not held:
+        return
+    for name, got in (("keys", cache.keys), ("values", cache.values), ("positions", cache.positions),
+                      *((f"state.{n}", cache.state[n]) for n in cache.state_names)):
+        home = pages[name].narrow(2, 0, held)  # an evictor's own scores tensor may broadcast over heads
+        home.index_copy_(0, blocks, got.to(home.dtype).expand(blocks.shape[0], *home.shape[1:]))
 
 
 def _moved(cache, page) -> bool:
