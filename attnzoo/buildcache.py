@@ -15,6 +15,8 @@ import functools
 import os
 import secrets
 import stat
+import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -217,16 +219,61 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+class LockTimeout(CacheError):
+    """Another process held a lock file in the cache for longer than the caller would wait (one line, naming it)."""
+
+
+def _pid(fd: int) -> str:
+    """`` (pid N)``: the process holding the ``flock`` on the open file ``fd``, where ``/proc/locks`` says (Linux);
+    else nothing."""
+    try:
+        st = os.fstat(fd)
+        want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()  # "1: FLOCK ADVISORY WRITE <pid> <maj>:<min>:<inode> 0 EOF" ("->": a waiter)
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == want and int(fields[4]) > 0:
+                    return f" (pid {int(fields[4])})"
+    except (OSError, ValueError, AttributeError):
+        pass
+    return ""
+
+
+def _say(line: str) -> None:
+    """One line on stderr, as attnzoo's command line and integrations report (nothing if stderr is gone)."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 @contextmanager
-def locked(path: Path):
-    """Hold the lock file ``path`` (created if absent; never followed through a symbolic link, never truncated)."""
+def locked(path: Path, timeout: float | None = None, waiting: str | None = None):
+    """Hold the lock file ``path`` (created if absent; never followed through a symbolic link, never truncated).
+
+    While another process holds it, says so once on stderr (one line: the file, the process holding it where
+    ``/proc/locks`` tells, then ``waiting``: what the caller does meanwhile) and polls; after ``timeout`` seconds
+    (None: as long as it takes) raises :class:`LockTimeout`, one line naming the file."""
+    if waiting is None:
+        waiting = "; waiting until it is released" if timeout is None else f"; giving up after {timeout:g} s"
     try:
         import fcntl
     except ImportError:  # not POSIX: filelock's own lock
-        from filelock import FileLock
+        import filelock
 
-        with FileLock(str(path)):
+        lock = filelock.FileLock(str(path))
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            _say(f"attnzoo: waiting for the lock {path}: another process holds it{waiting}")
+            try:
+                lock.acquire(timeout=-1 if timeout is None else timeout)
+            except filelock.Timeout:
+                raise LockTimeout(f"{path}: another process held this lock for {timeout:g} s") from None
+        try:
             yield
+        finally:
+            lock.release()
         return
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | NONBLOCK | NOFOLLOW | CLOEXEC, 0o666)
@@ -240,7 +287,23 @@ def locked(path: Path):
             raise CacheError(f"{path}: not a regular file, where attnzoo keeps a lock file; remove it {FIX}")
         if st.st_uid == os.getuid():
             drop_others_write(fd)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        start, pause, said = time.monotonic(), 0.01, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            except OSError as exc:  # no locks on this file system (ENOLCK), ...
+                raise failed(path, "lock it", exc) from None
+            waited = time.monotonic() - start
+            if timeout is not None and waited >= timeout:
+                raise LockTimeout(f"{path}: another process{_pid(fd)} held this lock for {waited:.1f} s")
+            if not said:
+                _say(f"attnzoo: waiting for the lock {path}: another process{_pid(fd)} holds it{waiting}")
+                said = True
+            time.sleep(min(pause, 0.25) if timeout is None else min(pause, 0.25, timeout - waited))
+            pause *= 2
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -3,7 +3,10 @@ beside this file compiled by ``torch.utils.cpp_extension`` once per machine and 
 by the sources, the flags, torch, Python, the compiler and the CPU, under the trust rules of
 :mod:`attnzoo.buildcache`), checked against its manifest and loaded by every later process, the ops' fake kernels
 registered, the build lock renewed in a forked child, and :func:`status`: whether :mod:`.fused`'s steps run, or
-why not (no compiler and no build, ``ATTNZOO_FUSED_DECODE=0``, a failed build).
+why not (no compiler and no build, ``ATTNZOO_FUSED_DECODE=0``, a failed build, a setting that does not parse, a
+damaged cache, another process holding the build lock past ``ATTNZOO_FUSED_LOCK_TIMEOUT``). Nothing raises out of
+:func:`library` or :func:`status` (but an interrupt): a failure is one status line naming the variable or file,
+and the torch steps run.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import shlex
@@ -32,6 +36,10 @@ _SOURCE = Path(__file__).with_name("fused_decode.cpp")
 _BODY = "fused_decode_body.h"
 _FLAGS = ["-O3", "-fopenmp"]
 _LIBRARY, _MANIFEST = "fused_decode.so", "manifest.json"
+#: seconds a process waits for the build lock another process holds (building the same key, or stopped with
+#: Ctrl-Z) before it runs the torch steps instead: ``ATTNZOO_FUSED_LOCK_TIMEOUT`` (a build takes about 30 s on a
+#: 2-core host, several times that under AddressSanitizer or a loaded machine)
+_LOCK_TIMEOUT = 300.0
 _LOCK = threading.Lock()
 _LOADED: tuple[Ops | None, str | None] | None = None  # (the loaded ops, why not)
 #: namespace -> the key of the library whose ops are registered under it in this process (a second library, e.g.
@@ -71,19 +79,76 @@ class _BuildFailed(Exception):
     pass
 
 
+class _Unusable(Exception):
+    """A setting or a file the library cannot be configured, built or loaded with: the status line (one line,
+    naming it)."""
+
+
+def _shown(value: str) -> str:
+    """An environment variable's value as a status line shows it: quoted, escaped (one line), at most 200 chars."""
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _words(var: str) -> list[str]:
+    """``$var`` split as a shell splits it; :class:`_Unusable` naming it if it does not parse."""
+    given = os.environ.get(var, "")
+    try:
+        return shlex.split(given)
+    except ValueError as exc:
+        raise _Unusable(f"{var}={_shown(given)} does not parse as shell words ({exc}); fix or unset it") from None
+
+
 def _compiler() -> list[str] | None:
     """The C++ compiler: ``$CXX``, else ``$CC`` (gcc and clang compile a ``.cpp`` as C++), else ``c++``, ``g++`` or
-    ``clang++`` on the path; None if there is none."""
-    given = os.environ.get("CXX") or os.environ.get("CC")
-    if given:
-        return shlex.split(given)
+    ``clang++`` on the path; None if there is none. :class:`_Unusable` for a ``$CXX`` (``$CC``) that does not parse
+    or names no command."""
+    for var in ("CXX", "CC"):
+        if os.environ.get(var):
+            words = _words(var)
+            if not words:
+                raise _Unusable(f"{var}={_shown(os.environ[var])} names no compiler; set it to one, or unset it")
+            return words
     found = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     return [found] if found else None
 
 
 def _cache_root() -> Path:
-    given = os.environ.get("ATTNZOO_FUSED_CACHE_DIR")
-    return build.cache_root(Path(given).expanduser() if given else build.cache_dir())
+    """The build cache's directory, checked (:func:`attnzoo.buildcache.cache_root`); :class:`_Unusable` naming the
+    variable that chose it when it cannot be used."""
+    for var in ("ATTNZOO_FUSED_CACHE_DIR", "ATTNZOO_CACHE_DIR"):
+        if given := os.environ.get(var):
+            try:
+                return build.cache_root(Path(given).expanduser())
+            except (build.CacheError, OSError, RuntimeError) as exc:  # RuntimeError: ~user of no user
+                raise _Unusable(f"{var}={_shown(given)} cannot be the build cache: {_one_line(exc)}") from None
+    return build.cache_root(build.cache_dir())
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of ``exc`` (at most 300 characters), its type's name where it says nothing; the advice
+    ``set ATTNZOO_CACHE_DIR`` reads ``set ATTNZOO_FUSED_CACHE_DIR`` where that variable chose the directory."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0][:300] if lines else type(exc).__name__
+    if os.environ.get("ATTNZOO_FUSED_CACHE_DIR"):
+        text = text.replace("ATTNZOO_CACHE_DIR (or --cache-dir)", "ATTNZOO_FUSED_CACHE_DIR")
+        text = text.replace("ATTNZOO_CACHE_DIR", "ATTNZOO_FUSED_CACHE_DIR")
+    return text
+
+
+def _lock_timeout() -> float:
+    """``$ATTNZOO_FUSED_LOCK_TIMEOUT`` seconds (``inf``: no limit), else :data:`_LOCK_TIMEOUT`."""
+    given = os.environ.get("ATTNZOO_FUSED_LOCK_TIMEOUT", "")
+    if not given.strip():
+        return _LOCK_TIMEOUT
+    try:
+        seconds = float(given)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:
+        raise _Unusable(f"ATTNZOO_FUSED_LOCK_TIMEOUT={_shown(given)} is not a number of seconds >= 0; fix or "
+                        f"unset it")
+    return seconds
 
 
 def _machine() -> str:
@@ -106,14 +171,15 @@ def _compiler_id(cxx: list[str]) -> str:
     """The compiler as the key sees it: its command, and the file it runs (path, size, mtime: an upgrade is another
     compiler) without running it."""
     found = shutil.which(cxx[0])
-    if found is None:
+    try:
+        st = os.stat(found)
+    except (OSError, TypeError):  # TypeError: None, not found
         return shlex.join(cxx) + " (not found)"
-    st = os.stat(found)
     return f"{shlex.join(cxx)} {os.path.realpath(found)} {st.st_size} {st.st_mtime_ns}"
 
 
 def _given_flags() -> list[str]:
-    return shlex.split(os.environ.get("ATTNZOO_FUSED_CFLAGS", ""))  # e.g. -fsanitize=address for a check
+    return _words("ATTNZOO_FUSED_CFLAGS")  # e.g. -fsanitize=address for a check
 
 
 def _key(sources: dict[str, bytes], cxx: list[str], flags: list[str], namespace: str | None) -> str:
@@ -125,83 +191,136 @@ def _key(sources: dict[str, bytes], cxx: list[str], flags: list[str], namespace:
 
 
 def _compile() -> tuple[Ops | None, str | None]:
-    """The ops, loaded from the build cache or built into it now; or None and why not (one line)."""
-    if os.environ.get("ATTNZOO_FUSED_DECODE", "1").strip() == "0":
-        return None, "switched off (ATTNZOO_FUSED_DECODE=0)"
+    """The ops, loaded from the build cache or built into it now; or None and why not (one line). Raises nothing
+    but what interrupts (KeyboardInterrupt, SystemExit)."""
     try:
-        sources = {"fused_decode.cpp": _SOURCE.read_bytes(), _BODY: (_SOURCE.parent / _BODY).read_bytes()}
-    except OSError as exc:
-        return None, f"cannot read the fused step's source: {exc}"
+        return _set_up()
+    except _Unusable as exc:
+        return None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - whatever else fails: a line, and the torch steps
+        return None, f"the fused C steps could not be set up: {type(exc).__name__}: {_one_line(exc)}"
+
+
+def _configured() -> tuple[dict[str, bytes], list[str] | None, list[str], str, str, str]:
+    """What the library is built from, as this process's settings say: (the sources, the compiler or None, the
+    flags, the namespace of its ops, the key without the namespace, the key). :class:`_Unusable` for a setting
+    that does not parse, OSError for a source that cannot be read."""
+    sources = {"fused_decode.cpp": _SOURCE.read_bytes(), _BODY: (_SOURCE.parent / _BODY).read_bytes()}
     cxx = _compiler()
     flags = [*_FLAGS, *_given_flags()]
     base = _key(sources, cxx or ["none"], flags, None)
     namespace = "attnzoo" if _NAMESPACES.get("attnzoo", base) == base else f"attnzoo_{base[:12]}"
     sources["fused_decode_ops.h"] = layout.header(namespace).encode()
-    key = _key(sources, cxx or ["none"], flags, namespace)
+    return sources, cxx, flags, namespace, base, _key(sources, cxx or ["none"], flags, namespace)
+
+
+def _set_up() -> tuple[Ops | None, str | None]:
+    if os.environ.get("ATTNZOO_FUSED_DECODE", "1").strip() == "0":
+        return None, "switched off (ATTNZOO_FUSED_DECODE=0)"
+    try:
+        sources, cxx, flags, namespace, base, key = _configured()
+    except OSError as exc:
+        return None, f"cannot read the fused step's source: {exc}"
     if key in _LIBRARIES:
         return _LIBRARIES[key], None
+    damaged = None  # why the build in the cache for this key, if there is one, is not used
     try:
         root = _cache_root()
         found = _cached(root, key)
         built = False
-        if found is None:
+        if not isinstance(found, tuple):
+            damaged = found
             if cxx is None:
-                return None, f"no C++ compiler found (set CXX to one) and no build for this machine in {root}"
-            with _locked(root, key):
+                return None, (f"no C++ compiler found (set CXX to one) and no build for this machine in {root}"
+                              + _unused(damaged))
+            timeout = _lock_timeout()
+            with _locked(root, key, timeout):
                 found = _cached(root, key)
-                if found is None:
+                if not isinstance(found, tuple):
+                    damaged = found
                     found = _build(root, key, sources, cxx, flags)
                     built = True
+    except build.LockTimeout as exc:
+        return None, (f"{_one_line(exc)}, waiting for its build (ATTNZOO_FUSED_LOCK_TIMEOUT={timeout:g}); a later "
+                      f"process loads that build from the cache")
     except build.CacheError as exc:
-        return None, f"the build cache cannot be used: {exc}"
+        return None, f"the build cache cannot be used: {_one_line(exc)}"
     except _BuildFailed as exc:
-        return None, f"{shlex.join(cxx)} could not compile {_SOURCE.name}: {exc}"
+        given = os.environ.get("ATTNZOO_FUSED_CFLAGS", "").strip()
+        with_flags = f" with ATTNZOO_FUSED_CFLAGS={_shown(given)}" if given else ""
+        return None, f"{shlex.join(cxx)} could not compile {_SOURCE.name}{with_flags}: {exc}" + _unused(damaged)
+    except OSError as exc:  # a directory above the cache, what the compiler wrote, writing it into the cache
+        return None, f"the build cache cannot be used: {_one_line(exc)}"
     path, library = found
     try:
         if library is not None:
             _load(path, library)
         _register_fakes(namespace)
         ops = Ops(namespace, path, built, key)
-    except (OSError, RuntimeError, AttributeError) as exc:
-        return None, f"the built library did not load: {str(exc).splitlines()[0][:200]}"
+    except Exception as exc:  # noqa: BLE001 - ctypes' OSError, torch's RuntimeError, ...: a line
+        if library is not None and library not in _KEPT:
+            with contextlib.suppress(OSError):
+                os.close(library)
+        return None, f"the built library {path} did not load: {_one_line(exc)}"
     _NAMESPACES[namespace] = base
     _LIBRARIES[key] = ops
     return ops, None
 
 
+def _unused(damaged: str | None) -> str:
+    return "" if damaged is None else f"; the build in the cache is not used: {damaged}"
+
+
 @contextlib.contextmanager
-def _locked(root: Path, key: str):
+def _locked(root: Path, key: str, timeout: float):
     directory = root / "fused-decode"
     build.checked_dir(directory, create=True)
-    with build.locked(directory / f"{key[:32]}.lock"):
+    waiting = (f" (building the fused decoding steps, or stopped); the torch steps run instead after {timeout:g} s "
+               f"(ATTNZOO_FUSED_LOCK_TIMEOUT)")
+    with build.locked(directory / f"{key[:32]}.lock", timeout, waiting):
         yield
 
 
-def _cached(root: Path, key: str) -> tuple[Path, int] | None:
-    """The cached library for ``key`` as (its path, an open descriptor of it whose bytes match the manifest), or
-    None when it is absent or damaged. :class:`CacheError` for what must not be followed or trusted."""
+def _cached(root: Path, key: str) -> tuple[Path, int] | str | None:
+    """The cached library for ``key`` as (its path, an open descriptor of it whose bytes match the manifest); None
+    when there is none; or, when there is one that is damaged, why it is not used (one line naming the file).
+    :class:`CacheError` for what must not be followed or trusted."""
     if not build.checked_dir(root / "fused-decode"):
         return None
     directory = root / "fused-decode" / key[:32]
     if not build.checked_dir(directory):
         return None
+    file = directory / _MANIFEST
     try:
-        manifest = json.loads(build.read_file(directory / _MANIFEST) or b"")
-    except ValueError:
-        return None
+        data = build.read_file(file)
+    except OSError as exc:  # a directory there: os.fdopen refuses it before read_file looks at what it opened
+        raise build.failed(file, "read it", exc) from None
+    if data is None:
+        return f"{file}: missing"
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # not UTF-8 (UnicodeDecodeError), not JSON, nested too deep
+        return f"{file}: not a manifest ({type(exc).__name__}: {_one_line(exc)[:100]})"
     if not isinstance(manifest, dict) or manifest.get("key") != key:
-        return None
+        return f"{file}: not this build's manifest (no key, or another)"
+    digest_wanted = manifest.get("library")
+    if not isinstance(digest_wanted, str):
+        return f"{file}: no sha256 of the library"
     path = directory / _LIBRARY
     fd = _open_checked(path)
     if fd is None:
-        return None
+        return f"{path}: missing"
     digest = hashlib.sha256()
-    with os.fdopen(os.dup(fd), "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != manifest.get("library"):
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    except OSError as exc:
         os.close(fd)
-        return None
+        raise build.failed(path, "read it", exc) from None
+    if digest.hexdigest() != digest_wanted:
+        os.close(fd)
+        return f"{path}: its sha256 is not its manifest's"
     return path, fd
 
 
@@ -305,19 +424,32 @@ _FAKES: set[str] = set()
 
 def _register_fakes(namespace: str) -> None:
     """The ops' fake kernels: the output's shape and dtype from q (B, H, 1, D), nothing else, so torch.compile and
-    FakeTensorMode trace through them (the mutated buffers keep their shapes)."""
+    FakeTensorMode trace through them (the mutated buffers keep their shapes). Every tensor argument must be on the
+    device of the op's first (q, or k for the append), as the kernel requires (ValueError, one line, naming it):
+    a meta q with buffers on the CPU would otherwise return a meta tensor and write nothing."""
     if namespace in _FAKES:
         return
+    for kernel, op in layout.KERNELS.items():
+        names = [name for name, _ in layout.OPS[op][0]]
+        torch.library.register_fake(f"{namespace}::{op}", _fake(op, names, kernel != "append"))
+    _FAKES.add(namespace)
 
-    def step_fake(q, *args, **kwargs):
-        return q.new_empty(q.shape)  # contiguous, as the kernel makes it
 
-    def append_fake(*args, **kwargs):
+def _fake(op: str, names: list[str], returns: bool):
+    def fake(*args, **kwargs):
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
+        tensors = [(name, given[name]) for name in names if isinstance(given.get(name), torch.Tensor)]
+        first, device = tensors[0][0], tensors[0][1].device
+        for name, t in tensors[1:]:
+            if t.device != device:
+                raise ValueError(f"{op}: {name} is on {t.device}, {first} on {device}: the op's tensors must all be "
+                                 f"on one device")
+        if returns:
+            q = given["q"]
+            return q.new_empty(q.shape)  # contiguous, as the kernel makes it
         return None
 
-    for kernel, op in layout.KERNELS.items():
-        torch.library.register_fake(f"{namespace}::{op}", append_fake if kernel == "append" else step_fake)
-    _FAKES.add(namespace)
+    return fake
 
 
 def library() -> Ops | None:
