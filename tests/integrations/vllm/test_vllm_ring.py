@@ -104,3 +104,72 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
         order = pages["positions"][blocks[i], 0, :held].argsort()
         torch.testing.assert_close(pages["positions"][blocks[i], :, :held][:, order], cache.positions[0])
         torch.testing.assert_close(pages["keys"][blocks[i], :, :held][:, order], cache.keys[0])
+
+
+def _step(layer, geometry, kv_cache, blocks, counts, done, gen):
+    """One step of the serving layer over the ring pages of ``kv_cache``: ``counts[i]`` new tokens of request ``i``
+    (after ``done[i]``), its page ``blocks[i]``; returns the output and the lengths after the step."""
+    import types
+
+    n = sum(counts)
+    q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=kv_cache.dtype) for h in (4, 2, 2))
+    starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    done = [d + c for d, c in zip(done, counts, strict=True)]
+    meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
+                                 seq_lens=torch.tensor(done, dtype=torch.int32),
+                                 block_table=torch.tensor(blocks, dtype=torch.int32).unsqueeze(1))
+    out = torch.full((n, 64), float("nan"), dtype=kv_cache.dtype)
+    layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+    return out, done
+
+
+@pytest.mark.parametrize("spec", ["selective-pruned", "h2o"])
+@pytest.mark.parametrize(("lengths", "counts", "blocks", "rows", "block"), [
+    # the full pages' batched step (a repeated block is never a run of consecutive blocks: gathered, then scattered)
+    pytest.param([20, 20, 20, 20], [1, 1, 1, 1], [3, 4, 5, 4], "1 and 3", 4, id="full-pages"),
+    pytest.param([20, 20, 20, 20], [1, 1, 1, 1], [8, 8, 1, 8], "0, 1 and 3", 8, id="full-pages-three-rows"),
+    pytest.param([5, 5, 20], [1, 1, 1], [3, 3, 4], "0 and 1", 3, id="lone-steps"),  # pages still filling
+    pytest.param([0, 0, 0], [12, 12, 12], [5, 6, 5], "0 and 2", 5, id="prompts-of-one-length"),
+    pytest.param([20, 0, 20], [1, 9, 1], [2, 7, 7], "1 and 2", 7, id="a-prompt-and-a-step")])
+def test_a_step_whose_requests_share_a_page_is_refused_before_any_write(spec, lengths, counts, blocks, rows, block,
+                                                                        monkeypatch):
+    """Two requests of one step batch on one ring page (a scheduler or KV-manager bug: a page is one request's for
+    its whole life) are refused in one line naming the requests (rows of the step's batch) and the block, on every
+    path that writes pages (the full pages' batched step; lone steps; prompts of one length prefilled together; a
+    prompt beside a step), and no page is written; without the check the same step writes them."""
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.transformers.base import IntegrationError
+    from attnzoo.integrations.vllm import backend
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+
+    dtype, budget = torch.float64, 8
+    layer, core = _serving_layer(spec, budget, dtype)
+    names = tuple(core.new_cache(1, budget=budget).state_names)
+    geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+    kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    for b, n in {b: n for b, n in zip(blocks, lengths, strict=True) if n}.items():  # each page's own prompt first
+        _step(layer, geometry, kv_cache, [b], [n], [0], gen)
+    before = kv_cache.clone()
+    with pytest.raises(IntegrationError) as caught:
+        _step(layer, geometry, kv_cache, blocks, counts, lengths, gen)
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("test: vLLM's scheduler gave requests")
+    assert f"requests {rows} of this step" in line and f"same ring page, block {block}:" in line
+    assert torch.equal(kv_cache, before)  # no page, no header written
+    monkeypatch.setattr(backend, "_distinct_pages", lambda *args: None)  # what the check stops: pages written
+    try:  # with no word, or (lone steps) the second request's header check, after the first wrote the page
+        _step(layer, geometry, kv_cache, blocks, counts, lengths, gen)
+    except IntegrationError as exc:
+        assert "does not continue" in str(exc)
+    assert not torch.equal(kv_cache, before)
+
+
+def test_a_request_without_new_tokens_shares_no_page():
+    """A row of the step without new tokens writes nothing: its block id is not counted."""
+    from attnzoo.integrations.transformers.base import IntegrationError
+    from attnzoo.integrations.vllm import backend
+
+    backend._distinct_pages([3, 3, 4], torch.tensor([0, 1, 1]), "test")
+    with pytest.raises(IntegrationError, match="requests 0 and 1 of this step .* block 3:"):
+        backend._distinct_pages([3, 3, 4], torch.tensor([1, 1, 0]), "test")
