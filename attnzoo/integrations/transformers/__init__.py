@@ -35,6 +35,7 @@ from .base import (
     CORE_NAME,
     PARAM_MARK,
     CheckpointSpecMismatchError,
+    FamilyWarning,
     IntegrationError,
     ProbeError,
     is_core_key,
@@ -56,9 +57,9 @@ from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequen
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_MARK",
-    "CORE_NAME", "CheckpointSpecMismatchError", "IntegrationError", "LayerCall", "METADATA_HASH", "METADATA_NAME",
-    "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "ProbeError", "apply", "attention_forward", "attention_mask",
-    "check_record", "compose", "from_pretrained", "is_applied", "is_core_key", "layer_specs", "load_transform_params",
-    "native_layers", "native_spec", "probe", "stamp_safetensors", "is_sharded", "sequence_shard", "shard_sequence",
-    "unshard_sequence",
+    "CORE_NAME", "CheckpointSpecMismatchError", "FamilyWarning", "IntegrationError", "LayerCall", "METADATA_HASH",
+    "METADATA_NAME", "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "ProbeError", "apply", "attention_forward",
+    "attention_mask", "check_record", "compose", "from_pretrained", "is_applied", "is_core_key", "layer_specs",
+    "load_transform_params", "native_layers", "native_spec", "probe", "stamp_safetensors", "is_sharded",
+    "sequence_shard", "shard_sequence", "unshard_sequence",
 ]

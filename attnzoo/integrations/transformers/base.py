@@ -43,6 +43,13 @@ class ProbeError(IntegrationError):
     :func:`~attnzoo.integrations.transformers.core.config_native_layers` then builds it small on the CPU)."""
 
 
+class FamilyWarning(UserWarning):
+    """A model family where transformers' own computation keeps attnzoo from matching some result of transformers:
+    its cache keeps fewer keys than its mask attends to (moshi), or it scales queries by their index in the call
+    rather than their position (Llama 4's temperature tuning, under left padding). One line naming the family or
+    the module and the reason (docs/transformers.md, "Family notes")."""
+
+
 class CheckpointSpecMismatchError(IntegrationError):
     """A checkpoint was saved with another spec than the model's (the message names the file and both hashes)."""
 

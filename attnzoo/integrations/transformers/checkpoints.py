@@ -37,10 +37,12 @@ def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, *
 
     hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     config_file = _config_file(path_or_name, hub_kwargs)
+    loader = AutoModelForCausalLM
     if config_file is not None:  # refused before transformers reads any weight
         read_record(config_file)
+        loader = causal_lm_class(config_file, kwargs.get("config"))
     kwargs.setdefault("attn_implementation", "eager")  # the guard's name in config.json; apply() switches to attnzoo
-    model = _quietly(lambda: AutoModelForCausalLM.from_pretrained(path_or_name, **kwargs))
+    model = _quietly(lambda: loader.from_pretrained(path_or_name, **kwargs))
     where = config_file or f"{path_or_name} (its config)"
     record = getattr(model.config, CONFIG_KEY, _MISSING)
     if record is _MISSING:
@@ -51,6 +53,56 @@ def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, *
           backend=backend or record["backend"], prefer=record["prefer"])
     load_transform_params(model, path_or_name, **hub_kwargs)
     return model
+
+
+def causal_lm_class(config_file: str, config=None):
+    """The class that loads a checkpoint: ``AutoModelForCausalLM``, or, where transformers' causal-LM mapping does
+    not list the configuration class the checkpoint was saved with, the causal-LM class its ``architectures`` name.
+    Emu3's ``Emu3ForCausalLM`` saves an ``Emu3TextConfig`` (``emu3_text_model``), which ``AutoModelForCausalLM``
+    refuses ("Unrecognized configuration class"; plain transformers cannot load the checkpoint either): it loads
+    through ``Emu3ForCausalLM``. Only a class transformers itself ships as a causal LM, built from exactly that
+    configuration class, is taken (``architectures`` is the checkpoint's word); anything else is refused in one line
+    naming transformers' limit."""
+    import transformers
+    from transformers import AutoModelForCausalLM, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from .saving import ARCHITECTURE_PREFIX
+
+    try:
+        with open(config_file, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return AutoModelForCausalLM  # read_record has read it: transformers says what is wrong
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if isinstance(config, PretrainedConfig):
+        config_class = type(config)
+    elif isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        config_class = CONFIG_MAPPING[model_type]
+    else:  # remote code, or a model type this transformers does not know: its own refusal says so
+        return AutoModelForCausalLM
+    if config_class in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    names = data.get("architectures") if isinstance(data.get("architectures"), list) else []
+    for name in names:
+        if not isinstance(name, str):
+            continue
+        own = name[len(ARCHITECTURE_PREFIX):] if name.startswith(ARCHITECTURE_PREFIX) else name
+        cls = getattr(transformers, own, None) if own in causal else None
+        if isinstance(cls, type) and getattr(cls, "config_class", None) is config_class:
+            return cls
+    raise IntegrationError(f"{config_file}: transformers {transformers.__version__} has no causal LM for the "
+                           f"configuration class {config_class.__name__} ({_clip_name(model_type)}): "
+                           f"AutoModelForCausalLM does not list it (plain transformers cannot load this checkpoint "
+                           f"either) and its architectures ({_clip_name(names)}) name no transformers causal-LM class "
+                           f"built from it")
+
+
+def _clip_name(value, limit: int = 80) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _config_file(path_or_name, hub_kwargs: dict) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ...nn import Attention
@@ -12,6 +14,7 @@ from .base import (
     CORE_NAME,
     PREFER,
     UNSET,
+    FamilyWarning,
     IntegrationError,
     ProbeError,
     applied_modules,
@@ -171,7 +174,9 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
     ``budget``: tokens an :class:`AttnzooCache` keeps per layer (an int, None for no eviction, or a list with one
     value per layer); default the spec's ``cache.budget``. ``backend``: attnzoo backend (``"auto"`` picks per
     call). The spec, its hash, the budget and ``prefer`` are recorded in ``model.config.attnzoo`` (written by
-    ``save_pretrained``). Returns the model. Applying again replaces the spec (and resets its parameters)."""
+    ``save_pretrained``). Returns the model. Applying again replaces the spec (and resets its parameters). Where
+    transformers' own cached ``generate()`` computes something else than its forward (a cache layer that keeps
+    fewer keys than the layer's mask attends to: moshi), it warns in one line (:class:`~.base.FamilyWarning`)."""
     if prefer not in PREFER:
         raise IntegrationError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
     loaded = load_spec(spec)
@@ -183,6 +188,7 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
     budgets = budgets_for(budget, loaded, len(pairs))
     config = model.config
     built = []
+    notices: set[str] = set()  # the family warnings already given at a call (shared by the model's cores)
     for (module, call), layer_budget in zip(pairs, budgets, strict=True):
         layer_spec, bound = compose(NativeLayer(call, model_type), loaded, prefer)
         reference = next(module.parameters(), None)
@@ -197,6 +203,8 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
         except ValueError as exc:
             raise IntegrationError(f"{where(module)}: {exc}") from None
         core.hf_call = call
+        core.hf_slot_temperature = slot_temperature(module)
+        core.hf_notices = notices
         validate_budget(core, layer_budget, module)
         built.append((module, core))
     for module, core in built:  # only once every layer is built: a refusal leaves the model as it was
@@ -224,7 +232,59 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
     from .saving import SaveWithSpec
 
     model.save_pretrained = SaveWithSpec(model)
+    mismatch = cache_window_mismatch(model, [call for _, call in pairs], model_type)
+    if mismatch is not None:
+        warnings.warn(mismatch, FamilyWarning, stacklevel=2)
     return model
+
+
+def cache_window_mismatch(model, calls, model_type: str) -> str | None:
+    """One line when the cache transformers' own ``generate()`` builds for ``model`` (a ``DynamicCache`` from its
+    text configuration) keeps fewer past keys on a layer than the mask the probe read for that layer attends to
+    (moshi: ``config.sliding_window`` makes every cache layer a sliding one while its mask is causal): transformers'
+    cached generation then computes something else than its forward, and attnzoo, which computes the mask with or
+    without its cache, cannot match both. Read from what the host builds (its cache layers' ``sliding_window``
+    against the layers' masks), not from a list of families; None when they agree or the cache cannot be built."""
+    if not callable(getattr(model, "_supports_default_dynamic_cache", None)):
+        return None
+    try:
+        from transformers import DynamicCache
+
+        if not model._supports_default_dynamic_cache():
+            return None
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else None
+        layers = list(DynamicCache(config=config or model.config).layers)
+    except Exception:  # noqa: BLE001 - no cache of transformers' own to compare with
+        return None
+    for call in calls:
+        kept = getattr(layers[call.layer], "sliding_window", None) if call.layer < len(layers) else None
+        if isinstance(kept, bool) or not isinstance(kept, int):
+            continue
+        reach = call.sliding_window or call.chunk  # keys back, the query's own included; None: every earlier key
+        if reach is not None and reach <= kept:
+            continue
+        mask = ("causal" if reach is None else f"a window of {reach}" if call.sliding_window else
+                f"chunks of {reach}")
+        return (f"{type(model).__name__} ({model_type}): transformers' own cached generate() computes something "
+                f"else than its forward: its DynamicCache keeps {kept - 1} past tokens on layer {call.layer} "
+                f"(sliding_window {kept}) where the layer's mask is {mask}; attnzoo computes the mask with or "
+                f"without its cache (the forward, transformers' generate() with use_cache=False), so its greedy "
+                f"tokens can differ from transformers' cached generate()")
+    return None
+
+
+def slot_temperature(module) -> float | None:
+    """``floor_scale`` of a layer that scales its queries by their index in the call rather than by their position
+    (Llama 4's ``attn_temperature_tuning`` on its no-RoPE layers: ``log1p(floor((i + 1) / floor_scale))``, ``i`` the
+    cache length plus the token's index), or None. Read from the module's own attributes: the scaling happens in
+    the module's forward before it calls the interface, so the probe sees only scaled queries, and at the probe's
+    two tokens the scale is 1 (released configs: floor_scale 8192)."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return None
+    scale = getattr(module, "floor_scale", None)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+        return None
+    return float(scale)
 
 
 def _hidden_size(config) -> int | None:
@@ -275,7 +335,11 @@ class _PrepareCacheWithAttnzoo:
     """``generate()``'s cache preparation for an applied model, set on the model instance: an
     :class:`AttnzooCache` by default; a cache passed by the caller, ``use_cache=False`` or a
     ``cache_implementation`` keep transformers' way (transformers 5 has no other hook for a default cache class).
-    An object rather than a bound method, so that the model still pickles and deep-copies."""
+    An :class:`AttnzooCache` passed by the caller is used even where the configuration or the call says
+    ``use_cache=False`` (a checkpoint saved for training often does): transformers would otherwise feed the whole
+    sequence again at every step into the cache it was given (a ``DynamicCache`` then holds each token several times
+    and numbers the repeated tokens after the ones it holds). An object rather than a bound method, so that the
+    model still pickles and deep-copies."""
 
     def __init__(self, model) -> None:
         self.model = model
@@ -283,6 +347,8 @@ class _PrepareCacheWithAttnzoo:
     def __call__(self, generation_config, model_kwargs, *args, **kwargs):
         model = self.model
         name = cache_argument(model)
+        if isinstance(model_kwargs.get(name), AttnzooCache) and generation_config.use_cache is False:
+            generation_config.use_cache = True  # this call's copy: generate() passes it on to every forward
         if (model_kwargs.get(name) is None and generation_config.use_cache is not False
                 and generation_config.cache_implementation in (None, "dynamic") and is_applied(model)):
             model_kwargs[name] = AttnzooCache(model)

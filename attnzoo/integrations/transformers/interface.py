@@ -12,6 +12,7 @@ name, as is a keyword argument attnzoo does not know how to compute.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -20,7 +21,16 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ...nn import Attention
 from . import masks
-from .base import ATTN_IMPLEMENTATION, CORE_NAME, IntegrationError, ProbeError, cache_argument, one_line, where
+from .base import (
+    ATTN_IMPLEMENTATION,
+    CORE_NAME,
+    FamilyWarning,
+    IntegrationError,
+    ProbeError,
+    cache_argument,
+    one_line,
+    where,
+)
 from .cache import recording_cache
 
 #: The name a probing forward registers its recording function under.
@@ -387,6 +397,8 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     cache = getattr(module, "_attnzoo_cache", None)
     x = getattr(module, "_attnzoo_input", None) if len(core.token_projections) else None  # the layer input
     position_ids = kwargs.get("position_ids")
+    if getattr(core, "hf_slot_temperature", None) is not None:
+        _warn_slot_temperature(module, core, cache, position_ids, attention_mask, n, query.device)
     decoding = isinstance(cache, AttnzooCache)
     if getattr(core, "parallel", None) is not None and (decoding or kwargs.get("output_attentions")):
         what = "decoding (an AttnzooCache)" if decoding else "output_attentions"
@@ -422,6 +434,47 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
     # (B, N, H, D) contiguous, as transformers' own attention functions return it (models view it: afmoe)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _warn_slot_temperature(module, core, cache, position_ids, attention_mask, n: int, device) -> None:
+    """Llama 4's temperature tuning (``core.hf_slot_temperature``: the layer's ``floor_scale``) scaled this call's
+    queries by their slot, their index in the call plus the cache length before it, not by their position (Llama 4
+    passes its attention no ``position_ids``: attnzoo numbers each row's real tokens, as for the row alone): warn
+    when that gives a real token another scale than its position would, as behind left padding (the row then
+    differs from itself alone in transformers' own computation, before attnzoo's attention runs). Once per model
+    (``core.hf_notices``, shared by its layers' cores)."""
+    from .cache import AttnzooCache
+
+    notices = getattr(core, "hf_notices", None)
+    if not isinstance(notices, set) or "slot temperature" in notices:
+        return
+    past = 0
+    if cache is not None and callable(getattr(cache, "get_seq_length", None)):
+        past = max(int(cache.get_seq_length(module.layer_idx)) - n, 0)  # the cache's update() has run
+    real = None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[1] >= n:
+        real = attention_mask[:, attention_mask.shape[1] - n:].to(device=device, dtype=torch.bool)
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and position_ids.shape[-1] == n:
+        positions = position_ids.to(device=device, dtype=torch.int64) + 1
+    else:  # attnzoo's own numbering: each row's real tokens from 1, or on from where its cache is
+        start = torch.ones((), dtype=torch.int64, device=device)
+        layer = cache.layers[module.layer_idx] if isinstance(cache, AttnzooCache) else None
+        if layer is not None and layer.kv is not None:
+            start = layer.kv.next_position.to(device)[:, None]
+        step = real.to(torch.int64) if real is not None else torch.ones(1, n, dtype=torch.int64, device=device)
+        positions = start + step.cumsum(-1) - step
+    scale = core.hf_slot_temperature
+    slots = torch.arange(past + 1, past + n + 1, device=device)
+    differs = torch.floor(slots / scale) != torch.floor(positions / scale)
+    if real is not None:
+        differs = differs & real
+    if not bool(differs.any()):
+        return
+    notices.add("slot temperature")
+    warnings.warn(f"{where(module)}: attn_temperature_tuning scales each query by its index in the call (the cache "
+                  f"length plus the token's index), not by its position: a left-padded row is scaled as if its "
+                  f"padding were tokens (floor_scale {scale:g}), so it differs from the row alone in transformers' "
+                  f"own computation, before attnzoo's attention runs", FamilyWarning, stacklevel=2)
 
 
 def _new_token_mask(attention_mask, b: int, n: int, here: str, exact: bool) -> torch.Tensor | None:

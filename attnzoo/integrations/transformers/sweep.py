@@ -9,7 +9,8 @@ attention (docs/transformers.md; the generated table docs/reference/families.md;
   left-padded batch as that row alone (``position_ids`` from the mask, the same numbering for the row alone),
   greedy ``generate`` as eager's, and the padded batch generating each row as eager does alone. Where transformers'
   own cached generation differs from its generation without a cache (its cache computes something else than its
-  forward), the tokens without a cache are the reference, and the detail says so;
+  forward), the tokens without a cache are the reference, and the detail says so, as it gives what ``apply``
+  warned about the family (:class:`~.base.FamilyWarning`);
 - ``"refused"``: ``apply`` raises :class:`IntegrationError` with a one-line message (the detail);
 - ``"wrong"``: ``apply`` accepts it and the model then computes something else (the detail says what differs);
 - ``"failing"``: anything else: an exception after ``apply`` (the detail names it and where it came from), from
@@ -26,9 +27,11 @@ import contextlib
 import copy
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from .base import FamilyWarning
 from .sweep_models import BOS, PAD, VOCAB, CannotBuild, build, one_line, quiet
 
 #: The unpadded prompt (several windows and chunks), the rows of the padded batch, the tokens generated.
@@ -193,7 +196,9 @@ def _run(model_type: str, seed: int) -> Result:
         return Result(model_type, "cannot build", "its own eager model gives non-finite logits")
     reference = copy.deepcopy(model)  # stays eager: the rest of what attnzoo must compute, once apply() accepts it
     try:
-        apply(model, "vanilla")
+        with warnings.catch_warnings(record=True) as warned:  # apply()'s word on the family, in the detail
+            warnings.simplefilter("always", FamilyWarning)
+            apply(model, "vanilla")
     except IntegrationError as exc:
         message = str(exc)
         if "\n" in message.strip():
@@ -218,7 +223,7 @@ def _run(model_type: str, seed: int) -> Result:
 
     stage = "the unpadded forward"
     problems: list[str] = []
-    notes: list[str] = []
+    notes: list[str] = [f"apply() warns: {w.message}" for w in warned if issubclass(w.category, FamilyWarning)]
 
     def check(got_tokens, want_tokens, ids, what: str) -> None:
         """Eager's greedy tokens, with its cache; where those are not eager's own without a cache (transformers'
