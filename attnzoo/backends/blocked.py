@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..core.composition import checked_logits, checked_rows
-from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f
+from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f, weighted_rows
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..transforms.base import Context, Dims, Slot
@@ -119,7 +119,10 @@ class BlockedBackend(Backend):
         raw = (ks, vs)  # the per-token features read the keys and values as the value slot leaves them
         ks, vs, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params)
         mapped = other_map(plan)
-        plain = (key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
+        # a NaN or infinite value must reach only the queries allowed to see it: the kernels below weigh every
+        # value of a block, masked pairs by 0 (0 × NaN is NaN), so such values take the eager blocks (weighted_rows)
+        finite = all_finite(vs)
+        plain = (finite and key_mask is None and not plan.many(Slot.LOGITS) and not plan.many(Slot.MASK)
                  and plan.one(Slot.NORMALISER) is None and plan.causal and consecutive_positions(positions)
                  and not return_accumulated)
         simple = plain and mapped is None
@@ -141,7 +144,8 @@ class BlockedBackend(Backend):
             accumulated = None
         else:
             features = plan.composition.token_features(qs, *raw, positions, key_mask, params)  # once, for either path
-            out = self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features)
+            out = (self._key_bias_sdpa(plan, qs, ks, vs, positions, key_mask, params, return_accumulated, features)
+                   if finite else None)
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
@@ -197,7 +201,8 @@ class BlockedBackend(Backend):
         and keys are the same tokens). Returns (out, F or None, carry, probs or None).
 
         The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract). SDPA takes
-        a block's additive mask only over finite keys (``all_finite``), for every caller."""
+        a block's additive mask only over finite keys and values (``all_finite``), for every caller: a masked pair
+        must add nothing, whatever its key or value holds."""
         b, h, nq, d = qs.shape
         nk = ks.shape[2]
         acc = plan.one(Slot.ACCUMULATOR)
@@ -212,7 +217,7 @@ class BlockedBackend(Backend):
                        if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
         grad = _wants_grad(qs, ks, vs, params)
-        use_sdpa = use_sdpa and all_finite(ks)
+        use_sdpa = use_sdpa and all_finite(ks) and all_finite(vs)
         step = self.block_size
         for start in range(0, nq, step):
             stop = min(start + step, nq)
@@ -302,8 +307,12 @@ class BlockedBackend(Backend):
             p = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1].masked_fill(~allowed, 0.0)
         else:
             p = torch.softmax(logits.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~allowed, 0.0)
-        out = (p.reshape(b, hkv, group * nq, -1) @ v).reshape(b, h, nq, v.shape[-1])
-        return out, f_blk, colsum, (p if want_probs else None)
+        weights = p.reshape(b, hkv, group * nq, -1)
+        if all_finite(v):
+            out = weights @ v
+        else:  # a masked pair adds nothing, whatever its value (0 × NaN is NaN)
+            out = weighted_rows(weights, v, allowed.expand(b, h, nq, -1).reshape(b, hkv, group * nq, -1))
+        return out.reshape(b, h, nq, v.shape[-1]), f_blk, colsum, (p if want_probs else None)
 
     def mapped_block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None,
                      key_features=None, want_probs=False):
@@ -332,6 +341,20 @@ class BlockedBackend(Backend):
             f_blk = f_from_s(s, carry)[:, 0]
             colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
         vs = v.repeat_interleave(group, dim=1) if group > 1 else v
+        if not all_finite(vs):
+            # a NaN or infinite value: the map's weights over every visible key at once (its reference form), each
+            # masked pair selected out (a map's blocked form weighs a block's values by 0 there: 0 × NaN is NaN)
+            ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
+            logits = (q.reshape(b, hkv, group * nq, d) @ k.transpose(-1, -2)).reshape(b, h, nq, -1) * scale
+            for t in plan.many(Slot.LOGITS):
+                logits = checked_logits(t, t.apply(logits, ctx, params[t.kind]), logits)
+            if f_blk is not None:
+                logits = subtract_f(logits, f_blk[:, None])
+            allowed = plan.composition.allowed(ctx, key_mask)
+            weights = checked_rows(mapped, "weights", mapped.weights(logits, allowed, ctx, own), logits.shape)
+            read = mapped.values(vs, own)
+            out = mapped.combine(weighted_rows(weights, read.to(weights.dtype), allowed), own)
+            return checked_rows(mapped, "outputs", out, q.shape).to(q.dtype), f_blk, colsum, None
         width = mapped.values(vs[:, :, :0], own).shape[-1]
         state = mapped.start((b, h, nq, width), q)
         starts = range(0, nk, self.block_size)
@@ -417,7 +440,9 @@ class BlockedBackend(Backend):
         acc = plan.one(Slot.ACCUMULATOR)
         bare = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                 and not plan.many(Slot.LOGITS) and plan.one(Slot.NORMALISER) is None and not mapped)
-        prompt = bare and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
+        # a NaN or infinite value takes the blocks: the prompt's kernels weigh masked pairs' values by 0
+        prompt = (bare and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
+                  and all_finite(vs))
         if prompt and acc is None:
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),

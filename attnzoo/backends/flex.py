@@ -110,6 +110,12 @@ class FlexBackend(Backend):
             return allowed
 
         block_mask = create_block_mask(mask_mod, b, h, m, m, device=q.device)
+        # FlexAttention weighs every value of a block, a masked pair's by 0 (0 × NaN is NaN): non-finite values are
+        # attended as 0 here, and passes over the same mask below mark the outputs an allowed pair brings them to
+        finite_values = all_finite(vs)
+        if not finite_values:
+            bad_values = vs
+            vs = torch.where(torch.isfinite(vs), vs, torch.zeros((), dtype=vs.dtype, device=vs.device))
         # Past torch.compile's recompile limit dynamo would silently run flex_attention eagerly (unfused, N×N):
         # raise the limit for this call and make hitting it an error instead.
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
@@ -125,6 +131,19 @@ class FlexBackend(Backend):
                 mark = flex_attention(qs, ks, torch.ones_like(vs), score_mod=nan_mod, block_mask=block_mask,
                                       scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n, :1]
                 out = out.masked_fill(mark > 0, float("nan"))
+            if not finite_values:
+                def uniform(score, batch, head, q_idx, kv_idx):  # every allowed pair alike: a mean over them
+                    return torch.zeros_like(score)
+
+                def reached(elements):  # (B, H, N, D) bool: an allowed pair meets one of ``elements``
+                    mean = flex_attention(qs, ks, elements.to(qs.dtype), score_mod=uniform, block_mask=block_mask,
+                                          scale=plan.logit_scale(d), enable_gqa=h != hkv)[:, :, :n]
+                    return mean > 0
+
+                plus, minus = reached(bad_values == float("inf")), reached(bad_values == float("-inf"))
+                nan = reached(torch.isnan(bad_values)) | (plus & minus)
+                inf = torch.full((), float("inf"), dtype=out.dtype, device=out.device)
+                out = torch.where(nan, float("nan"), torch.where(plus, inf, torch.where(minus, -inf, out)))
         out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params)
         return (out, None) if return_accumulated else out

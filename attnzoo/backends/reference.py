@@ -33,6 +33,24 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor, sink: torch.Tens
     return torch.where(allowed, probs, zero)
 
 
+def weigh(weights: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[..., i, j] * rows[..., j, :]`` over the pairs ``allowed`` lets attend, and nothing from the
+    others whatever their rows hold (a padding token's value may be NaN: a masked pair is selected out, never
+    multiplied by 0). With finite rows, ``weights @ rows`` (``weights`` is 0 at every excluded pair, and 0 times a
+    finite number is 0); else the products taken pair by pair, a few keys at a time."""
+    if bool(torch.isfinite(rows).all()):
+        return weights @ rows
+    allowed = allowed.expand(weights.shape)
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    out = None
+    for first in range(0, weights.shape[-1], 8):
+        keys = slice(first, first + 8)
+        terms = weights[..., keys, None] * rows[..., None, keys, :]  # (..., Nq, keys, D)
+        part = torch.where(allowed[..., keys, None], terms, zero).sum(-2)
+        out = part if out is None else out + part
+    return out
+
+
 class ReferenceBackend(Backend):
     name = "reference"
     priority = 0
@@ -106,13 +124,14 @@ class ReferenceBackend(Backend):
         mapped = plan.one(Slot.PROBABILITY)
         if mapped is None:
             probs = masked_softmax(logits, allowed, plan.composition.sink(ctx.heads, params, logits))
-            out = probs @ vs
+            out = weigh(probs, vs, allowed)
         else:  # another row map in place of the softmax (docs/specs.md, "The probability slot")
             own = params[mapped.kind]
             probs = checked_rows(mapped, "weights", mapped.weights(logits, allowed, ctx, own), logits.shape)
             read = mapped.values(vs, own)
             checked_rows(mapped, "values", read, (*vs.shape[:-1], read.shape[-1]))
-            out = checked_rows(mapped, "outputs", mapped.combine(probs @ read.to(probs.dtype), own), qs.shape)
+            out = mapped.combine(weigh(probs, read.to(probs.dtype), allowed), own)
+            out = checked_rows(mapped, "outputs", out, qs.shape)
             out = out.to(qs.dtype)
         out = plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated

@@ -121,7 +121,9 @@ class Composition:
                 key = f"{t.kind}.{name}"
                 if name in t.cumulative:
                     if rows.key_mask is not None:
-                        value = value * rows.key_mask[:, None, :].to(value.dtype)
+                        # select, not multiply: a padding token's feature may be NaN (0 × NaN is NaN)
+                        value = torch.where(rows.key_mask[:, None, :], value, torch.zeros((), dtype=value.dtype,
+                                                                                          device=value.device))
                     value = value.cumsum(dim=-1)
                     if totals is not None:
                         if key in totals:

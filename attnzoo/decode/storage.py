@@ -319,13 +319,21 @@ class KVCache(SlotStore):
             self._state_buf = {}
         self._grow(old + count)
         with torch.no_grad():
+            held_k, held_v = key, value
+            if key_mask is not None:
+                # a padding token is held as zeros: it is never attended, and whatever its key or value held (HF
+                # pads with any embedding, NaN included) cannot reach a real query through a step that masks by a
+                # weight of 0 or an additive -inf (0 × NaN and NaN + -inf are NaN)
+                real = key_mask.to(key.device)[:, None, :, None]
+                held_k = torch.where(real, key, torch.zeros((), dtype=key.dtype, device=key.device))
+                held_v = torch.where(real, value, torch.zeros((), dtype=value.dtype, device=value.device))
             if count == 1:  # one row per head: select and copy (cheaper than slicing, which decoding feels)
-                self._k.select(2, old).copy_(key.select(2, 0))
-                self._v.select(2, old).copy_(value.select(2, 0))
+                self._k.select(2, old).copy_(held_k.select(2, 0))
+                self._v.select(2, old).copy_(held_v.select(2, 0))
                 self._pos.select(2, old).copy_(new_pos)
             else:
-                self._k[:, :, old:old + count] = key
-                self._v[:, :, old:old + count] = value
+                self._k[:, :, old:old + count] = held_k
+                self._v[:, :, old:old + count] = held_v
                 self._pos[:, :, old:old + count] = new_pos.unsqueeze(1)
         self._m = old + count
         self._last = new_pos

@@ -144,9 +144,10 @@ def test_a_selective_prompt_into_an_empty_cache_takes_the_kernels_forward_exactl
 @pytest.mark.parametrize("where", ["query", "key", "value"])
 def test_a_prompt_with_nan_or_inf_gives_what_the_reference_gives(registry, monkeypatch, bad, where):
     """A non-finite query (the selector head's: every later query's F) takes the selective prompt path; a
-    non-finite key takes the eager blocks, since SDPA would add it into queries before it (the reference masks
-    those logits): outputs, kept tokens and F as the reference's, NaN where it gives NaN; so does a prompt of
-    ``streaming`` (no accumulator: otherwise one causal SDPA call)."""
+    non-finite key or value takes the eager blocks, since SDPA and the kernel would add it into queries before it
+    (the reference masks those logits, and selects the values of allowed pairs): outputs, kept tokens and F as the
+    reference's, NaN where it gives NaN; so does a prompt of ``streaming`` (no accumulator: otherwise one causal
+    SDPA call)."""
     from attnzoo.backends import blocked, selective_kernel
 
     calls = []
@@ -166,7 +167,7 @@ def test_a_prompt_with_nan_or_inf_gives_what_the_reference_gives(registry, monke
         assert torch.equal(got[1][1], got[0][1])
         if spec == "selective-pruned":
             torch.testing.assert_close(got[1][2], got[0][2], rtol=0, atol=1e-12, equal_nan=True)
-    assert calls == ([] if where == "key" else [16])
+    assert calls == ([] if where in ("key", "value") else [16])
 
 
 @pytest.mark.parametrize("spec", ["vanilla", "selective", "local", "alibi", "sigmoid", "diff"])

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.numerics import accumulator_dtype, f_from_s
+from ...core.numerics import accumulator_dtype, all_finite, f_from_s, mark_reached
 from ...transforms.base import Dims, Slot
 from ..base import Backend, Mode
 from ..softmax_maps import joined, softmax_map_combine, softmax_map_rows, value_slices
@@ -443,15 +443,26 @@ class TritonBackend(Backend):
         qt, kt = self._terms(plan, params, positions, pos, Dims(q.shape[1], q.shape[3], k.shape[1]), key_mask,
                              features, features)
         prm, sink = self.packed_params(plan, params, q.shape[1], q), self._sink(plan, params, q.shape[1], q)
-        if codegen.layout(plan).probability == "softmax":  # the softmax kernels over each slice of values(v)
-            kr, read, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params)
+        softmax_map = codegen.layout(plan).probability == "softmax"
+        kr, read, _ = softmax_map_rows(plan, ks, vs, None, q.shape[1], params) if softmax_map else (ks, vs, None)
+        # the kernels weigh every value of a block, a masked pair's by 0 (0 × NaN is NaN): non-finite values go in
+        # as 0, and the outputs an allowed pair brings them to are marked after (core.numerics.mark_reached)
+        finite = all_finite(read)
+        rows = read if finite else torch.where(torch.isfinite(read), read, torch.zeros((), dtype=read.dtype,
+                                                                                         device=read.device))
+        if softmax_map:  # the softmax kernels over each slice of values(v)
             kr = kr.contiguous()
             outs = [_Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip),
-                                     qs, kr, piece, prm, sink, qt, kt) for piece in value_slices(read, q.shape[-1])]
-            out = softmax_map_combine(plan, joined(outs, read.shape[-1]), qs.shape, params)
+                                     qs, kr, piece, prm, sink, qt, kt) for piece in value_slices(rows, q.shape[-1])]
+            out = joined(outs, read.shape[-1])
         else:
-            out = _Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip), qs, ks, vs,
-                                   prm, sink, qt, kt)
+            out = _Attention.apply(self.prepare_run(plan, q, positions, pos, key_mask, None, causal_skip), qs, ks,
+                                   rows.contiguous(), prm, sink, qt, kt)
+        if not finite:
+            dims = Dims(q.shape[1], q.shape[3], k.shape[1])
+            out = mark_reached(out, read, _allowed_blocks(plan, positions, dims, key_mask, features))
+        if softmax_map:
+            out = softmax_map_combine(plan, out, qs.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, pos, params, widen=True)
         if not return_accumulated:
             return out
@@ -498,6 +509,16 @@ class TritonBackend(Backend):
         probs = torch.exp(logits - lse[..., None]) if want_probs else None
         cache.settle(total, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
+
+
+def _allowed_blocks(plan, positions, dims, key_mask, features, block: int = 256):
+    """(queries, allowed pairs (B, 1 or H, Bq, N)) by blocks of ``block`` queries, for :func:`mark_reached`."""
+    kpos = positions.unsqueeze(1)
+    for start in range(0, positions.shape[1], block):
+        queries = slice(start, start + block)
+        ctx = plan.composition.context(positions[:, queries], kpos, dims, key_mask,
+                                       {n: f[:, :, queries] for n, f in features.items()}, features)
+        yield queries, plan.composition.allowed(ctx, key_mask)
 
 
 def _accumulated_matrix(plan, qs, ks, positions, key_mask, params):
