@@ -92,6 +92,21 @@ class TemperatureOnKeys(ReferenceBackend):
         return super().attend(swapped, q, k * scale, v, qpos, kpos, params, key_mask, carry)
 
 
+class PaddingQueriesScored(ReferenceBackend):
+    """Counts every new token of a step as a query of its row: the padding queries' attention rows go to the
+    evictor and their selections stay in F (attnzoo's own settle did so until issue 51: each padding query of a
+    left-padded prompt sees only its row's first real token, and added its attention to that token's H2O score)."""
+
+    name = "broken_padding_queries_scored"
+
+    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
+        cache.query_mask = lambda: None  # for this step: "no query is padding"
+        try:
+            return super().extend(plan, q, k, v, cache, params, evict_first=evict_first, key_mask=key_mask)
+        finally:
+            del cache.query_mask
+
+
 class BosUnprotected(SelectiveMask):
     """selective_mask that lets BOS be masked whatever protect_bos says."""
 
@@ -116,7 +131,7 @@ class EvictsNewest(Selective):
 
 
 BROKEN_BACKENDS = (CumsumOverKeys, NoShift, ZeroFDecoding, CollapsedPosition, MissingScale, LastBlockUnwritten,
-                   TemperatureOnKeys)
+                   TemperatureOnKeys, PaddingQueriesScored)
 
 
 def registry_with_broken_backends():

@@ -1,7 +1,8 @@
 """The decode checks: a prefill and token-by-token decoding against the batch truth (``decode``), packed prompts
 prefilled into a cache (``packed/prefill``), the evictor's rule and budgets (``evictor``), decoding past eviction
-against the reference's own decoding (``evicted-decode``), and the backend's fast decoding step against the full
-path's Python rule (``fast-step``); with the decode loop they share. Built on :mod:`.checks` (the target, seeded
+against the reference's own decoding (``evicted-decode``), a left-padded batch through eviction against each row
+alone (``padded-decode``), and the backend's fast decoding step against the full path's Python rule
+(``fast-step``); with the decode loop they share. Built on :mod:`.checks` (the target, seeded
 inputs, the memo and the tolerance rule).
 """
 
@@ -225,6 +226,150 @@ def check_evicted_decode(target: Target) -> None:
     if not evicting:
         raise AssertionError(f"decode past eviction (spec '{spec.name}'): not run, because no step after an "
                              f"eviction could be compared (the reference's float64 and "
+                             f"{str(target.dtype).removeprefix('torch.')} decoding keep different positions)")
+
+
+#: the padding before each row's prompt in :func:`check_padded_decode`, and the first chunk of its prefill (all
+#: padding for the row behind 7)
+PADDED_ROWS = (1, 3, 7)
+PADDED_CHUNK = 7
+
+
+def padded_runs(budgets: list[int]) -> list[tuple[int, int, int]]:
+    """(budget, prompt width, tokens) of each run of :func:`check_padded_decode`: per budget, a prompt
+    budget + 8 wide (the row behind 7 padding tokens has budget + 1 real ones: every row's prefill evicts), then
+    max(8, 2 x budget) decode steps."""
+    return [(budget, budget + PADDED_CHUNK + 1, budget + PADDED_CHUNK + 1 + max(8, 2 * budget)) for budget in budgets]
+
+
+def padded_layout(width: int, n: int) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The real tokens (B, n) of :func:`check_padded_decode` (False: padding; row 0 also decodes a padding token
+    half-way through its decode steps) and its steps: the prompt in two chunks, then one token at a time."""
+    real = torch.ones(len(PADDED_ROWS), n, dtype=torch.bool)
+    for row, pad in enumerate(PADDED_ROWS):
+        real[row, :pad] = False
+    real[0, width + (n - width) // 2] = False
+    return real, [(0, PADDED_CHUNK), (PADDED_CHUNK, width)] + [(i, i + 1) for i in range(width, n)]
+
+
+def _real_held(cache, row: int) -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    """What batch row ``row`` of ``cache`` holds of its real tokens: their positions per key/value head, in order
+    ([] while it holds none), and the cache's per-token scores at them (F, the evictor's), ``{name: (H_kv, kept)}``
+    on CPU."""
+    if cache.positions is None:
+        return [], {}
+    valid = cache.valid
+    heads = range(cache.positions.shape[1])
+    real = [valid[row, j] if valid is not None else slice(None) for j in heads]
+    positions = [cache.positions[row, j][real[j]] for j in heads]
+    if not any(p.numel() for p in positions):
+        return [], {}
+    order = [p.argsort() for p in positions]
+    scores = {name: torch.stack([t[row, j][real[j]][order[j]] for j in heads]).cpu()
+              for name, t in cache.state.items()}
+    return [p[o].tolist() for p, o in zip(positions, order, strict=True)], scores
+
+
+def _padded_trail(variant, inputs, dtype, device, budget: int, width: int, alone: bool) -> list:
+    """After each step of :func:`padded_layout`, per row: (the outputs of its real queries (H, t, D) on CPU, what
+    it holds of its real tokens (:func:`_real_held`: positions, scores), tokens evicted so far), decoded as the
+    left-padded batch, or (``alone``) each row alone, on its real tokens only, in the same steps (a step where the
+    row has no real token is no step for it: it keeps what it kept)."""
+    q, k, v = (inputs[n].to(device=device, dtype=dtype) for n in ("q", "k", "v"))
+    params = {key: p.to(device) for key, p in params_of(inputs, dtype).items()}
+    found = inputs_of(inputs, dtype) or {}
+    token_inputs = {key: t.to(device) for key, t in found.items()}
+    real, steps = padded_layout(width, q.shape[2])
+    rows = range(len(PADDED_ROWS))
+    caches = ([variant.new_cache(batch=1, budget=budget) for _ in rows] if alone
+              else [variant.new_cache(batch=len(PADDED_ROWS), budget=budget)])
+    trail = []
+    with torch.no_grad():
+        for start, stop in steps:
+            call = variant.prefill if stop - start > 1 else variant.decode
+            entry = []
+            if not alone:
+                cache = caches[0]
+                mask = real[:, start:stop].to(device)
+                out = call(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], cache, params,
+                           key_mask=mask,
+                           inputs={key: t[..., start:stop] for key, t in token_inputs.items()} or None)
+                for row in rows:
+                    entry.append((out[row][:, real[row, start:stop].to(out.device)].cpu(), _real_held(cache, row),
+                                  cache.evicted))
+            else:
+                for row in rows:
+                    cache = caches[row]
+                    mine = torch.arange(start, stop)[real[row, start:stop]].to(device)
+                    if mine.numel():
+                        take = [t[row:row + 1].index_select(2, mine) for t in (q, k, v)]
+                        given = {key: t[row:row + 1].index_select(-1, mine) for key, t in token_inputs.items()}
+                        out = call(*take, cache, params, inputs=given or None)[0].cpu()
+                    else:
+                        out = q.new_empty(q.shape[1], 0, v.shape[3]).cpu()
+                    entry.append((out, _real_held(cache, 0), cache.evicted))
+            trail.append(entry)
+    return trail
+
+
+def check_padded_decode(target: Target) -> None:
+    """A left-padded batch decodes what each of its rows decodes alone, through eviction: rows behind 1, 3 and 7
+    padding tokens (:data:`PADDED_ROWS`), their prompt prefilled in two chunks (the first all padding for the row
+    behind 7), then decoded token by token, row 0 decoding one padding token half-way (``decode``'s key mask). After
+    every step, each row's real outputs (the tolerance rule against the reference's float64 decoding, floor only),
+    the real positions it keeps (exactly) and the per-token scores at them (F, the evictor's: the tolerance rule)
+    equal the reference's decoding of that row alone, on its real tokens only, in the same steps. At the budgets
+    :func:`eviction.budgets_for` derives from the evictor, each with a prompt budget + 8 wide and
+    max(8, 2 x budget) decode steps (:func:`padded_runs`). Catches an evictor that scores with padding queries'
+    attention (issue 51: each padding query's attention went to its row's first real token's H2O score), padding
+    queries' selections in F, and padding evicted or attended as a real token.
+
+    Where the reference's own decoding of the rows alone keeps other positions in the tested dtype than in float64
+    (a near tie), the run is compared up to the step before."""
+    spec = target.spec
+    if spec.cache is None:
+        raise Unsupported("spec has no cache evictor")
+    if not spec.attention.causal:
+        raise Unsupported("spec is not causal: no decoding")
+    target.require(decode=True)
+    variant = target.variant()
+    factory = lambda: variant.plan.evictor_cls(spec.cache)  # noqa: E731 - a fresh evictor per use
+    evicting = 0
+    for budget, width, n in padded_runs(eviction.budgets_for(factory, "accumulator" in spec.slots())):
+        inputs = random_case(target, Shape(f"padded-decode-n{n}", len(PADDED_ROWS), 4, 2, n, 8))
+        run = ("padded-decode", budget, width, n)
+        truth = memo(target, (*run, torch.float64), lambda inputs=inputs, budget=budget, width=width:
+                     _padded_trail(target.reference(), inputs, torch.float64, "cpu", budget, width, True))
+        same = truth
+        if target.dtype != torch.float64:
+            same = memo(target, (*run, target.dtype), lambda inputs=inputs, budget=budget, width=width:
+                        _padded_trail(target.reference(), inputs, target.dtype, "cpu", budget, width, True))
+        got = _padded_trail(variant, inputs, target.dtype, target.device, budget, width, False)
+        where = (f"left-padded decode (spec '{spec.name}', budget {budget}, rows behind "
+                 f"{', '.join(map(str, PADDED_ROWS))} padding tokens, a prompt of {width} then {n - width} steps)")
+        for step, (rows, want_rows, near_rows) in enumerate(zip(got, truth, same, strict=True)):
+            if any(near[1][0] != want[1][0] for near, want in zip(near_rows, want_rows, strict=True)):
+                break  # the reference itself keeps other positions in this precision: a near tie
+            label = ("the prompt's first chunk" if step == 0 else "the rest of the prompt" if step == 1
+                     else f"decode step {step - 1}")
+            for row, ((out, (kept, scores), _), (want, (want_kept, want_scores), evicted), (_, (_, near), _)) in \
+                    enumerate(zip(rows, want_rows, near_rows, strict=True)):
+                at = f"{where}: after {label}: batch row {row} (behind {PADDED_ROWS[row]} padding tokens)"
+                if kept != want_kept:
+                    head = next(j for j in range(max(len(kept), len(want_kept)))
+                                if j >= len(kept) or j >= len(want_kept) or kept[j] != want_kept[j])
+                    raise AssertionError(f"{at} keeps real positions {kept[head] if head < len(kept) else []} "
+                                         f"(key/value head {head}) where the row alone keeps "
+                                         f"{want_kept[head] if head < len(want_kept) else []}")
+                close(target, f"{at}: out", out.unsqueeze(0), want.unsqueeze(0), None, None)
+                for name, score in want_scores.items():
+                    low = near.get(name) if target.dtype != torch.float64 else None
+                    close(target, f"{at}: score '{name}' of the real tokens (positions {kept[0]} in key/value head 0)",
+                          scores[name], score, low, None)
+                evicting += evicted > 0
+    if not evicting:
+        raise AssertionError(f"left-padded decode (spec '{spec.name}'): not run, because no step after an eviction "
+                             f"could be compared (the reference's float64 and "
                              f"{str(target.dtype).removeprefix('torch.')} decoding keep different positions)")
 
 

@@ -84,8 +84,8 @@ ALL_CHECKS = "all-checks"
 #: 2-core AMD EPYC (float32): checks without a shape. Differential shapes: :func:`interpreter_cost`. ``fast-step``:
 #: the triton backend offers no fast decoding step, so the case is unsupported at once.
 INTERPRETER_SECONDS = {"vectors": 0.3, "accumulated": 0.5, "decode": 3.5, "causality": 0.1, "batch-invariance": 0.15,
-                       "evictor": 0.9, "evicted-decode": 2.5, "fast-step": 0.0, "determinism": 0.3,
-                       "packed/outputs": 0.7, "packed/gradients": 2.7, "packed/prefill": 3.7}
+                       "evictor": 0.9, "evicted-decode": 2.5, "padded-decode": 2.3, "fast-step": 0.0,
+                       "determinism": 0.3, "packed/outputs": 0.7, "packed/gradients": 2.7, "packed/prefill": 3.7}
 #: the interpreter's start (its first kernels), paid once per run
 INTERPRETER_START_SECONDS = 1.5
 
@@ -145,6 +145,7 @@ def planned(target: checks.Target, profile: str) -> list[Planned]:
             Planned("batch-invariance", ("batch",), checks.check_batch_invariance, ()),
             Planned("evictor", ("eviction", "protected"), checks_decode.check_evictor, ()),
             Planned("evicted-decode", ("eviction", "decode"), checks_decode.check_evicted_decode, ()),
+            Planned("padded-decode", ("eviction", "decode", "padding"), checks_decode.check_padded_decode, ()),
             Planned("fast-step", ("decode", "eviction"), checks_decode.check_fast_step, ()),
             Planned("determinism", ("determinism",), checks.check_determinism, ()),
             Planned("packed/outputs", ("packing",), checks.check_packed, (False,)),
@@ -161,7 +162,7 @@ def not_applicable(check: str, target: checks.Target) -> bool:
         return "accumulator" not in spec.slots()
     if check == "evictor":
         return spec.cache is None
-    if check == "evicted-decode":
+    if check in ("evicted-decode", "padded-decode"):
         return spec.cache is None or not spec.attention.causal
     if check in ("decode", "packed/prefill", "causality", "fast-step"):
         return not spec.attention.causal

@@ -133,21 +133,51 @@ def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | None) 
     queries' attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
 
     F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys (at
-    least float32): a backend that computed either in half precision cannot round the running state."""
+    least float32): a backend that computed either in half precision cannot round the running state.
+
+    Padding queries (``cache.query_mask()``: a left-padded prompt, a padding token decoded) are not the row's: the
+    evictor gets only real queries' rows (:func:`real_query_rows`), and a row whose new tokens are all padding keeps
+    its F and its evictor's scores as they were (the row alone had no such step)."""
     cache.end_step()
-    if accumulated is not None:
-        cache.store_accumulated(accumulated)
     evictor = cache.evictor
+    if evictor is not None and evictor.needs_probabilities and probs is None:
+        raise ValueError(f"evictor '{evictor.kind}' needs the attention probabilities, and the backend passed "
+                         "none to settle()")
+    real = cache.query_mask() if accumulated is not None or evictor is not None else None
+    idle = None
+    if real is not None:
+        idle = ~real.any(-1)
+        idle = idle if bool(idle.any()) else None
+    if accumulated is not None:
+        if idle is not None:  # no real query: F as it was (the new padding tokens' slots hold 0)
+            accumulated = torch.where(idle[:, None], cache.accumulated().to(accumulated.device), accumulated)
+        cache.store_accumulated(accumulated)
     if evictor is not None:
         if not evictor.needs_probabilities:
             probs = None
-        elif probs is None:
-            raise ValueError(f"evictor '{evictor.kind}' needs the attention probabilities, and the backend passed "
-                             "none to settle()")
-        wide = accumulator_dtype(cache.keys.dtype)
-        evictor.update(cache, probs.detach().to(wide) if probs is not None else None)
+        else:
+            probs = probs.detach().to(accumulator_dtype(cache.keys.dtype))
+            if real is not None:
+                probs = real_query_rows(probs, real)
+        held = {name: cache.state[name].clone() for name in evictor.state_names} if idle is not None else None
+        evictor.update(cache, probs)
+        if held is not None:
+            rows = idle.to(cache.positions.device)[:, None, None]
+            for name, before in held.items():
+                cache.state[name] = torch.where(rows, before, cache.state[name])
     if evictor is not None or cache.valid is not None:
         evict_to_budget(cache)
+
+
+def real_query_rows(probs: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """The new queries' attention ``probs`` (B, H, T, M) as an evictor gets it (``Evictor.update``) when some
+    queries are padding (``real`` (B, T), False for padding): each row's real queries last, in their order, after
+    zero rows in place of its padding queries. An evictor that sums over the queries (H2O) adds nothing for them, one
+    that reads the last query (TOVA) reads the row's last real one: each row gets what it gets alone."""
+    order = torch.argsort(real.to(torch.int8), dim=-1, stable=True).to(probs.device)  # padding first, then real
+    kept = real.to(probs.device).gather(-1, order)
+    packed = probs.gather(2, order[:, None, :, None].expand_as(probs))
+    return torch.where(kept[:, None, :, None], packed, torch.zeros((), dtype=probs.dtype, device=probs.device))
 
 
 # -- eviction and expiry --------------------------------------------------------------------------------------------

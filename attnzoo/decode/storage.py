@@ -443,6 +443,18 @@ class KVCache(SlotStore):
         """Absolute positions of the ``count`` tokens just appended (the new queries' positions): (B, count)."""
         return self._last[:, -count:]
 
+    def query_mask(self) -> torch.Tensor | None:
+        """(B, T) bool for the T tokens appended last (a step's new tokens, its queries): False for padding; None
+        when every one is real. Read off their positions (:func:`new_token_positions`): a padding token takes the
+        position of the next real token of its row, a real one the position before it, so a token is padding
+        exactly where its position equals the next token's (for the last one, the row's next position)."""
+        last = self._last
+        if last is None or isinstance(self._next, int):  # an int: the last append had no padding
+            return None
+        following = torch.cat([last[:, 1:], self._next.to(last.device).unsqueeze(1)], dim=1)
+        real = last < following
+        return None if bool(real.all()) else real
+
     def accumulated(self) -> torch.Tensor | None:
         """The running F (the accumulated selection) of every cached token (B, M), or None without an
         accumulator."""

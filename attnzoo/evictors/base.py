@@ -51,7 +51,7 @@ class Evictor:
     window of W: ``self.state_names = tuple(f"q{i}" for i in range(options.window))``). :meth:`update` may write
     ``cache.state[name]`` in place or assign it a new (B, H_kv, M) tensor; the cache adopts it.
     ``needs_probabilities``: :meth:`update` reads the new queries' attention probabilities (backends compute
-    them, O(H·T·M) per step, only for evictors that declare it; the others get None).
+    them, O(H·T·M) per step, only for evictors that declare it; the others get None), real queries' rows only.
     ``independent_scores``: removing a token changes no other token's score or protection, so the cache may pick
     several victims at once (after a long prefill) with the same result as one at a time; the conformance suite
     checks the claim on crafted caches.
@@ -85,7 +85,13 @@ class Evictor:
     def update(self, cache: KVCache, probs: torch.Tensor | None) -> None:
         """Update scores after a step; ``probs`` (B, H, T, M) is the new queries' attention over the cache
         (T = 1 when decoding, the chunk length in a prefill) when the evictor declares ``needs_probabilities``,
-        else None."""
+        else None.
+
+        Only real queries' rows (``attnzoo.decode.step.settle``): where some of a row's new tokens are padding (a
+        left-padded prompt, a padding token decoded), its real queries' rows come last, in order, after zero rows
+        in place of its padding queries, so a sum over the queries adds nothing for them and ``probs[:, :, -1]``
+        is the row's last real query; a row with no real query in the step keeps every score as it was, whatever
+        ``update`` writes there (alone, the row had no such step)."""
 
     def score(self, cache: KVCache) -> torch.Tensor:
         """The score the rule ranks cached tokens by: (B, H_kv, M), float32 or wider."""

@@ -124,13 +124,14 @@ def test_a_declined_spec_is_one_case_per_dtype(tmp_path):
     assert all("declines spec 'mine', which was named for it" in r.message and "not a pointwise score_mod"
                in r.message for r in fails)
     # beside it only the checks that do not apply to the spec at all (it has no evictor), with their own reason
-    not_applicable = {(check, "spec has no cache evictor") for check in ("evictor", "evicted-decode")}
+    not_applicable = {(check, "spec has no cache evictor") for check in ("evictor", "evicted-decode", "padded-decode")}
     assert {(r.check, r.message) for r in named if r.status != "fail"} == not_applicable
     assert len(runner.failure_lines(named)) == 4
     # not named: one unsupported case per dtype, with the reason, and no failure
     cases = runner.build_cases(reg, ["mine"], None, ALL_DTYPES)
     flex = runner.run_suite([c for c in cases if c.backend == "flex"])
-    assert [r.check for r in flex if r.check not in ("evictor", "evicted-decode")] == ["all-checks"] * 4
+    assert [r.check for r in flex if r.check not in ("evictor", "evicted-decode", "padded-decode")] == \
+        ["all-checks"] * 4
     assert {r.status for r in flex} == {"unsupported"} and not runner.failure_lines(flex)
     assert "not a pointwise score_mod" in runner.matrix(flex)["mine"]["flex"]
     # an expected-failures pattern still covers it
@@ -160,8 +161,8 @@ def test_cli_declined_plugin_spec_prints_one_fail_line_per_dtype(tmp_path, monke
     assert [line.split(": ", 1)[0] for line in fails] == ["FAIL flex::mine::all-checks[float64]",
                                                           "FAIL flex::mine::all-checks[float32]"], out
     assert "nothing was checked" not in out and "FAILED: 2 failed" in out
-    # the evictor checks (evictor, evicted-decode): not applicable
-    assert "6 cases: 0 pass, 2 fail, 4 unsupported, 0 xfail, 0 xpass" in out
+    # the evictor checks (evictor, evicted-decode, padded-decode): not applicable
+    assert "8 cases: 0 pass, 2 fail, 6 unsupported, 0 xfail, 0 xpass" in out
 
 
 # -- FAIL lines and summaries ---------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import types
 
 import pytest
 import torch
-from broken import registry_replacing
+from broken import registry_replacing, registry_with_broken_backends
 
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
@@ -270,6 +270,29 @@ def test_planted_transform_or_evictor_bug_is_caught(name, mutant, spec, category
     case = next(c for c in runner.build_cases(reg, [spec], ["reference"], (dtype,)) if c.check == check)
     result = runner.run_case(case)
     assert result.status == "fail" and message in result.message, result
+
+
+PADDING_MUTANTS = [
+    ("h2o", "after the prompt's first chunk: batch row 0 (behind 1 padding tokens): score 'attention'"),
+    ("tova", "batch row 0 (behind 1 padding tokens): score 'last_attention'"),
+    ("selective-pruned", "batch row 0 (behind 1 padding tokens): score 'accumulated'"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("spec, message", PADDING_MUTANTS, ids=[m[0] for m in PADDING_MUTANTS])
+def test_padding_queries_handed_to_the_evictor_are_caught(spec, message, dtype):
+    """Issue 51: a backend whose padding queries' attention reaches the evictor (H2O: each padding query's row goes
+    to the first real token's score; TOVA: a padding token decoded sets the scores) or whose padding queries'
+    selections reach F fails ``padded-decode``, naming the row, the step and the score; the same spec passes it on
+    the reference."""
+    reg = registry_with_broken_backends()
+    case = next(c for c in runner.build_cases(reg, [spec], ["broken_padding_queries_scored"], (dtype,))
+                if c.check == "padded-decode")
+    result = runner.run_case(case)
+    assert result.status == "fail" and message in result.message, result
+    fixed = next(c for c in runner.build_cases(reg, [spec], ["reference"], (dtype,)) if c.check == "padded-decode")
+    assert runner.run_case(fixed).status == "pass"
 
 
 def test_planted_triton_gradient_bug_is_caught():

@@ -199,3 +199,69 @@ def test_triton_decodes_a_left_padded_batch_like_the_reference(spec):
             outs.append(decode_rows(variant, q, k, v, cache, params, 12, key_mask))
     real = torch.cat([key_mask, torch.ones(2, 4, dtype=torch.bool)], dim=1)[:, None, :, None].expand_as(outs[0])
     torch.testing.assert_close(outs[1][real], outs[0][real], rtol=0, atol=2e-5)
+
+
+def _real_slots(cache, row):
+    """Per key/value head of batch row ``row``: (its real tokens' positions, in order, and their evictor scores
+    and F by name)."""
+    if cache.positions is None:  # nothing held yet: one head with nothing
+        return [(torch.empty(0, dtype=torch.int64), {})]
+    valid = cache.valid
+    out = []
+    for head in range(cache.positions.shape[1]):
+        real = valid[row, head] if valid is not None else torch.ones_like(cache.positions[row, head], dtype=torch.bool)
+        pos = cache.positions[row, head][real]
+        order = pos.argsort()
+        out.append((pos[order], {name: t[row, head][real][order] for name, t in cache.state.items()}))
+    return out
+
+
+@pytest.mark.parametrize("backend", DECODING)
+@pytest.mark.parametrize("spec", ["h2o", "tova", "selective-pruned"])
+def test_padding_queries_never_score_a_token(spec, backend):
+    """Issue 51: an evictor that reads probabilities (H2O, TOVA) gets only real queries' rows, and F only real
+    queries' selections. Rows behind 1, 3 and 7 padding tokens, prefilled in two chunks (the first all padding for
+    the row behind 7), then decoded with one padding token decoded in row 1: after every step each row keeps the
+    positions, scores and F it keeps alone, where it runs only its real tokens, in the same steps, and its real
+    outputs are its outputs alone. Before the fix each padding query's attention went to the first real token's H2O
+    score (a padding query sees only it)."""
+    torch.manual_seed(4)
+    variant = attnzoo.compile(spec, backend=backend)
+    params = params_for(variant)
+    budget, pads, width, chunk, steps, idle_step = 6, (1, 3, 7), 12, 7, 10, 4
+    b, n = len(pads), width + steps
+    q = torch.randn(b, 4, n, 8, dtype=torch.float64)
+    k, v = torch.randn(2, b, 2, n, 8, dtype=torch.float64)
+    real = torch.ones(b, n, dtype=torch.bool)
+    for row, pad in enumerate(pads):
+        real[row, :pad] = False
+    real[1, width + idle_step] = False  # row 1 decodes a padding token (docs/decoding.md: decode's key_mask)
+    q[~real[:, None].expand(b, 4, n)] = 1e3  # what padding carries must not matter
+    spans = [(0, chunk), (chunk, width)] + [(i, i + 1) for i in range(width, n)]
+    batched = variant.new_cache(batch=b, budget=budget)
+    alone = [variant.new_cache(batch=1, budget=budget) for _ in pads]
+    with torch.no_grad():
+        for start, stop in spans:
+            rows = (t[:, :, start:stop] for t in (q, k, v))
+            mask = real[:, start:stop]
+            step = variant.decode if stop - start == 1 else variant.prefill
+            out = step(*rows, batched, params=params, key_mask=mask)
+            assert batched.num_tokens <= budget
+            for row in range(b):
+                mine = real[row, start:stop]
+                if not bool(mine.any()):
+                    continue  # the row alone has no such step
+                take = (t[row:row + 1, :, start:stop][:, :, mine] for t in (q, k, v))
+                want = (variant.decode if int(mine.sum()) == 1 else variant.prefill)(*take, alone[row], params=params)
+                torch.testing.assert_close(out[row:row + 1, :, mine], want, rtol=0, atol=1e-10)
+            for row in range(b):
+                got, expected = _real_slots(batched, row), _real_slots(alone[row], 0)
+                if alone[row].positions is None:
+                    assert all(pos.numel() == 0 for pos, _ in got), (row, start)
+                    continue
+                for (pos, scores), (want_pos, want_scores) in zip(got, expected, strict=True):
+                    assert pos.tolist() == want_pos.tolist(), (row, start, pos.tolist(), want_pos.tolist())
+                    for name, want_score in want_scores.items():
+                        torch.testing.assert_close(scores[name], want_score, rtol=0, atol=1e-10)
+    assert batched.evicted > 0 and all(cache.evicted > 0 for cache in alone)
+    assert batched.next_position.tolist() == [cache.next_position.item() for cache in alone]
