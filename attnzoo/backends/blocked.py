@@ -149,7 +149,8 @@ class BlockedBackend(Backend):
             accumulated = None
         if out is None:
             out, accumulated, _, _ = self.blocks(plan, qs, ks, vs, positions, positions.unsqueeze(1), params,
-                                               key_mask, None, return_accumulated, features=features)
+                                               key_mask, None, return_accumulated, features=features,
+                                               query_mask=key_mask)
         out = softmax_map_combine(plan, out, q.shape, params)
         out = plan.composition.row_scale(Slot.OUTPUT, out, positions.unsqueeze(1), params)
         return (out, accumulated) if return_accumulated else out
@@ -194,11 +195,12 @@ class BlockedBackend(Backend):
         return self.blocks(plan, qs, ks, vs, qpos, kpos, params, key_mask, None)[0]
 
     def blocks(self, plan, qs, ks, vs, qpos, kpos, params, key_mask, carry, return_accumulated=False,
-               want_probs=False, use_sdpa=True, features=None, key_features=None):
+               want_probs=False, use_sdpa=True, features=None, key_features=None, query_mask=None):
         """Attention of scaled rows in query blocks. qs (B, H, Nq, D); ks, vs (B, H_kv, Nk, D); qpos (B, Nq);
         kpos (B, 1 or H_kv, Nk) ascending; carry (B, Nk) or None; features: the queries' per-token features
         (B, H, Nq) by name, or None; key_features: the keys' (B, H, Nk), or None for the batch form's (queries
-        and keys are the same tokens). Returns (out, F or None, carry, probs or None).
+        and keys are the same tokens); query_mask (B, Nq): False for a padding query, which selects nothing, or
+        None. Returns (out, F or None, carry, probs or None).
 
         The carry and F are in ``accumulator_dtype(qs.dtype)`` (at least float32: the numerics contract). SDPA takes
         a block's additive mask only over finite keys and values (``all_finite``), for every caller: a masked pair
@@ -236,10 +238,11 @@ class BlockedBackend(Backend):
                     {n: t[:, :, keys] for n, t in (key_features if key_features is not None else features or {}
                                                    ).items()})
 
-            def block(*a, _plan=plan, _params=params):
+            def block(*a, _plan=plan, _params=params,
+                      _queries=query_mask[:, start:stop] if query_mask is not None and acc is not None else None):
                 if other_map(_plan) is not None:
-                    return self.mapped_block(_plan, _params, *a, want_probs=want_probs)
-                return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa)
+                    return self.mapped_block(_plan, _params, *a, want_probs=want_probs, query_mask=_queries)
+                return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa, query_mask=_queries)
 
             if grad:
                 o, f_blk, colsum, p = checkpoint(block, *args, use_reentrant=False)
@@ -255,7 +258,7 @@ class BlockedBackend(Backend):
         return out, accumulated, carry, probs
 
     def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None, key_features=None,
-              want_probs=False, use_sdpa=True):
+              want_probs=False, use_sdpa=True, query_mask=None):
         """One query block against its visible keys (with the features of its queries and keys, (B, H, Bq) and
         (B, H, Bk) by name). Returns (out, F, column sums of S, probs or None); F and the column sums in
         ``accumulator_dtype(q.dtype)``, like the carry."""
@@ -269,7 +272,8 @@ class BlockedBackend(Backend):
         f_blk = colsum = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            s = plan.composition.selection(acc, q, k, allowed, ctx, params, scale)  # (B, 1, Bq, Nk)
+            selecting = allowed if query_mask is None else allowed & query_mask[:, None, :, None]  # padding: none
+            s = plan.composition.selection(acc, q, k, selecting, ctx, params, scale)  # (B, 1, Bq, Nk)
             f_blk = f_from_s(s, carry)[:, 0]  # sums over queries in at least float32 (numerics contract)
             colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
 
@@ -315,7 +319,7 @@ class BlockedBackend(Backend):
         return out.reshape(b, h, nq, v.shape[-1]), f_blk, colsum, (p if want_probs else None)
 
     def mapped_block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None,
-                     key_features=None, want_probs=False):
+                     key_features=None, want_probs=False, query_mask=None):
         """One query block against its visible keys under a probability transform: the keys in blocks of
         ``block_size`` (from the nearest back for a map of ``order = "reverse"``), each block's logits through the
         logits slot and -F, merged by the map's blocked form, then ``combine``. Returns what :meth:`block` does."""
@@ -337,7 +341,10 @@ class BlockedBackend(Backend):
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:  # the selection over every visible key at once, as block() computes it
             ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
-            s = plan.composition.selection(acc, q, k, plan.composition.allowed(ctx, key_mask), ctx, params, scale)
+            selecting = plan.composition.allowed(ctx, key_mask)
+            if query_mask is not None:  # a padding query selects nothing
+                selecting = selecting & query_mask[:, None, :, None]
+            s = plan.composition.selection(acc, q, k, selecting, ctx, params, scale)
             f_blk = f_from_s(s, carry)[:, 0]
             colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
         vs = v.repeat_interleave(group, dim=1) if group > 1 else v
@@ -466,7 +473,8 @@ class BlockedBackend(Backend):
             ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
                                                want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
-                                               features=query_features, key_features=key_features)
+                                               features=query_features, key_features=key_features,
+                                               query_mask=cache.query_mask() if acc is not None else None)
             out = softmax_map_combine(plan, out, qs.shape, params)
             cache.settle(carry, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)

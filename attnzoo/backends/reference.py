@@ -78,14 +78,15 @@ class ReferenceBackend(Backend):
         return cache.accumulated()
 
     def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False,
-               features=None):
+               features=None, query_mask=None):
         """The whole composition for queries at ``qpos`` against keys at ``kpos``.
 
         q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
         carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None;
         ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so);
         ``features``: (the queries', the keys') per-token features {name: (B, H, N)} when the queries are not the
-        keys (decoding; the batch form computes them here).
+        keys (decoding; the batch form computes them here); ``query_mask`` (B, Nq) or None: False for a padding
+        query, which selects nothing (its selection would reach the real queries after it through F).
         Returns (out (B, H, Nq, D), probs (B, H, Nq, Nk), S (B, 1, Nq, Nk) or None, F (B, 1, Nq, Nk) or None);
         with a probability transform, ``probs`` are its weights (``ProbabilityTransform.weights``) and the output is
         ``combine(weights @ values(v'))``.
@@ -113,7 +114,8 @@ class ReferenceBackend(Backend):
         selection = accumulated = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None:
-            index, sel_allowed, sel_ctx = plan.composition.selector_view(acc, allowed, ctx)
+            selecting = allowed if query_mask is None else allowed & query_mask[:, None, :, None]
+            index, sel_allowed, sel_ctx = plan.composition.selector_view(acc, selecting, ctx)
             selection = acc.selection(logits.index_select(1, index), sel_allowed, sel_ctx, params[acc.kind])
             accumulated = self.accumulate(selection)
             if carry is not None:
@@ -137,7 +139,8 @@ class ReferenceBackend(Backend):
         return out, probs, selection, accumulated
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
-        out, _, _, accumulated = self.attend(plan, q, k, v, positions, positions.unsqueeze(1), params, key_mask)
+        out, _, _, accumulated = self.attend(plan, q, k, v, positions, positions.unsqueeze(1), params, key_mask,
+                                             query_mask=key_mask)
         if return_accumulated:
             return out, (accumulated[:, 0] if accumulated is not None else None)
         return out
@@ -147,7 +150,8 @@ class ReferenceBackend(Backend):
         qpos = self.query_positions(cache, q.shape[2], q.shape[0])
         out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
                                                key_mask=cache.key_mask(), carry=self.carry(cache),
-                                               transformed_kv=True, features=(step.features, cache.key_features()))
+                                               transformed_kv=True, features=(step.features, cache.key_features()),
+                                               query_mask=cache.query_mask())
         # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
         total = None
         if selection is not None:

@@ -175,3 +175,28 @@ def test_triton_marks_only_the_queries_that_see_it(spec, case):
         want = ref(q.double(), k.double(), v.double(), key_mask=key_mask).float()
     rows = torch.ones_like(out, dtype=torch.bool) if key_mask is None else key_mask[:, None, :, None].expand_as(out)
     assert_same(out[rows], want[rows], atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blocked"])
+@pytest.mark.parametrize("spec", ["selective", "selective-ssa", "selective-pruned"])
+def test_a_padding_query_between_real_tokens_selects_nothing(spec, backend):
+    """Padding between a row's real tokens (each padding token at the next real token's position): its query's
+    selection would reach the real queries after it through F. The real outputs equal the row without it, in the
+    batch form and through a decode cache's prefill."""
+    variant = attnzoo.compile(spec, backend=backend)
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(1, H, N, D, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(1, HKV, N, D, dtype=torch.float64, generator=g) for _ in range(2))
+    key_mask = torch.ones(1, N, dtype=torch.bool)
+    key_mask[0, 4:6] = False
+    positions = torch.tensor([[1, 2, 3, 4, 5, 5, 5, 6, 7]])
+    real = key_mask[0]
+    alone = variant(q[:, :, real], k[:, :, real], v[:, :, real])
+    out = variant(q, k, v, key_mask=key_mask, positions=positions)
+    torch.testing.assert_close(out[:, :, real], alone, rtol=0, atol=1e-10)
+    cache, alone_cache = variant.new_cache(batch=1, budget=None), variant.new_cache(batch=1, budget=None)
+    with torch.no_grad():
+        out = variant.prefill(q, k, v, cache, key_mask=key_mask)
+        alone = variant.prefill(q[:, :, real], k[:, :, real], v[:, :, real], alone_cache)
+    torch.testing.assert_close(out[:, :, real], alone, rtol=0, atol=1e-10)
+    torch.testing.assert_close(cache.accumulated()[:, real], alone_cache.accumulated(), rtol=0, atol=1e-10)
