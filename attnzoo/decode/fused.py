@@ -4,7 +4,11 @@ from :mod:`.fused_build`'s library, its arguments laid out by name from :mod:`.l
 C++ sees a pointer: the buffers the op writes (plain CPU tensors of the dtype, no negative or conjugate bit, no two
 elements in one place, a storage covering every element, compared by identity and address at every step) and q, k
 and v plain ``torch.Tensor`` s on the CPU. Anything else, or a refusal by the op (a one-line ValueError before it
-reads anything), takes the step's torch form, which checks its inputs' storages.
+reads anything), takes the step's torch form, which checks its inputs' storages. The op keeps torch's rules for
+in-place ops besides (fused_decode.cpp): nothing it writes requires grad under grad mode or is an inference tensor
+outside inference mode, no argument overlaps one it writes, and it bumps the version of what it writes. The cache's
+own buffers keep these rules (detached; allocated apart, or one ring page's disjoint sections), so its steps take
+the op.
 """
 
 from __future__ import annotations

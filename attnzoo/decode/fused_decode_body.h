@@ -9,6 +9,11 @@
  * score among the eligible slots outranks every number, largest or smallest alike (torch's argmax/argmin return the
  * first NaN), so the eligible NaN-scored slot with the oldest position leaves; else the largest (smallest) score,
  * ties to the oldest position. docs/decoding.md, "Non-finite scores".
+ *
+ * What fused_decode.cpp has checked before a row runs, and the arithmetic here relies on (no int64 from the caller
+ * is added to or multiplied without it): every slot index below the buffers' slots (M, or M + 1 with the spare
+ * slot), every stride and size within the storage, the position nb >= 1 (so nb - recent, recent >= 0, cannot wrap),
+ * the selector head among the heads. Positions read from the buffers are only compared and copied.
  */
 #pragma once
 #include <cmath>
@@ -212,7 +217,7 @@ static void scoring_row(const Rows<T> &r, i64 b, const T *q, i64 qsh, const T *k
                         T *out, i64 nb, T *w, T sc, bool tova, i64 recent) {
     const i64 HKV = r.hkv, G = r.g, D = r.d, M = r.m;
     T *t = w + G * (M + 1);
-    const i64 n = M + 1, newest_unprotected = nb - recent;
+    const i64 n = M + 1, newest_unprotected = nb - recent;  /* M < the slots; nb >= 1, recent >= 0 */
     fill_nan(out, HKV * G * D);
     write_slot(r, b, M, k, ksh, v, vsh, nb);
     if (tova)

@@ -87,7 +87,7 @@ def test_a_cache_re_attached_with_the_last_step_state_keeps_the_fast_step():
     with pytest.raises(ValueError, match="validated for batch 3, not 2"):
         variant.new_cache(2, budget=BUDGET).attach(page["keys"][:2], page["values"][:2], page["positions"][:2],
                                                   {n[6:]: t[:2] for n, t in page.items() if n.startswith("state.")},
-                                                  held, 1, step_state=state)
+                                                  held, nxt[:2], step_state=state)
 
 
 def test_attach_refuses_buffers_that_do_not_fit():
