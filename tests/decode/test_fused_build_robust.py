@@ -40,6 +40,9 @@ def env(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("ATTNZOO_FUSED_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(fused_build, "_LOADED", None)
+    # a library an earlier test of this process loaded is reused whatever the cache directory says (its key does not
+    # name the directory): these tests decide afresh, as a new process would
+    monkeypatch.setattr(fused_build, "_LIBRARIES", {})
     return monkeypatch
 
 
