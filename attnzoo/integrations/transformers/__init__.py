@@ -16,7 +16,8 @@ the keys and values. After ``apply``, ``model.generate()`` uses it unless it is 
 The parts: :mod:`.interface` (the probe and the attention function), :mod:`.native` (native specs and the
 composition rules), :mod:`.cache` (the cache), :mod:`.core` (``apply``), :mod:`.checkpoints` (save and load),
 :mod:`.records` (a checkpoint's record, read the same way by every host), :mod:`.sharding` (``shard_sequence``:
-the model trained context-parallel, docs/distributed.md).
+the model trained context-parallel, docs/distributed.md), :mod:`.models` (``smollm2()``: a real pretrained model,
+converted once into attnzoo's cache).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from .checkpoints import (
 )
 from .core import apply, is_applied, layer_specs, native_layers, native_spec
 from .interface import LayerCall, attention_forward, attention_mask, probe
+from .models import ModelError, smollm2
 from .native import CONFLICTS, NativeLayer, compose
 from .records import check_record
 from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequence
@@ -58,8 +60,8 @@ from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequen
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_MARK",
     "CORE_NAME", "CheckpointSpecMismatchError", "FamilyWarning", "IntegrationError", "LayerCall", "METADATA_HASH",
-    "METADATA_NAME", "METADATA_SPEC", "NativeLayer", "PARAM_MARK", "ProbeError", "apply", "attention_forward",
-    "attention_mask", "check_record", "compose", "from_pretrained", "is_applied", "is_core_key", "layer_specs",
-    "load_transform_params", "native_layers", "native_spec", "probe", "stamp_safetensors", "is_sharded",
-    "sequence_shard", "shard_sequence", "unshard_sequence",
+    "METADATA_NAME", "METADATA_SPEC", "ModelError", "NativeLayer", "PARAM_MARK", "ProbeError", "apply",
+    "attention_forward", "attention_mask", "check_record", "compose", "from_pretrained", "is_applied", "is_core_key",
+    "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe", "stamp_safetensors",
+    "is_sharded", "sequence_shard", "shard_sequence", "smollm2", "unshard_sequence",
 ]

@@ -110,11 +110,13 @@ class _Seen:
     stored_by: list        #: the cache layers whose update() returned these keys
 
 
-def _probe_forward(module, query, key, value, attention_mask, **kwargs):
+def _probe_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The probe's attention function, with transformers' own calling convention (:func:`attention_forward`)."""
     if _recording is not None:
         layers = getattr(_probe_cache, "layers", None) or []
         stored_by = [i for i, layer in enumerate(layers) if getattr(layer, "_pending", None) is key]
-        _recording.append(_Seen(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), dict(kwargs),
+        given = dict(kwargs, dropout=dropout, scaling=scaling)
+        _recording.append(_Seen(module, tuple(query.shape), tuple(key.shape), tuple(value.shape), given,
                                 attention_mask, stored_by))
     b, h, n, _ = query.shape
     return query.new_zeros(b, n, h, value.shape[-1]), None
@@ -356,12 +358,19 @@ def _check_call(module, core, scaling, kwargs, attention_mask=None) -> None:
 
 
 # -- attnzoo's attention function ----------------------------------------------------------------------------------
-def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention function for ``"attnzoo"`` (:func:`attend`). Under ``torch.compile`` it runs outside
-    the graph (:func:`_outside_the_graph`): the rest of the model compiles around it."""
+    the graph (:func:`_outside_the_graph`): the rest of the model compiles around it.
+
+    Its parameters are those of transformers' own functions (``sdpa_attention_forward``, ``eager_attention_forward``,
+    ``flash_attention_forward``): ``dropout`` is the sixth positional one, ``scaling`` the seventh. A wrapper written
+    for transformers' functions calls it the same way: kvpress, imported after ``apply()``, replaces every function
+    in ``ALL_ATTENTION_FUNCTIONS`` with one that calls ``func(module, query, key, value, attention_mask, dropout,
+    **kwargs)`` (tests/integrations/transformers/test_hf_peers.py)."""
     if torch.compiler.is_compiling():
-        return _outside_the_graph(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    return attend(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        return _outside_the_graph(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  **kwargs)
+    return attend(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 @torch.compiler.disable(reason="attnzoo's attention (its dispatch and KV cache are data-dependent) runs eagerly; "
@@ -371,7 +380,7 @@ def _outside_the_graph(*args, **kwargs):
 
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-           scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+           dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """What ``"attnzoo"`` computes in transformers.
 
     query (B, H, N, D), key/value (B, H_kv, M, D) as the model's attention module computed them (projected, RoPE'd,
@@ -389,6 +398,8 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise IntegrationError(f"{here} has no attnzoo core: the model's attn_implementation is "
                                f"'{ATTN_IMPLEMENTATION}' but attnzoo.integrations.transformers.apply() did not run "
                                f"on it")
+    if module._forward_hooks:
+        _refuse_presses(module, here)
     if dropout:
         raise IntegrationError(f"{here}: attention dropout {dropout} was asked for (training mode); attnzoo has no "
                                f"attention dropout: set the config's attention dropout to 0.0")
@@ -434,6 +445,28 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             return out.transpose(1, 2).contiguous(), probs.to(query.dtype)
     # (B, N, H, D) contiguous, as transformers' own attention functions return it (models view it: afmoe)
     return out.transpose(1, 2).contiguous(), None
+
+
+#: Packages whose forward hooks on an attention module compress the keys and values transformers' cache holds.
+CACHE_PRESSES = ("kvpress",)
+
+
+def _refuse_presses(module, here: str) -> None:
+    """A kvpress press (``with press(model):``) hooks every attention module and, after its forward, rewrites the
+    keys and values of transformers' cache layer; after ``apply()`` attnzoo's cache holds them (transformers' holds
+    none), so the press would compress nothing, or fail on a layer without keys: refuse it here, before the layer
+    runs, in one line."""
+    for hook in module._forward_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        origin = type(owner).__module__ if owner is not None else getattr(hook, "__module__", None) or ""
+        package = origin.split(".")[0]
+        if package in CACHE_PRESSES:
+            name = type(owner).__name__ if owner is not None else getattr(hook, "__qualname__", "a hook")
+            raise IntegrationError(f"{here}: a {package} press ({name}) is hooked on this layer; it compresses the "
+                                   f"keys and values of transformers' cache, and after apply() attnzoo's cache "
+                                   f"holds them: compress with an evicting spec instead (zt.apply(model, 'tova', "
+                                   f"budget=...); h2o, streaming, selective-pruned), or run the press on a model "
+                                   f"apply() did not touch")
 
 
 def _warn_slot_temperature(module, core, cache, position_ids, attention_mask, n: int, device) -> None:
