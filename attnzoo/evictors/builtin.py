@@ -1,4 +1,5 @@
-"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3).
+"""Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3); the prompt scorers SnapKV,
+KNorm and KeyDiff (:mod:`attnzoo.evictors.scorers`, no fused step) are registered here too.
 
 Each rule is written once, here, in Python (``score``, ``protected``, ``largest``, ``update``): the full decode
 path and the torch fast steps (attnzoo/decode/fast.py) call it. ``kernel_rule`` hands the same rule's options to
@@ -15,6 +16,7 @@ from pydantic import Field
 from ..core.numerics import ACCUMULATED_STATE
 from ..hookspecs import hookimpl
 from .base import Evictor, EvictorOptions, KernelRule
+from .scorers import SCORER_EVICTORS
 
 
 class Selective(Evictor):
@@ -142,7 +144,7 @@ class SinkWindow(Evictor):
         return KernelRule("sink_window", (self.options.sink,))
 
 
-BUILTIN_EVICTORS = (Selective, H2O, TOVA, SinkWindow)
+BUILTIN_EVICTORS = (Selective, H2O, TOVA, SinkWindow, *SCORER_EVICTORS)
 
 
 @hookimpl

@@ -1,0 +1,195 @@
+"""Prompt scorers as evictors: SnapKV (the last queries' attention, pooled over neighbouring keys), KNorm (the key's
+L2 norm) and KeyDiff (the key's cosine to the mean key direction) (docs/specs.md, "Evictors"; issue 52).
+
+Each scores the tokens once per step, after attention (``evict_after_attention``): a prefill scores the whole prompt
+at once, as kvpress's presses do when they compress a prompt, then evicts down to the budget by those scores; each
+decoding step scores the held tokens and the new one again and evicts one. Every score that depends on more than its
+own token (SnapKV's pooling and query window, KeyDiff's anchor) is computed in :meth:`update` and stored as a
+per-token score (``cache.state``), so removing a token changes no other token's score within the step
+(``independent_scores``: the many victims of a long prefill are chosen at once, by the scores of the whole prompt).
+None has a fused step (``kernel_rule``): the full decode path runs the rule.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from ..core.numerics import accumulator_dtype
+from .base import Evictor, EvictorOptions
+
+#: norms below this count as zero (as ``torch.nn.functional.normalize``)
+_EPS = 1e-12
+
+
+def newest_real(cache) -> torch.Tensor:
+    """(B, H_kv, 1): the newest position of each row's real tokens (padding, which takes the position of its row's
+    next real token, left out; 0 for a row of padding only)."""
+    positions = cache.positions
+    valid = cache.valid
+    held = positions if valid is None else positions.masked_fill(~valid, 0)
+    return held.amax(-1, keepdim=True)
+
+
+def pool_by_position(raw: torch.Tensor, positions: torch.Tensor, kernel: int, pool: str) -> torch.Tensor:
+    """Pool ``raw`` (B, H_kv, M) over the tokens within ``kernel // 2`` positions of each token (by position, not by
+    slot: an evicted or absent position counts 0, a padding slot, which shares its position with the next real
+    token and holds 0, adds nothing). ``avg``: the sum over the ``kernel`` positions divided by ``kernel`` (zeros
+    included, as ``avg_pool1d`` with ``count_include_pad``); ``max``: the largest (scores are >= 0). The terms are
+    added in increasing position order whatever the centre, so two tokens whose neighbourhoods hold the same
+    tokens get bitwise equal sums (a tie, which goes to the oldest)."""
+    positions = positions.contiguous()
+    radius = kernel // 2
+    out = torch.zeros_like(raw)
+    for offset in range(-radius, radius + 1):
+        target = positions + offset
+        slot = torch.searchsorted(positions, target, right=True) - 1  # the last slot at or before: the real one
+        at = slot.clamp(min=0)
+        hit = (slot >= 0) & (positions.gather(-1, at) == target)
+        value = raw.gather(-1, at).masked_fill(~hit, 0)
+        out = out + value if pool == "avg" else torch.maximum(out, value)
+    return out / kernel if pool == "avg" else out
+
+
+class SnapKVOptions(EvictorOptions):
+    window: int = Field(32, ge=1, description="the last queries whose attention scores the keys; the newest "
+                                              "`window` positions are always kept")
+    kernel: int = Field(7, ge=1, description="pooling width over neighbouring positions (odd)")
+    pool: Literal["avg", "max"] = Field("avg", description="avg (SnapKV's and kvpress's default) or max pooling")
+
+    @field_validator("kernel")
+    @classmethod
+    def _odd(cls, value: int) -> int:
+        if value % 2 == 0:
+            raise ValueError(f"snapkv.kernel must be odd (centred on the token), got {value}")
+        return value
+
+
+class SnapKV(Evictor):
+    """SnapKV (Li et al. 2024): a token's score is the attention the last ``window`` queries paid it (softmax
+    probabilities, summed over those queries and over its key/value head's query group), the newest ``window``
+    positions left out (they are kept), then pooled over the ``kernel`` neighbouring positions; the smallest score
+    goes, per key/value head, ties to the oldest. At a prefill longer than the budget this is SnapKV's selection of
+    the prompt (the window: the prompt's last queries). Decoding continues the same rule with a sliding window: after
+    each generated token, the window is the last ``window`` queries, generated ones included, and every held token
+    is scored again. The window's per-query rows are kept per token (``q0`` oldest ... ``q{window-1}`` newest) beside
+    the pooled ``score``."""
+
+    independent_scores = True  # the pooled score is stored by update(); the protected window is the newest positions
+    kind = "snapkv"
+    Options = SnapKVOptions
+    summary = "keep the newest `window` + the keys the last `window` queries attend to most (pooled), per head"
+    per_head = True
+    evict_after_attention = True
+    needs_probabilities = True
+    largest = False
+
+    def __init__(self, options: SnapKVOptions) -> None:
+        super().__init__(options)
+        self.window_names = tuple(f"q{i}" for i in range(options.window))
+        self.state_names = (*self.window_names, "score")
+
+    def check_budget(self, budget):
+        if budget is not None and self.options.window >= budget:
+            return f"snapkv.window ({self.options.window}) must be smaller than the budget ({budget})"
+        return None
+
+    def update(self, cache, probs):
+        b, h, t, m = probs.shape
+        hkv = cache.positions.shape[1]
+        w = self.options.window
+        take = min(t, w)
+        # the step's last `take` queries (each row's real queries are last), summed over each key/value head's group
+        rows = probs[:, :, t - take:].detach().reshape(b, hkv, h // hkv, take, m).sum(dim=2)
+        old = torch.stack([cache.state[name] for name in self.window_names], dim=2)  # (B, H_kv, W, M), oldest first
+        both = torch.cat([old, rows.to(old.dtype)], dim=2)
+        real = cache.query_mask()
+        count = (torch.full((b,), take, dtype=torch.int64, device=old.device) if real is None
+                 else real.to(old.device).sum(-1).clamp(max=take))
+        # each row's window: its W newest real queries (a row with c real queries shifts by c, not by the step's T)
+        k = torch.arange(w, device=old.device)
+        index = torch.where(count[:, None] + k < w, count[:, None] + k, k + take)
+        window = both.gather(2, index[:, None, :, None].expand(b, hkv, w, m))
+        total = window[:, :, 0].clone()
+        for i, name in enumerate(self.window_names):
+            cache.state[name] = window[:, :, i].contiguous()
+            if i:
+                total = total + window[:, :, i]  # in the window's order, oldest first: the same sum in every row
+        raw = total.masked_fill(self.protected(cache), 0)  # the window's own keys are kept, not scored (kvpress)
+        if cache.valid is not None:
+            raw = raw.masked_fill(~cache.valid, 0)
+        cache.state["score"] = pool_by_position(raw, cache.positions, self.options.kernel, self.options.pool)
+
+    def score(self, cache):
+        return cache.state["score"]
+
+    def protected(self, cache):
+        return cache.positions > newest_real(cache) - self.options.window
+
+
+class SinkOptions(EvictorOptions):
+    sink: int = Field(0, ge=0, description="first positions always kept (attention sinks, BOS); 0: none, as kvpress")
+
+
+class _SinkProtected(Evictor):
+    Options = SinkOptions
+
+    def check_budget(self, budget):
+        if budget is not None and budget <= self.options.sink:
+            return f"{self.kind}.sink ({self.options.sink}) must be smaller than the budget ({budget})"
+        return None
+
+    def protected(self, cache):
+        return cache.positions <= self.options.sink
+
+
+class KNorm(_SinkProtected):
+    """KNorm (Devoto et al. 2024; kvpress's KnormPress): keep the keys with the lowest L2 norm, i.e. evict the
+    largest norm, per key/value head, ties to the oldest. Key-only (no probabilities); the first ``sink`` positions
+    optionally kept. Keys as the cache holds them (after the key slot's transforms, RoPE included: a rotation keeps
+    the norm)."""
+
+    independent_scores = True  # a token's score is its own key's norm
+    kind = "knorm"
+    summary = "drop the key with the largest L2 norm, per head"
+    per_head = True
+    evict_after_attention = True
+    largest = True
+
+    def score(self, cache):
+        keys = cache.keys.detach()
+        return torch.linalg.vector_norm(keys.to(accumulator_dtype(keys.dtype)), dim=-1)
+
+
+class KeyDiff(_SinkProtected):
+    """KeyDiff (Park et al. 2025; kvpress's KeyDiffPress): evict the key most similar (cosine) to the anchor, the
+    mean of the held keys' unit vectors, per key/value head, ties to the oldest: the most distinctive keys stay.
+    The anchor is taken over the keys held when the step attended (the whole prompt at a prefill, as kvpress
+    compresses it; the held tokens and the new one at a decoding step) and the similarities are stored
+    (``similarity``), so the victims of one step are chosen by one anchor. Key-only (no probabilities)."""
+
+    independent_scores = True  # the similarities are stored by update(), against the step's one anchor
+    kind = "keydiff"
+    summary = "drop the key most similar to the mean key direction (cosine), per head"
+    per_head = True
+    evict_after_attention = True
+    state_names = ("similarity",)
+    largest = True
+
+    def update(self, cache, probs):
+        keys = cache.keys
+        keys = keys.detach().to(accumulator_dtype(keys.dtype))
+        unit = keys / torch.linalg.vector_norm(keys, dim=-1, keepdim=True).clamp_min(_EPS)
+        if cache.valid is not None:
+            unit = unit.masked_fill(~cache.valid[..., None], 0)  # padding is no part of the anchor
+        anchor = unit.sum(dim=2, keepdim=True)
+        anchor = anchor / torch.linalg.vector_norm(anchor, dim=-1, keepdim=True).clamp_min(_EPS)
+        cache.state["similarity"] = (unit * anchor).sum(dim=-1)
+
+    def score(self, cache):
+        return cache.state["similarity"]
+
+
+SCORER_EVICTORS = (SnapKV, KNorm, KeyDiff)
