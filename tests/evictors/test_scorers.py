@@ -345,3 +345,22 @@ def test_scorer_specs_pass_conformance(spec, backend):
                                profile="quick")
     results = runner.run_suite(cases)
     assert not runner.failed(results), runner.summary(results)
+
+
+@pytest.mark.parametrize("backend", DECODING)
+def test_snapkv_window_counts_only_a_rows_real_queries(backend):
+    """A chunk that pads a row after it has real tokens (padding queries first, then real ones): the row's window
+    moves on by its real queries only, so its older real queries stay in the window as they do alone."""
+    q, k, v = inputs(10, b=2, n=9)
+    variant = variant_of("snapkv", backend, window=4, kernel=3)
+    cache = variant.new_cache(batch=2, budget=30)
+    variant.prefill(q[:, :, :5], k[:, :, :5], v[:, :, :5], cache)
+    mask = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    variant.prefill(q[:, :, 5:], k[:, :, 5:], v[:, :, 5:], cache, key_mask=mask)
+    alone = variant.new_cache(batch=1, budget=30)
+    variant.prefill(q[:1, :, :5], k[:1, :, :5], v[:1, :, :5], alone)
+    variant.prefill(q[:1, :, 7:], k[:1, :, 7:], v[:1, :, 7:], alone)
+    real = cache.valid[0, 0]
+    for name in alone.state:
+        torch.testing.assert_close(cache.state[name][0][:, real], alone.state[name][0], rtol=0, atol=1e-12)
+    assert float(alone.state["q0"].abs().sum()) > 0  # the window still holds a query of the first chunk
