@@ -43,7 +43,20 @@ def pool_by_position(raw: torch.Tensor, positions: torch.Tensor, kernel: int, po
     positions = positions.contiguous()
     radius = kernel // 2
     out = torch.zeros_like(raw)
-    for offset in range(-radius, radius + 1):
+    m = positions.shape[-1]
+    if m == 0:
+        return out
+    low = int(positions.min())
+    span = int(positions.max()) - low + 1
+    if span <= 8 * m + 64:  # the usual case: the held positions spread over a few times their number
+        # one row per position (padding, at a real token's position, adds its 0), read back at each offset
+        at = positions - low + radius
+        dense = raw.new_zeros(*raw.shape[:-1], span + 2 * radius).scatter_add_(-1, at, raw)
+        for offset in range(-radius, radius + 1):
+            value = dense.gather(-1, at + offset)
+            out = out + value if pool == "avg" else torch.maximum(out, value)
+        return out / kernel if pool == "avg" else out
+    for offset in range(-radius, radius + 1):  # positions far apart: find each neighbour by search
         target = positions + offset
         slot = torch.searchsorted(positions, target, right=True) - 1  # the last slot at or before: the real one
         at = slot.clamp(min=0)

@@ -364,3 +364,24 @@ def test_snapkv_window_counts_only_a_rows_real_queries(backend):
     for name in alone.state:
         torch.testing.assert_close(cache.state[name][0][:, real], alone.state[name][0], rtol=0, atol=1e-12)
     assert float(alone.state["q0"].abs().sum()) > 0  # the window still holds a query of the first chunk
+
+
+@pytest.mark.parametrize("pool", ["avg", "max"])
+@pytest.mark.parametrize("positions", [[1, 2, 3, 10, 11, 13, 50], [1, 2, 3, 1000, 1001, 1003, 5000]],
+                         ids=["dense", "search"])
+def test_pooling_by_position_by_hand(positions, pool):
+    """Both ways the pooling finds neighbours (a dense row of positions; a search when they are far apart) pool
+    each token over the held positions within kernel // 2, an absent position counting 0."""
+    from attnzoo.evictors.scorers import pool_by_position
+
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.rand(2, 3, len(positions), generator=gen, dtype=torch.float64)
+    pos = torch.tensor(positions).expand(2, 3, -1).contiguous()
+    got = pool_by_position(raw, pos, 5, pool)
+    for i in range(2):
+        for j in range(3):
+            at = dict(zip(positions, raw[i, j].tolist(), strict=True))
+            for s, p in enumerate(positions):
+                near = [at.get(p + o, 0.0) for o in range(-2, 3)]
+                want = sum(near) / 5 if pool == "avg" else max(near)
+                assert abs(float(got[i, j, s]) - want) < 1e-15
