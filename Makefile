@@ -8,7 +8,7 @@ STAMP := $(VENV)/.attnzoo-installed
 PLUGIN_FILES := $(shell find plugins -type f \( -name '*.py' -o -name '*.yaml' -o -name '*.toml' \) -not -path '*/tests/*' 2>/dev/null)
 
 .PHONY: demo test test-fast lint install clean bench build conformance-triton gpu-check docs experiments vllm-env test-vllm \
-	bench-vllm bench-vllm-pruned bench-probability
+	bench-vllm bench-vllm-pruned bench-probability bench-quality
 
 # serving through vLLM (docs/vllm.md) in its own environment: vLLM's CPU build pins torch 2.13.0+cpu and
 # transformers < 5.20; pip pulls torchvision/torchaudio/torchcodec wheels built for another torch, which break
@@ -88,6 +88,16 @@ demo: $(STAMP)
 bench-probability: $(STAMP)
 	$(BIN)/attnzoo bench vanilla sigmoid softpick stick-breaking diff --lengths 4096 --memory-lengths 4096 \
 		--out benchmarks/results/probability
+
+# issue 52: quality per kept fraction on the real model (SmolLM2-135M-Instruct, float32, CPU): passkey at 1k tokens
+# (depths 10/50/90%, 2 cases per cell) and perplexity (768 compressed + 128 token by token), the full cache and every
+# evicting spec but selective-ssa (a spec to train) at 12.5/25/50% kept (benchmarks/results/quality.{json,md},
+# docs/images/quality.png; docs/quality.md). One thread: on a shared 2-core host, two threads against other processes
+# ran 5-8x slower. kvpress live: add KVPRESS_PYTHON=path/to/python (an interpreter with kvpress and its transformers)
+bench-quality: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --contexts 1024 --cases 2 --threads 1 --exclude selective-ssa \
+		--ppl-docs 1 --ppl-continuation 128 \
+		$(if $(KVPRESS_PYTHON),--kvpress-python $(KVPRESS_PYTHON),)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

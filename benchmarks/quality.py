@@ -1,0 +1,673 @@
+"""Quality per kept fraction on a real model (issue 52, item 1): what KV eviction costs SmolLM2-135M-Instruct.
+
+On the real model (``zt.smollm2()``, float32, CPU), for the full cache (the ceiling) and every evicting spec the
+registry holds (every registered spec with a ``cache:`` evictor, discovered at run time; specs that differ only in
+their default budget, such as ``selective`` and ``selective-pruned``, run once), at kept fractions of the prompt
+(default 12.5 / 25 / 50 %; the budget is ``round(fraction * prompt tokens)`` tokens per layer, per KV head):
+
+- **passkey retrieval**: a random 5-digit pass key (seeded) planted at a depth (default 10 / 50 / 90 %) of real
+  filler text (the corpus attnzoo ships, ``attnzoo/experiments/data/python-docs.txt.gz``), the question last, all
+  inside the one prompt that is compressed at prefill; greedy generation through the compressed cache; exact match
+  of the first number in the answer; at each context length (default 1k and 2k tokens; 4k with ``--contexts``);
+- **long-text perplexity**: a prefix (default 768 tokens) compressed at prefill, then the continuation (default 256
+  tokens) teacher-forced **token by token** through the compressed cache, so decode-time evictors keep evicting
+  while the continuation is scored (the full cache scores the same tokens in one forward: the same numbers).
+
+Every cache here is float32, attnzoo's and the full one alike, so the fraction of bytes held relative to a full
+cache of the same dtype (and to a bfloat16 full cache for a bfloat16 cache) is the fraction of tokens kept: the
+x-axis. The measured bytes held (``AttnzooCache.nbytes`` after the prompt) are reported too.
+
+kvpress (a peer; it pins an older transformers) runs live with ``--kvpress-python PYTHON``, an interpreter that can
+import torch, an older transformers and kvpress (``--kvpress-path DIR`` puts a folder first on its ``sys.path``: an
+older transformers installed with ``--target``; ``--kvpress-side DIR`` one last: kvpress itself): this file runs
+itself there as a worker on the same token ids (``--kvpress-worker``), which reports JSON lines. Each press
+compresses the prompt at prefill and nothing after (kvpress's presses do not run at decode). Without it, kvpress's
+figures are those last recorded in issue 52, labelled as not measured in this run.
+
+    .venv/bin/python benchmarks/quality.py                    # default: 1k and 2k, 3 depths, 2 cases per cell
+    .venv/bin/python benchmarks/quality.py --contexts 1024 2048 4096 --cases 20     # the issue's full size
+    make bench-quality                                        # the committed run (docs/quality.md)
+
+Outputs: ``<out>/<name>.json`` and ``.md`` (default ``benchmarks/results/quality``) and the plot (default
+``docs/images/quality.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORPUS = ROOT / "attnzoo" / "experiments" / "data" / "python-docs.txt.gz"
+INTRO = ("There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the pass key.\n\n")
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\n\nWhat is the pass key? Answer with the number only."
+ANSWER_PREFIX = "The pass key is"
+MARK = "@@PASSKEY-MESSAGE@@"
+
+#: kvpress's figures last recorded in issue 52 (SmolLM2-135M-Instruct, passkey at 1k tokens, 12 cases, question
+#: inside the compressed prompt; perplexity 768 compressed + 256 teacher-forced). Not measured by this script.
+KVPRESS_RECORDED = {
+    "source": "issue 52 (last recorded; not measured in this run)",
+    "passkey_1k_of_12": {
+        "KeyDiffPress": {0.125: 4, 0.25: 7, 0.5: 11},
+        "SnapKVPress": {0.125: 0, 0.25: 0, 0.5: 8},
+        "ExpectedAttentionPress": {0.125: 0, 0.25: 0, 0.5: 2},
+        "KnormPress": {0.125: 0, 0.25: 0, 0.5: 3},
+    },
+    "passkey_1k_full_of_12": 12,
+    "ppl_best": {"ExpectedAttentionPress": {0.125: 11.70, 0.25: 11.17}},
+    "ppl_full": 10.66,
+}
+KVPRESS_PRESSES = ["KnormPress", "SnapKVPress", "ExpectedAttentionPress", "KeyDiffPress", "StreamingLLMPress",
+                   "TOVAPress"]
+
+
+# -- inputs (no attnzoo, no kvpress: the worker shares these) --------------------------------------------------------
+def corpus_text() -> str:
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def template_parts(tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids before and after the user's message in the chat template, the assistant's turn opened and the
+    answer's first words written (the question stays last, inside the prompt that is compressed)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": MARK}], add_generation_prompt=True,
+                                         tokenize=False)
+    before, after = text.split(MARK)
+    enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
+    return enc(before), enc(after + ANSWER_PREFIX)
+
+
+def filler(tokenizer, text: str, rng: random.Random, count: int) -> list[int]:
+    """``count`` token ids of real text from a random place in the corpus (starting at a line)."""
+    need = count * 6 + 2000
+    start = rng.randrange(0, max(1, len(text) - need))
+    start = text.find("\n", start) + 1
+    ids = tokenizer(text[start:start + need], add_special_tokens=False).input_ids
+    if len(ids) < count:
+        raise ValueError(f"the corpus slice gave {len(ids)} tokens, {count} wanted")
+    return ids[:count]
+
+
+def passkey_cases(tokenizer, contexts, depths, cases: int, seed: int) -> list[dict]:
+    """Each case: prompt ids of exactly ``context`` tokens, the key at ``depth`` of the filler (moved to the
+    nearest sentence or line end within 48 tokens)."""
+    text = corpus_text()
+    head, tail = template_parts(tokenizer)
+    intro = tokenizer(INTRO, add_special_tokens=False).input_ids
+    question = tokenizer(QUESTION, add_special_tokens=False).input_ids
+    rng = random.Random(seed)
+    out = []
+    for context in contexts:
+        for depth in depths:
+            for i in range(cases):
+                key = rng.randrange(10000, 100000)
+                needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
+                fixed = len(head) + len(intro) + len(needle) + len(question) + len(tail)
+                ids = filler(tokenizer, text, rng, context - fixed)
+                at = round(depth * len(ids))
+                ends = [j for j in range(max(1, at - 48), min(len(ids), at + 49))
+                        if tokenizer.decode(ids[j - 1:j]).rstrip(" ").endswith((".", "\n"))]
+                if ends:
+                    at = min(ends, key=lambda j: abs(j - at))
+                prompt = head + intro + ids[:at] + needle + ids[at:] + question + tail
+                assert len(prompt) == context, (len(prompt), context)
+                out.append({"context": context, "depth": depth, "case": i, "key": key, "ids": prompt,
+                            "needle_at": len(head) + len(intro) + at})
+    return out
+
+
+def ppl_docs(tokenizer, count: int, prefix: int, continuation: int, seed: int) -> list[dict]:
+    text = corpus_text()
+    rng = random.Random(seed + 1)
+    return [{"doc": i, "ids": filler(tokenizer, text, rng, prefix + continuation)} for i in range(count)]
+
+
+def answer_matches(answer: str, key: int) -> bool:
+    found = re.search(r"\d+", answer)
+    return found is not None and found.group(0) == str(key)
+
+
+# -- the kvpress worker (runs in the side interpreter: torch, its transformers and kvpress only) --------------------
+def kvpress_worker(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    for extra in reversed(job.get("path", [])):  # an older transformers, before the environment's own
+        sys.path.insert(0, extra)
+    sys.path.extend(job.get("side", []))  # kvpress and what it imports, after the environment's own
+    import kvpress
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    try:
+        model = transformers.LlamaForCausalLM.from_pretrained(job["model"], dtype=torch.float32,
+                                                              local_files_only=True).eval()
+    except TypeError:  # transformers 4 names it torch_dtype
+        model = transformers.LlamaForCausalLM.from_pretrained(job["model"], torch_dtype=torch.float32,
+                                                              local_files_only=True).eval()
+    say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
+    say({"versions": {"kvpress": getattr(kvpress, "__version__", "?"), "transformers": transformers.__version__,
+                      "torch": torch.__version__}})
+    for name in job["presses"]:
+        for fraction in job["fractions"]:
+            try:
+                press = getattr(kvpress, name)(compression_ratio=1 - fraction)
+            except Exception as exc:  # noqa: BLE001 - a press this kvpress lacks or builds otherwise
+                say({"press": name, "fraction": fraction, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            for case in job["cases"]:
+                ids = torch.tensor([case["ids"]])
+                try:
+                    with torch.no_grad(), press(model):
+                        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                             max_new_tokens=job["max_new_tokens"], do_sample=False,
+                                             pad_token_id=job["eos"], eos_token_id=job["eos"])
+                    say({"press": name, "fraction": fraction, "kind": "passkey", "case": case["index"],
+                         "tokens": out[0, ids.shape[1]:].tolist()})
+                except Exception as exc:  # noqa: BLE001 - reported, not hidden
+                    say({"press": name, "fraction": fraction, "kind": "passkey", "case": case["index"],
+                         "error": f"{type(exc).__name__}: {exc}"})
+            for doc in job["docs"]:
+                ids = torch.tensor([doc["ids"]])
+                prefix = job["prefix"]
+                try:
+                    nll = 0.0
+                    with torch.no_grad():
+                        with press(model):
+                            out = model(ids[:, :prefix], use_cache=True)
+                        cache = out.past_key_values
+                        logits = out.logits[:, -1]
+                        for t in range(prefix, ids.shape[1]):
+                            nll -= torch.log_softmax(logits.float(), -1)[0, ids[0, t]].item()
+                            if t + 1 < ids.shape[1]:
+                                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                                cache, logits = out.past_key_values, out.logits[:, -1]
+                    say({"press": name, "fraction": fraction, "kind": "ppl", "doc": doc["doc"], "nll": nll,
+                         "tokens": ids.shape[1] - prefix})
+                except Exception as exc:  # noqa: BLE001
+                    say({"press": name, "fraction": fraction, "kind": "ppl", "doc": doc["doc"],
+                         "error": f"{type(exc).__name__}: {exc}"})
+
+
+def run_kvpress(args, model_folder, cases, docs, tokenizer, progress) -> dict:
+    """kvpress's presses in the side interpreter on the same ids; their rows, or an error line."""
+    presses = args.kvpress_presses
+    job = {"model": str(model_folder), "presses": presses, "fractions": args.fractions,
+           "cases": [{"index": i, "ids": c["ids"]} for i, c in enumerate(cases)],
+           "docs": docs, "prefix": args.ppl_prefix, "max_new_tokens": args.max_new_tokens,
+           "eos": tokenizer.eos_token_id, "path": args.kvpress_path, "side": args.kvpress_side}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "job.json"
+        path.write_text(json.dumps(job))
+        log = open(Path(tmp) / "stderr.txt", "w+")  # noqa: SIM115 - read back below
+        proc = subprocess.Popen([args.kvpress_python, str(Path(__file__).resolve()), "--kvpress-worker", str(path)],
+                                stdout=subprocess.PIPE, stderr=log, text=True)
+        rows = []
+        for line in proc.stdout:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+            if "press" in rows[-1]:
+                progress.update(1)
+        proc.wait()
+        log.seek(0)
+        err = log.read()
+        log.close()
+    versions = next((r["versions"] for r in rows if "versions" in r), None)
+    if proc.returncode or versions is None:
+        return {"error": (err.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
+    passkey, ppl, errors = {}, {}, []
+    for r in rows:
+        if "error" in r:
+            errors.append(f"{r['press']} at {r['fraction']}: {r['error']}")
+            continue
+        if r.get("kind") == "passkey":
+            case = cases[r["case"]]
+            answer = tokenizer.decode(r["tokens"], skip_special_tokens=True).strip()
+            passkey.setdefault(f"kvpress {r['press']}", []).append(
+                {"fraction": r["fraction"], "context": case["context"], "depth": case["depth"], "case": case["case"],
+                 "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
+        elif r.get("kind") == "ppl":
+            ppl.setdefault(f"kvpress {r['press']}", []).append(
+                {"fraction": r["fraction"], "doc": r["doc"], "nll": r["nll"], "tokens": r["tokens"]})
+    return {"versions": versions, "passkey": passkey, "ppl": ppl, "errors": errors[:20]}
+
+
+# -- attnzoo --------------------------------------------------------------------------------------------------------
+def evicting_specs(only: list[str] | None, exclude=()) -> tuple[list[str], dict[str, str]]:
+    """Every registered spec with a cache evictor, one per distinct spec (budget aside): (names, aliases)."""
+    from attnzoo.registry import get_registry
+
+    specs = get_registry().specs
+    if only:
+        missing = [n for n in only if n not in specs]
+        if missing:
+            raise SystemExit(f"unknown spec(s): {', '.join(missing)}; registered: {', '.join(sorted(specs))}")
+        return list(only), {}
+    seen: dict[str, str] = {}
+    aliases: dict[str, str] = {}
+    # names with a default budget first, so that 'selective-pruned' stands for 'selective'
+    for name in sorted(specs, key=lambda n: (specs[n].cache is None or specs[n].cache.budget is None, n)):
+        spec = specs[name]
+        if spec.cache is None:
+            continue
+        data = spec.model_dump(mode="json")
+        for key in ("name", "summary"):
+            data.pop(key, None)
+        data["cache"] = {k: v for k, v in (data.get("cache") or {}).items() if k != "budget"}
+        key = json.dumps(data, sort_keys=True)
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+    return sorted(n for n in seen.values() if n not in exclude), aliases
+
+
+def budget_of(fraction: float, length: int) -> int:
+    return max(1, round(fraction * length))
+
+
+def full_kv_bytes(model, length: int) -> int:
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * model.dtype.itemsize
+
+
+def run_passkey(model, tokenizer, case, cache, max_new_tokens) -> tuple[str, int | None]:
+    import torch
+
+    ids = torch.tensor([case["ids"]])
+    extra = {} if cache is None else {"cache": cache}
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.eos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, **extra)
+    answer = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return answer, None if cache is None else cache.nbytes
+
+
+def run_ppl(model, doc, prefix, cache) -> tuple[float, int, int | None]:
+    """Summed NLL of the continuation: the full cache in one forward; a compressed one token by token."""
+    import torch
+
+    ids = torch.tensor([doc["ids"]])
+    with torch.no_grad():
+        if cache is None:
+            logits = model(ids, use_cache=False).logits[0, prefix - 1:-1]
+            nll = torch.nn.functional.cross_entropy(logits.float(), ids[0, prefix:], reduction="sum").item()
+            return nll, ids.shape[1] - prefix, None
+        out = model(ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
+        held = cache.nbytes
+        nll, logits = 0.0, out.logits[0, -1]
+        for t in range(prefix, ids.shape[1]):
+            nll -= torch.log_softmax(logits.float(), -1)[ids[0, t]].item()
+            if t + 1 < ids.shape[1]:
+                logits = model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
+    return nll, ids.shape[1] - prefix, held
+
+
+# -- report ---------------------------------------------------------------------------------------------------------
+def pct(x: float) -> str:
+    return f"{100 * x:g}%"
+
+
+def summarise(result: dict) -> dict:
+    """Per method, fraction and context: correct / total; per method and fraction: perplexity."""
+    table: dict = {}
+    for method, rows in result["passkey"].items():
+        for r in rows:
+            cell = table.setdefault(method, {}).setdefault(str(r["fraction"]), {}).setdefault(
+                str(r["context"]), {"correct": 0, "total": 0, "by_depth": {}})
+            cell["correct"] += r["correct"]
+            cell["total"] += 1
+            d = cell["by_depth"].setdefault(str(r["depth"]), [0, 0])
+            d[0] += r["correct"]
+            d[1] += 1
+    ppl: dict = {}
+    for method, rows in result["ppl"].items():
+        for r in rows:
+            cell = ppl.setdefault(method, {}).setdefault(str(r["fraction"]), {"nll": 0.0, "tokens": 0})
+            cell["nll"] += r["nll"]
+            cell["tokens"] += r["tokens"]
+    for method in ppl:
+        for cell in ppl[method].values():
+            cell["ppl"] = math.exp(cell["nll"] / cell["tokens"])
+    return {"passkey": table, "ppl": ppl}
+
+
+def to_markdown(result: dict) -> str:
+    cfg, meta, summary = result["config"], result["meta"], result["summary"]
+    fr = cfg["fractions"]
+    lines = [
+        "# Quality per kept fraction: SmolLM2-135M-Instruct (issue 52)", "",
+        f"`{meta['command']}` on {meta['cpu']} ({meta['threads']} threads), torch {meta['torch']}, transformers "
+        f"{meta['transformers']}; float32; {meta['wall_s']:.0f} s in all ({meta['wall_s'] / 60:.1f} min). "
+        f"Seed {cfg['seed']}.", "",
+    ]
+    if not meta.get("complete", True):
+        lines += ["**A partial run** (interrupted, or still running): the methods below only.", ""]
+    lines += [
+        f"**Passkey**: {cfg['cases']} cases per cell (context x depth), depths "
+        f"{', '.join(pct(d) for d in cfg['depths'])}, so {cfg['cases'] * len(cfg['depths'])} per context; the "
+        f"question last, inside the prompt that is compressed at prefill; greedy, {cfg['max_new_tokens']} new tokens "
+        f"at most; exact match of the number. Kept = budget / prompt tokens, per layer and KV head (budget = round("
+        f"fraction x prompt)). Every cache is float32: the fraction of bytes held relative to a full cache of the "
+        f"same dtype is the fraction of tokens kept (`held` below: measured bytes after the prompt / full cache's).",
+        "",
+    ]
+    methods = list(summary["passkey"])
+    for context in cfg["contexts"]:
+        lines += [f"### Passkey at {context} tokens (correct / cases)", "",
+                  "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
+                  "|---|" + "---|" * (len(fr) + 1)]
+        for m in methods:
+            cells = summary["passkey"][m]
+            if m == "full":
+                c = cells["1.0"][str(context)]
+                lines.append("| full cache | " + " | ".join("" for _ in fr) + f" | {c['correct']} / {c['total']} |")
+                continue
+            row = []
+            for f in fr:
+                c = cells.get(str(f), {}).get(str(context))
+                row.append("" if c is None else f"{c['correct']} / {c['total']}")
+            lines.append(f"| {m} | " + " | ".join(row) + " | |")
+        lines.append("")
+    lines += ["### Passkey by depth (correct / cases, all contexts together)", "",
+              "| method | kept | " + " | ".join(f"depth {pct(d)}" for d in cfg["depths"]) + " |",
+              "|---|---|" + "---|" * len(cfg["depths"])]
+    for m in methods:
+        for f, cells in summary["passkey"][m].items():
+            sums = {str(d): [0, 0] for d in cfg["depths"]}
+            for c in cells.values():
+                for d, (k, n) in c["by_depth"].items():
+                    sums[d][0] += k
+                    sums[d][1] += n
+            kept = "100%" if m == "full" else pct(float(f))
+            lines.append(f"| {m} | {kept} | " + " | ".join(f"{k} / {n}" for k, n in sums.values()) + " |")
+    lines.append("")
+    p = cfg["ppl"]
+    lines += [f"### Perplexity ({p['docs']} text(s) of the corpus: {p['prefix']} tokens compressed at prefill, "
+              f"{p['continuation']} teacher-forced token by token through the compressed cache, decode-time "
+              f"eviction on)", "",
+              "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
+              "|---|" + "---|" * (len(fr) + 1)]
+    for m, cells in summary["ppl"].items():
+        if m == "full":
+            lines.append("| full cache | " + " | ".join("" for _ in fr) + f" | {cells['1.0']['ppl']:.2f} |")
+        else:
+            lines.append(f"| {m} | " + " | ".join(
+                f"{cells[str(f)]['ppl']:.2f}" if str(f) in cells else "" for f in fr) + " | |")
+    lines.append("")
+    if result.get("held"):
+        lines += ["Bytes held after the prompt / the full float32 cache's (mean over cases):", "",
+                  "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " |", "|---|" + "---|" * len(fr)]
+        for m, cells in result["held"].items():
+            lines.append(f"| {m} | " + " | ".join(
+                f"{cells[str(f)]:.3f}" if str(f) in cells else "" for f in fr) + " |")
+        lines.append("")
+    kv = result["kvpress"]
+    if kv.get("live"):
+        lines += [f"kvpress ran live in this run ({kv['live'].get('versions')}); its rows are above. "
+                  + (f"Errors: {'; '.join(kv['live']['errors'])}" if kv["live"].get("errors") else ""), ""]
+    else:
+        rec = KVPRESS_RECORDED
+        why = kv.get("why", "no --kvpress-python given")
+        lines += [f"### kvpress: last recorded (issue 52), **not measured in this run** ({why})", "",
+                  "Passkey at 1k tokens, 12 cases (full cache 12 / 12), the question inside the compressed prompt; "
+                  "another case set and prompt than the rows above, so compare with care:", "",
+                  "| press | " + " | ".join(f"{pct(f)} kept" for f in fr) + " |", "|---|" + "---|" * len(fr)]
+        for press, cells in rec["passkey_1k_of_12"].items():
+            lines.append(f"| kvpress {press} (issue 52) | " + " | ".join(
+                f"{cells[f]} / 12" if f in cells else "" for f in fr) + " |")
+        lines += ["", f"Perplexity (768 compressed + 256 teacher-forced; full {rec['ppl_full']}): kvpress's best, "
+                  f"ExpectedAttentionPress, {rec['ppl_best']['ExpectedAttentionPress'][0.125]} at 12.5% and "
+                  f"{rec['ppl_best']['ExpectedAttentionPress'][0.25]} at 25% (issue 52).", ""]
+    lines += ["Timings (s, whole method at all fractions): " + ", ".join(
+        f"{m} {t:.0f}" for m, t in meta["method_seconds"].items()), ""]
+    if result.get("aliases"):
+        lines += ["Not run separately (the same spec but for the default budget): " + ", ".join(
+            f"{a} = {b}" for a, b in result["aliases"].items()), ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, summary = result["config"], result["summary"]
+    contexts = cfg["contexts"]
+    fig, axes = plt.subplots(1, len(contexts) + 1, figsize=(4.6 * (len(contexts) + 1), 4.2))
+    methods = [m for m in summary["passkey"] if m != "full"]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    for ax, context in zip(axes, contexts, strict=False):
+        full = summary["passkey"]["full"]["1.0"][str(context)]
+        ax.axhline(100 * full["correct"] / full["total"], color="black", ls="--", lw=1, label="full cache")
+        for m in methods:
+            cells = summary["passkey"][m]
+            xs = [f for f in cfg["fractions"] if str(context) in cells.get(str(f), {})]
+            ys = [100 * cells[str(f)][str(context)]["correct"] / cells[str(f)][str(context)]["total"] for f in xs]
+            ax.plot([100 * x for x in xs], ys, "o-", color=colors[m], label=m)
+        if context == 1024 and not result["kvpress"].get("live"):
+            for i, (press, cells) in enumerate(KVPRESS_RECORDED["passkey_1k_of_12"].items()):
+                xs = sorted(cells)
+                ax.plot([100 * x for x in xs], [100 * cells[x] / 12 for x in xs], ":", marker="x", color="0.5",
+                        alpha=0.5 + 0.12 * i, label=f"kvpress {press.replace('Press', '')} (issue 52, not this run)")
+        n = full["total"]
+        ax.set(title=f"passkey at {context} tokens ({n} cases)", xlabel="kept % of the prompt (= bytes %)",
+               ylabel="exact match %", xscale="log", ylim=(-3, 103))
+        ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
+        ax.minorticks_off()
+    ax = axes[-1]
+    ax.axhline(summary["ppl"]["full"]["1.0"]["ppl"], color="black", ls="--", lw=1, label="full cache")
+    for m in methods:
+        cells = summary["ppl"].get(m, {})
+        xs = [f for f in cfg["fractions"] if str(f) in cells]
+        ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], "o-", color=colors[m], label=m)
+    if not result["kvpress"].get("live"):
+        best = KVPRESS_RECORDED["ppl_best"]["ExpectedAttentionPress"]
+        ax.plot([100 * x for x in sorted(best)], [best[x] for x in sorted(best)], ":", marker="x", color="0.4",
+                label="kvpress ExpectedAttention (issue 52, not this run)")
+    p = cfg["ppl"]
+    ax.set(title=f"perplexity ({p['prefix']} compressed + {p['continuation']})", xlabel="kept % of the prefix",
+           ylabel="perplexity (lower is better)", xscale="log", yscale="log")
+    ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
+    ax.minorticks_off()
+    handles, labels = {}, []
+    for a in axes:
+        for h, label in zip(*a.get_legend_handles_labels(), strict=True):
+            if label not in handles:
+                handles[label] = h
+                labels.append(label)
+    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.suptitle(f"SmolLM2-135M-Instruct, float32 cache: quality against the kept fraction "
+                 f"({cfg['cases']} cases per context x depth)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------------------------------------
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths (0-1)")
+    ap.add_argument("--cases", type=int, default=2, help="passkey cases per context x depth (the issue wants 20)")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5], help="kept fractions")
+    ap.add_argument("--specs", nargs="+", default=None,
+                    help="evicting specs to run (default: every registered spec with a cache evictor)")
+    ap.add_argument("--exclude", nargs="+", default=[], help="evicting specs left out of the default set")
+    ap.add_argument("--ppl-docs", type=int, default=1, help="texts scored for perplexity (0: none)")
+    ap.add_argument("--ppl-prefix", type=int, default=768)
+    ap.add_argument("--ppl-continuation", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=10)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--name", default="quality")
+    ap.add_argument("--plot", default=str(ROOT / "docs" / "images" / "quality.png"),
+                    help="the plot's path ('' for none)")
+    ap.add_argument("--kvpress-python", default=None,
+                    help="an interpreter with torch, an older transformers and kvpress: run kvpress's presses live")
+    ap.add_argument("--kvpress-path", action="append", default=[],
+                    help="a side folder put first on the kvpress interpreter's sys.path (repeatable)")
+    ap.add_argument("--kvpress-side", action="append", default=[],
+                    help="a side folder holding kvpress, put last on its sys.path (repeatable)")
+    ap.add_argument("--kvpress-presses", nargs="+", default=KVPRESS_PRESSES)
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--kvpress-worker", default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if args.kvpress_worker:
+        kvpress_worker(args.kvpress_worker)
+        return {}
+    import torch
+    from tqdm import tqdm
+
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.transformers import models
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    plain, tokenizer = zt.smollm2(progress=not args.no_progress)
+    zoo, _ = zt.smollm2(progress=False)
+    folder = models.ensure(models.SMOLLM2, progress=False).folder
+    names, aliases = evicting_specs(args.specs, args.exclude)
+    cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
+    docs = ppl_docs(tokenizer, args.ppl_docs, args.ppl_prefix, args.ppl_continuation, args.seed)
+    per_method = len(cases) + len(docs)
+    total = per_method * (1 + len(names) * len(args.fractions))
+    if args.kvpress_python:
+        total += per_method * len(args.kvpress_presses) * len(args.fractions)
+    progress = tqdm(total=total, disable=args.no_progress, desc="quality", unit="case", file=sys.stderr)
+    passkey: dict = {}
+    ppl: dict = {}
+    held: dict = {}
+    seconds: dict = {}
+
+    t0 = time.perf_counter()
+    for case in cases:
+        answer, _ = run_passkey(plain, tokenizer, case, None, args.max_new_tokens)
+        passkey.setdefault("full", []).append(
+            {"fraction": 1.0, "context": case["context"], "depth": case["depth"], "case": case["case"],
+             "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
+        progress.update(1)
+    for doc in docs:
+        nll, n, _ = run_ppl(plain, doc, args.ppl_prefix, None)
+        ppl.setdefault("full", []).append({"fraction": 1.0, "doc": doc["doc"], "nll": nll, "tokens": n})
+        progress.update(1)
+    seconds["full"] = time.perf_counter() - t0
+    report(args, argv, started, names, aliases, passkey, ppl, held, seconds, {}, done=False)
+
+    for name in names:
+        t0 = time.perf_counter()
+        for fraction in args.fractions:
+            ratios = []
+            for case in cases:
+                budget = budget_of(fraction, len(case["ids"]))
+                record = getattr(zoo.config, "attnzoo", None) or {}
+                if (record.get("name"), record.get("budget")) != (name, budget):
+                    zt.apply(zoo, name, budget=budget)
+                cache = zt.AttnzooCache(zoo, budget=budget)
+                progress.set_postfix_str(f"{name} {pct(fraction)} {case['context']}")
+                answer, nbytes = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
+                passkey.setdefault(name, []).append(
+                    {"fraction": fraction, "context": case["context"], "depth": case["depth"], "case": case["case"],
+                     "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
+                progress.update(1)
+            for doc in docs:
+                budget = budget_of(fraction, args.ppl_prefix)
+                zt.apply(zoo, name, budget=budget)
+                cache = zt.AttnzooCache(zoo, budget=budget)
+                nll, n, nbytes = run_ppl(zoo, doc, args.ppl_prefix, cache)
+                ratios.append(nbytes / full_kv_bytes(zoo, args.ppl_prefix))
+                ppl.setdefault(name, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n})
+                progress.update(1)
+            if ratios:
+                held.setdefault(name, {})[str(fraction)] = sum(ratios) / len(ratios)
+        seconds[name] = time.perf_counter() - t0
+        report(args, argv, started, names, aliases, passkey, ppl, held, seconds, {}, done=False)
+
+    kv: dict = {}
+    if args.kvpress_python:
+        t0 = time.perf_counter()
+        live = run_kvpress(args, folder, cases, docs, tokenizer, progress)
+        seconds["kvpress"] = time.perf_counter() - t0
+        if "error" in live:
+            kv["why"] = f"the kvpress worker failed: {live['error']}"
+        else:
+            kv["live"] = {"versions": live["versions"], "errors": live["errors"]}
+            passkey.update(live["passkey"])
+            ppl.update(live["ppl"])
+    progress.close()
+    return report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv, done=True)
+
+
+def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv, done) -> dict:
+    """Writes the JSON, the markdown and the plot (after every method, so that an interrupted run keeps what it
+    measured: `meta.complete` says whether it finished)."""
+    import torch
+    import transformers
+
+    from attnzoo.bench import cpu_model
+
+    wall = time.perf_counter() - started
+    command = "python benchmarks/quality.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {
+        "meta": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                 "torch": torch.__version__, "transformers": transformers.__version__,
+                 "python": platform.python_version(), "model": "SmolLM2-135M-Instruct (Q4_1 gguf, float32)",
+                 "wall_s": wall, "method_seconds": seconds, "command": command.strip(),
+                 "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "complete": done},
+        "config": {"contexts": args.contexts, "depths": args.depths, "cases": args.cases,
+                   "fractions": args.fractions, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+                   "methods": ["full", *names],
+                   "ppl": {"docs": args.ppl_docs, "prefix": args.ppl_prefix, "continuation": args.ppl_continuation,
+                           "how": "prefix compressed at prefill; continuation teacher-forced token by token "
+                                  "through the compressed cache (decode-time eviction on); full cache: one "
+                                  "forward"},
+                   "passkey": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION,
+                               "answer_prefix": ANSWER_PREFIX, "filler": str(CORPUS.relative_to(ROOT)),
+                               "match": "first number in the answer == key"},
+                   "bytes": "every cache is float32: bytes held / full cache's bytes = tokens kept / prompt"},
+        "aliases": aliases,
+        "passkey": passkey,
+        "ppl": ppl,
+        "held": held,
+        "kvpress": kv or {"why": "no --kvpress-python given", "recorded": KVPRESS_RECORDED["source"]},
+    }
+    result["summary"] = summarise(result)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / f"{args.name}.md").write_text(to_markdown(result) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    if done:
+        print(to_markdown(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
