@@ -324,7 +324,7 @@ PINNED_HASHES = {
     "stick-breaking": "14a1dfebba0e8246fe4f5eabf30fc9da6f32777630bba9df6a5d73f7aced470e",
     "diff": "73207eda306d8592fbbb5d5aa5903c622f8eaae9c6e694157c90baa95e5a2530",
     # the prompt scorers (issue 52)
-    "snapkv": "5c40ce8e11d5ae9eaa2908eb7fc91edf4021627cf9a0019e380b22bab3fc0a57",
+    "snapkv": "c522dc01178269b1b091896ada0bc1ae82e4a36157dfc3844a6c21a547ad0e0a",
     "knorm": "91f43051017d9eff675534e13266a937687c950325773b6f762ae312ef2ee977",
     "keydiff": "4f85913d9c786b5a00682124811726764e9587ad05f164949d42f31426055dce",
 }

@@ -68,7 +68,8 @@ def pool_by_position(raw: torch.Tensor, positions: torch.Tensor, kernel: int, po
 
 class SnapKVOptions(EvictorOptions):
     window: int = Field(32, ge=1, description="the last queries whose attention scores the keys; the newest "
-                                              "`window` positions are always kept")
+                                              "`window` positions are always kept (under a budget <= window: "
+                                              "budget - 1 of each)")
     kernel: int = Field(7, ge=1, description="pooling width over neighbouring positions (odd)")
     pool: Literal["avg", "max"] = Field("avg", description="avg (SnapKV's and kvpress's default) or max pooling")
 
@@ -88,7 +89,8 @@ class SnapKV(Evictor):
     the prompt (the window: the prompt's last queries). Decoding continues the same rule with a sliding window: after
     each generated token, the window is the last ``window`` queries, generated ones included, and every held token
     is scored again. The window's per-query rows are kept per token (``q0`` oldest ... ``q{window-1}`` newest) beside
-    the pooled ``score``."""
+    the pooled ``score``. A budget of at most ``window`` tokens shrinks the window to ``budget - 1`` (the newest rows,
+    the newest positions), so that one held token can be evicted; above it, the rule is SnapKV's as stated."""
 
     independent_scores = True  # the pooled score is stored by update(); the protected window is the newest positions
     kind = "snapkv"
@@ -105,9 +107,14 @@ class SnapKV(Evictor):
         self.state_names = (*self.window_names, "score")
 
     def check_budget(self, budget):
-        if budget is not None and self.options.window >= budget:
-            return f"snapkv.window ({self.options.window}) must be smaller than the budget ({budget})"
+        if budget is not None and budget < 2:
+            return f"snapkv needs budget >= 2 (the newest token is always kept), got {budget}"
         return None
+
+    def window(self, budget: int | None) -> int:
+        """The queries that score, and the newest positions kept: ``window``, or ``budget - 1`` under a smaller
+        budget."""
+        return self.options.window if budget is None else min(self.options.window, budget - 1)
 
     def update(self, cache, probs):
         b, h, t, m = probs.shape
@@ -125,10 +132,11 @@ class SnapKV(Evictor):
         k = torch.arange(w, device=old.device)
         index = torch.where(count[:, None] + k < w, count[:, None] + k, k + take)
         window = both.gather(2, index[:, None, :, None].expand(b, hkv, w, m))
-        total = window[:, :, 0].clone()
+        first = w - self.window(cache.budget)  # the rows that score: the newest window(budget)
+        total = window[:, :, first].clone()
         for i, name in enumerate(self.window_names):
             cache.state[name] = window[:, :, i].contiguous()
-            if i:
+            if i > first:
                 total = total + window[:, :, i]  # in the window's order, oldest first: the same sum in every row
         raw = total.masked_fill(self.protected(cache), 0)  # the window's own keys are kept, not scored (kvpress)
         if cache.valid is not None:
@@ -139,7 +147,7 @@ class SnapKV(Evictor):
         return cache.state["score"]
 
     def protected(self, cache):
-        return cache.positions > newest_real(cache) - self.options.window
+        return cache.positions > newest_real(cache) - self.window(cache.budget)
 
 
 class SinkOptions(EvictorOptions):

@@ -326,8 +326,8 @@ def test_a_padded_row_keeps_what_it_keeps_alone(kind, options, backend):
 def test_options_and_budgets_are_checked():
     with pytest.raises(ValueError, match="odd"):
         variant_of("snapkv", kernel=4)
-    with pytest.raises(ValueError, match="window"):
-        attnzoo.compile({"name": "s", "cache": {"evictor": "snapkv", "budget": 8, "window": 8}})
+    with pytest.raises(ValueError, match="budget >= 2"):
+        attnzoo.compile({"name": "s", "cache": {"evictor": "snapkv", "budget": 1, "window": 8}})
     for kind in ("knorm", "keydiff"):
         with pytest.raises(ValueError, match="sink"):
             attnzoo.compile({"name": "s", "cache": {"evictor": kind, "budget": 3, "sink": 3}})
@@ -385,3 +385,15 @@ def test_pooling_by_position_by_hand(positions, pool):
                 near = [at.get(p + o, 0.0) for o in range(-2, 3)]
                 want = sum(near) / 5 if pool == "avg" else max(near)
                 assert abs(float(got[i, j, s]) - want) < 1e-15
+
+
+def test_snapkv_under_a_budget_within_its_window_keeps_budget_minus_one():
+    """Budget 4 with window 8: the last 3 queries score and the newest 3 positions are kept, so one prompt token
+    stays, the one those 3 queries attend to most (kernel 1: no pooling), as SnapKV with window 3 keeps it."""
+    q, k, v = inputs(12, n=12)
+    small = variant_of("snapkv", window=8, kernel=1)
+    cache = small.new_cache(batch=2, budget=4)
+    small.prefill(q, k, v, cache)
+    pooled, _ = snapkv_by_hand(q, k, 3, 1, "avg")
+    want = [[sorted([int(pooled[i, j].argmax()) + 1, 10, 11, 12]) for j in range(2)] for i in range(2)]
+    assert kept(cache) == want
