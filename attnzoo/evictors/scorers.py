@@ -152,25 +152,31 @@ class SnapKV(Evictor):
 
 class SinkOptions(EvictorOptions):
     sink: int = Field(0, ge=0, description="first positions always kept (attention sinks, BOS); 0: none, as kvpress")
+    recent: int = Field(0, ge=0, description="newest positions always kept (the question, generated tokens); 0: "
+                                             "none, as kvpress")
 
 
 class _SinkProtected(Evictor):
     Options = SinkOptions
 
     def check_budget(self, budget):
-        if budget is not None and budget <= self.options.sink:
-            return f"{self.kind}.sink ({self.options.sink}) must be smaller than the budget ({budget})"
+        kept = self.options.sink + self.options.recent
+        if budget is not None and budget <= kept:
+            return (f"{self.kind}.sink + {self.kind}.recent ({kept}) must be smaller than the budget ({budget})")
         return None
 
     def protected(self, cache):
-        return cache.positions <= self.options.sink
+        guarded = cache.positions <= self.options.sink
+        if self.options.recent:
+            guarded = guarded | (cache.positions > newest_real(cache) - self.options.recent)
+        return guarded
 
 
 class KNorm(_SinkProtected):
     """KNorm (Devoto et al. 2024; kvpress's KnormPress): keep the keys with the lowest L2 norm, i.e. evict the
-    largest norm, per key/value head, ties to the oldest. Key-only (no probabilities); the first ``sink`` positions
-    optionally kept. Keys as the cache holds them (after the key slot's transforms, RoPE included: a rotation keeps
-    the norm)."""
+    largest norm, per key/value head, ties to the oldest. Key-only (no probabilities); the first ``sink`` and the
+    newest ``recent`` positions optionally kept. Keys as the cache holds them (after the key slot's transforms, RoPE
+    included: a rotation keeps the norm)."""
 
     independent_scores = True  # a token's score is its own key's norm
     kind = "knorm"
@@ -189,7 +195,8 @@ class KeyDiff(_SinkProtected):
     mean of the held keys' unit vectors, per key/value head, ties to the oldest: the most distinctive keys stay.
     The anchor is taken over the keys held when the step attended (the whole prompt at a prefill, as kvpress
     compresses it; the held tokens and the new one at a decoding step) and the similarities are stored
-    (``similarity``), so the victims of one step are chosen by one anchor. Key-only (no probabilities)."""
+    (``similarity``), so the victims of one step are chosen by one anchor. Key-only (no probabilities);
+    ``sink`` and ``recent`` as for :class:`KNorm`."""
 
     independent_scores = True  # the similarities are stored by update(), against the step's one anchor
     kind = "keydiff"

@@ -226,7 +226,7 @@ def test_equal_keys_tie_to_the_oldest(cls):
 
 # -- properties --------------------------------------------------------------------------------------------------
 SCORERS = [("snapkv", {"window": 3, "kernel": 3}), ("snapkv", {"window": 2, "kernel": 5, "pool": "max"}),
-           ("knorm", {}), ("knorm", {"sink": 1}), ("keydiff", {})]
+           ("knorm", {}), ("knorm", {"sink": 1}), ("keydiff", {}), ("keydiff", {"sink": 1, "recent": 2})]
 
 
 @pytest.mark.parametrize(("kind", "options"), SCORERS)
@@ -397,3 +397,22 @@ def test_snapkv_under_a_budget_within_its_window_keeps_budget_minus_one():
     pooled, _ = snapkv_by_hand(q, k, 3, 1, "avg")
     want = [[sorted([int(pooled[i, j].argmax()) + 1, 10, 11, 12]) for j in range(2)] for i in range(2)]
     assert kept(cache) == want
+
+
+@pytest.mark.parametrize("kind", ["knorm", "keydiff"])
+def test_key_scorers_recent_keeps_the_newest_positions(kind):
+    """recent: 3 keeps positions n-2..n whatever their keys; the other budget - 3 are the rule's among the rest
+    (KNorm: the smallest norms)."""
+    q, k, v = inputs(13, n=12)
+    k[:, :, -3:] *= 50  # the newest keys have the largest norms: without `recent` KNorm would drop them first
+    variant = variant_of(kind, recent=3)
+    cache = variant.new_cache(batch=2, budget=6)
+    variant.prefill(q, k, v, cache)
+    for i in range(2):
+        for j in range(2):
+            assert kept(cache)[i][j][-3:] == [10, 11, 12]
+            if kind == "knorm":
+                rest = k[i, j, :9].norm(dim=-1).argsort()[:3] + 1
+                assert kept(cache)[i][j][:3] == sorted(rest.tolist())
+    with pytest.raises(ValueError, match="recent"):
+        variant.new_cache(batch=1, budget=3)
