@@ -39,6 +39,24 @@ def rand(*shape, dtype=torch.float64, requires_grad=False):
     return t.requires_grad_(requires_grad)
 
 
+def _fused_ops():
+    """The fused decoding steps' ops (attnzoo/decode/fused_build.py), built or loaded; a skip where no C++ compiler
+    can build them, a failure with the status line where one could and did not."""
+    from attnzoo.decode import fused_build
+
+    found = fused_build.library()
+    if found is None:
+        if fused_build._compiler() is None:
+            pytest.skip("no C++ compiler: the fused decoding steps cannot be built here")
+        pytest.fail(fused_build.status())
+    return found
+
+
+@pytest.fixture(scope="module")
+def ops():
+    return _fused_ops()
+
+
 @pytest.fixture(params=["fused", "torch"])
 def lean_kind(request, monkeypatch):
     """The evicting lean steps in both forms: fused in C++ (torch ops, built once per machine into the build cache)
@@ -47,10 +65,8 @@ def lean_kind(request, monkeypatch):
 
     if request.param == "torch":
         monkeypatch.setattr(fused_build, "_LOADED", (None, "switched off in this test"))
-    elif fused_build.library() is None:
-        if fused_build._compiler() is None:
-            pytest.skip("no C++ compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_build.status())
+    else:
+        _fused_ops()
     return request.param
 
 

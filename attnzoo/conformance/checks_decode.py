@@ -189,16 +189,9 @@ def check_evicted_decode(target: Target) -> None:
 
     Where the reference run in the tested dtype itself keeps other positions than in float64 (a near tie that
     precision cannot settle), that run is compared up to the step before."""
-    spec = target.spec
-    if spec.cache is None:
-        raise Unsupported("spec has no cache evictor")
-    if not spec.attention.causal:
-        raise Unsupported("spec is not causal: no decoding")
-    target.require(decode=True)
-    variant = target.variant()
-    factory = lambda: variant.plan.evictor_cls(spec.cache)  # noqa: E731 - a fresh evictor per use
+    spec, variant, budgets = _decoding_budgets(target)
     evicting = 0
-    for budget, prefill, n in evicted_runs(eviction.budgets_for(factory, "accumulator" in spec.slots())):
+    for budget, prefill, n in evicted_runs(budgets):
         inputs = random_case(target, Shape(f"evicted-decode-n{n}", 2, 4, 2, n, 8))
         run = ("evicted-decode", budget, prefill, n)
         truth = memo(target, (*run, torch.float64), lambda inputs=inputs, budget=budget, prefill=prefill:
@@ -326,16 +319,9 @@ def check_padded_decode(target: Target) -> None:
 
     Where the reference's own decoding of the rows alone keeps other positions in the tested dtype than in float64
     (a near tie), the run is compared up to the step before."""
-    spec = target.spec
-    if spec.cache is None:
-        raise Unsupported("spec has no cache evictor")
-    if not spec.attention.causal:
-        raise Unsupported("spec is not causal: no decoding")
-    target.require(decode=True)
-    variant = target.variant()
-    factory = lambda: variant.plan.evictor_cls(spec.cache)  # noqa: E731 - a fresh evictor per use
+    spec, variant, budgets = _decoding_budgets(target)
     evicting = 0
-    for budget, width, n in padded_runs(eviction.budgets_for(factory, "accumulator" in spec.slots())):
+    for budget, width, n in padded_runs(budgets):
         inputs = random_case(target, Shape(f"padded-decode-n{n}", len(PADDED_ROWS), 4, 2, n, 8))
         run = ("padded-decode", budget, width, n)
         truth = memo(target, (*run, torch.float64), lambda inputs=inputs, budget=budget, width=width:
@@ -439,3 +425,17 @@ def check_fast_step(target: Target) -> None:
                                       prefill=FAST_PREFILL, dtype=target.dtype, seed=seed, **FAST_GEOMETRY)
         except AssertionError as exc:
             raise AssertionError(f"fast step against the full path (budget {budget}, {dtype}): {exc}") from None
+
+
+def _decoding_budgets(target):
+    """(the spec, its variant, the budgets :func:`eviction.budgets_for` derives from its evictor, a fresh evictor
+    per use) for the checks that decode through evictions; Unsupported without an evictor or causality."""
+    spec = target.spec
+    if spec.cache is None:
+        raise Unsupported("spec has no cache evictor")
+    if not spec.attention.causal:
+        raise Unsupported("spec is not causal: no decoding")
+    target.require(decode=True)
+    variant = target.variant()
+    return spec, variant, eviction.budgets_for(lambda: variant.plan.evictor_cls(spec.cache),
+                                               "accumulator" in spec.slots())

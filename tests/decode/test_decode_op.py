@@ -15,19 +15,9 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from attnzoo.decode import fused_build, layout
+from attnzoo.decode import layout
 
 B, H, HKV, D, M = 3, 4, 2, 8, 6
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = fused_build.library()
-    if found is None:
-        if fused_build._compiler() is None:
-            pytest.skip("no C++ compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_build.status())
-    return found
 
 
 def _scoring_case(dtype=torch.float64, steps=5):

@@ -14,20 +14,9 @@ import torch
 
 import attnzoo
 from attnzoo.core.numerics import accumulator_dtype
-from attnzoo.decode import fused_build
 
 B, H, HKV, D, M = 2, 4, 2, 8, 5
 BIG = 2**63 - 1
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = fused_build.library()
-    if found is None:
-        if fused_build._compiler() is None:
-            pytest.skip("no C++ compiler: the fused decoding steps cannot be built here")
-        pytest.fail(fused_build.status())
-    return found
 
 
 def _args(kernel: str, dtype=torch.float64) -> dict:

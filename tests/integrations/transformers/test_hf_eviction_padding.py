@@ -1,5 +1,6 @@
-"""A left-padded batch generates what each row generates alone with an evictor that reads the attention
-probabilities (H2O, TOVA) at a budget that evicts, on tiny llama, gpt_neox and bert (as a decoder), float64.
+"""A left-padded batch generates what each row generates alone with an evictor at a budget that evicts, on tiny
+llama, gpt_neox and bert (as a decoder), float64: those that read the attention probabilities (H2O, TOVA, SnapKV's
+window) and the key scorers (knorm, keydiff).
 
 Issue 51: each padding query's attention went to its row's first real token's H2O score, so a padded row evicted
 other tokens than the row alone; before the fix the three h2o cases here fail (rows behind 1, 3 or 7 padding
@@ -28,6 +29,16 @@ CONFIGS = {
 }
 
 
+#: the cache section of each spec: the shipped evictor at a budget that evicts (snapkv's window and kernel scaled down)
+CACHES = {
+    "h2o": {"evictor": "h2o", "budget": BUDGET},
+    "tova": {"evictor": "tova", "budget": BUDGET},
+    "snapkv": {"evictor": "snapkv", "budget": 6, "window": 2, "kernel": 3},
+    "knorm": {"evictor": "knorm", "budget": BUDGET},
+    "keydiff": {"evictor": "keydiff", "budget": BUDGET},
+}
+
+
 def tiny(family: str):
     torch.manual_seed(0)
     config = AutoConfig.for_model(family, vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=None,
@@ -40,10 +51,11 @@ def tiny(family: str):
     return model
 
 
-@pytest.mark.parametrize("spec", ["h2o", "tova"])
+@pytest.mark.parametrize("spec", sorted(CACHES))
 @pytest.mark.parametrize("family", sorted(CONFIGS))
 def test_a_left_padded_batch_with_eviction_generates_each_row_alone(family, spec):
-    model = zt.apply(tiny(family), spec, budget=BUDGET)
+    cache = CACHES[spec]
+    model = zt.apply(tiny(family), {"name": f"padded-{spec}", "cache": cache})
     torch.manual_seed(2)
     rows = [torch.randint(2, VOCAB, (length,)) for length in (12, 11, 9, 5)]  # behind 0, 1, 3 and 7 padding tokens
     for r in rows:
@@ -53,7 +65,7 @@ def test_a_left_padded_batch_with_eviction_generates_each_row_alone(family, spec
     for i, r in enumerate(rows):
         padded[i, width - len(r):] = r
     out = model.generate(padded, attention_mask=(padded != PAD).long(), return_dict_in_generate=True, **GREEDY)
-    assert all(report["tokens"] <= BUDGET for report in out.cache.memory())
+    assert all(report["tokens"] <= cache["budget"] for report in out.cache.memory())
     for i, r in enumerate(rows):
         alone = model.generate(r[None], **GREEDY)
         assert out.sequences[i, width - len(r):].tolist() == alone[0].tolist(), (i, width - len(r))
