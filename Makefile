@@ -92,12 +92,12 @@ bench-probability: $(STAMP)
 # issue 52: quality per kept fraction on the real model (SmolLM2-135M-Instruct, float32, CPU): passkey at 1k tokens
 # (depths 10/50/90%, 2 cases per cell) and perplexity (768 compressed + 128 token by token), the full cache and every
 # evicting spec but selective-ssa (a spec to train) at 12.5/25/50% kept (benchmarks/results/quality.{json,md},
-# docs/images/quality.png; docs/quality.md). One thread: on a shared 2-core host, two threads against other processes
-# ran 5-8x slower. kvpress live: add KVPRESS_PYTHON=path/to/python (an interpreter with kvpress and its transformers)
+# docs/images/quality.png; docs/quality.md). One thread: on this shared 2-core host, two threads against other jobs
+# took ~45 s per 1k case, one 5-15 s. kvpress live in the same run: KVPRESS_ARGS='--kvpress-python PY --kvpress-path
+# DIR --kvpress-side DIR' (docs/quality.md)
 bench-quality: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --contexts 1024 --cases 2 --threads 1 --exclude selective-ssa \
-		--ppl-docs 1 --ppl-continuation 128 \
-		$(if $(KVPRESS_PYTHON),--kvpress-python $(KVPRESS_PYTHON),)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --contexts 1024 --cases 2 --threads 1 \
+		--exclude selective-ssa --ppl-docs 1 --ppl-continuation 128 $(KVPRESS_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

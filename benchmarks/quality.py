@@ -159,7 +159,9 @@ def kvpress_worker(job_path: str) -> None:
         model = transformers.LlamaForCausalLM.from_pretrained(job["model"], torch_dtype=torch.float32,
                                                               local_files_only=True).eval()
     say = lambda obj: print(json.dumps(obj), flush=True)  # noqa: E731
-    say({"versions": {"kvpress": getattr(kvpress, "__version__", "?"), "transformers": transformers.__version__,
+    from importlib.metadata import version
+
+    say({"versions": {"kvpress": version("kvpress"), "transformers": transformers.__version__,
                       "torch": torch.__version__}})
     for name in job["presses"]:
         for fraction in job["fractions"]:
@@ -193,7 +195,10 @@ def kvpress_worker(job_path: str) -> None:
                         for t in range(prefix, ids.shape[1]):
                             nll -= torch.log_softmax(logits.float(), -1)[0, ids[0, t]].item()
                             if t + 1 < ids.shape[1]:
-                                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                                # positions given: the compressed cache's length is not the tokens seen, which
+                                # transformers would number the next token from (generate() numbers them itself)
+                                out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True,
+                                            cache_position=torch.tensor([t]), position_ids=torch.tensor([[t]]))
                                 cache, logits = out.past_key_values, out.logits[:, -1]
                     say({"press": name, "fraction": fraction, "kind": "ppl", "doc": doc["doc"], "nll": nll,
                          "tokens": ids.shape[1] - prefix})
@@ -253,7 +258,7 @@ def evicting_specs(only: list[str] | None, exclude=()) -> tuple[list[str], dict[
     from attnzoo.registry import get_registry
 
     specs = get_registry().specs
-    if only:
+    if only is not None:  # given (an empty list: the full cache only)
         missing = [n for n in only if n not in specs]
         if missing:
             raise SystemExit(f"unknown spec(s): {', '.join(missing)}; registered: {', '.join(sorted(specs))}")
@@ -401,8 +406,11 @@ def to_markdown(result: dict) -> str:
     p = cfg["ppl"]
     lines += [f"### Perplexity ({p['docs']} text(s) of the corpus: {p['prefix']} tokens compressed at prefill, "
               f"{p['continuation']} teacher-forced token by token through the compressed cache, decode-time "
-              f"eviction on)", "",
-              "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
+              f"eviction on)", ""]
+    if any(m.startswith("kvpress") for m in summary["ppl"]):
+        lines += ["kvpress rows: the prefix compressed at prefill, the continuation fed token by token with no "
+                  "eviction (kvpress's presses do not run at decode): their cache grows by the continuation.", ""]
+    lines += ["| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
               "|---|" + "---|" * (len(fr) + 1)]
     for m, cells in summary["ppl"].items():
         if m == "full":
@@ -454,6 +462,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(contexts) + 1, figsize=(4.6 * (len(contexts) + 1), 4.2))
     methods = [m for m in summary["passkey"] if m != "full"]
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    style = lambda m: "s--" if m.startswith("kvpress") else "o-"  # noqa: E731
     for ax, context in zip(axes, contexts, strict=False):
         full = summary["passkey"]["full"]["1.0"][str(context)]
         ax.axhline(100 * full["correct"] / full["total"], color="black", ls="--", lw=1, label="full cache")
@@ -461,7 +470,7 @@ def plot(result: dict, path: Path) -> None:
             cells = summary["passkey"][m]
             xs = [f for f in cfg["fractions"] if str(context) in cells.get(str(f), {})]
             ys = [100 * cells[str(f)][str(context)]["correct"] / cells[str(f)][str(context)]["total"] for f in xs]
-            ax.plot([100 * x for x in xs], ys, "o-", color=colors[m], label=m)
+            ax.plot([100 * x for x in xs], ys, style(m), color=colors[m], label=m)
         if context == 1024 and not result["kvpress"].get("live"):
             for i, (press, cells) in enumerate(KVPRESS_RECORDED["passkey_1k_of_12"].items()):
                 xs = sorted(cells)
@@ -477,7 +486,7 @@ def plot(result: dict, path: Path) -> None:
     for m in methods:
         cells = summary["ppl"].get(m, {})
         xs = [f for f in cfg["fractions"] if str(f) in cells]
-        ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], "o-", color=colors[m], label=m)
+        ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], style(m), color=colors[m], label=m)
     if not result["kvpress"].get("live"):
         best = KVPRESS_RECORDED["ppl_best"]["ExpectedAttentionPress"]
         ax.plot([100 * x for x in sorted(best)], [best[x] for x in sorted(best)], ":", marker="x", color="0.4",
@@ -510,8 +519,9 @@ def parse(argv=None):
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths (0-1)")
     ap.add_argument("--cases", type=int, default=2, help="passkey cases per context x depth (the issue wants 20)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5], help="kept fractions")
-    ap.add_argument("--specs", nargs="+", default=None,
-                    help="evicting specs to run (default: every registered spec with a cache evictor)")
+    ap.add_argument("--specs", nargs="*", default=None,
+                    help="evicting specs to run (default: every registered spec with a cache evictor; none given: "
+                         "the full cache only, e.g. beside kvpress)")
     ap.add_argument("--exclude", nargs="+", default=[], help="evicting specs left out of the default set")
     ap.add_argument("--ppl-docs", type=int, default=1, help="texts scored for perplexity (0: none)")
     ap.add_argument("--ppl-prefix", type=int, default=768)
