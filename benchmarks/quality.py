@@ -459,7 +459,10 @@ def plot(result: dict, path: Path) -> None:
 
     cfg, summary = result["config"], result["summary"]
     contexts = cfg["contexts"]
-    fig, axes = plt.subplots(1, len(contexts) + 1, figsize=(4.6 * (len(contexts) + 1), 4.2))
+    has_ppl = "full" in summary["ppl"]
+    panels = len(contexts) + has_ppl
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2), squeeze=False)
+    axes = list(axes[0])
     methods = [m for m in summary["passkey"] if m != "full"]
     colors = {m: f"C{i}" for i, m in enumerate(methods)}
     style = lambda m: "s--" if m.startswith("kvpress") else "o-"  # noqa: E731
@@ -481,21 +484,22 @@ def plot(result: dict, path: Path) -> None:
                ylabel="exact match %", xscale="log", ylim=(-3, 103))
         ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
         ax.minorticks_off()
-    ax = axes[-1]
-    ax.axhline(summary["ppl"]["full"]["1.0"]["ppl"], color="black", ls="--", lw=1, label="full cache")
-    for m in methods:
-        cells = summary["ppl"].get(m, {})
-        xs = [f for f in cfg["fractions"] if str(f) in cells]
-        ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], style(m), color=colors[m], label=m)
-    if not result["kvpress"].get("live"):
-        best = KVPRESS_RECORDED["ppl_best"]["ExpectedAttentionPress"]
-        ax.plot([100 * x for x in sorted(best)], [best[x] for x in sorted(best)], ":", marker="x", color="0.4",
-                label="kvpress ExpectedAttention (issue 52, not this run)")
-    p = cfg["ppl"]
-    ax.set(title=f"perplexity ({p['prefix']} compressed + {p['continuation']})", xlabel="kept % of the prefix",
-           ylabel="perplexity (lower is better)", xscale="log", yscale="log")
-    ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
-    ax.minorticks_off()
+    ax = axes[-1] if has_ppl else None
+    if has_ppl:
+        ax.axhline(summary["ppl"]["full"]["1.0"]["ppl"], color="black", ls="--", lw=1, label="full cache")
+        for m in methods:
+            cells = summary["ppl"].get(m, {})
+            xs = [f for f in cfg["fractions"] if str(f) in cells]
+            ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], style(m), color=colors[m], label=m)
+        if not result["kvpress"].get("live"):
+            best = KVPRESS_RECORDED["ppl_best"]["ExpectedAttentionPress"]
+            ax.plot([100 * x for x in sorted(best)], [best[x] for x in sorted(best)], ":", marker="x", color="0.4",
+                    label="kvpress ExpectedAttention (issue 52, not this run)")
+        p = cfg["ppl"]
+        ax.set(title=f"perplexity ({p['prefix']} compressed + {p['continuation']})", xlabel="kept % of the prefix",
+               ylabel="perplexity (lower is better)", xscale="log", yscale="log")
+        ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
+        ax.minorticks_off()
     handles, labels = {}, []
     for a in axes:
         for h, label in zip(*a.get_legend_handles_labels(), strict=True):
