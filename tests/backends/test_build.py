@@ -28,3 +28,14 @@ def test_artifact_modes_follow_the_umask(mask, restore_umask, tmp_path):
     for directory in (artifact.directory, artifact.directory.parent):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o777 & ~mask, directory
     assert builder.build("vanilla", root=tmp_path / "cache").hit  # and it reads back as a whole artifact
+
+
+@pytest.mark.parametrize("damage", [b"[" * 100_000 + b"]" * 100_000, b"\xff\xfe not utf-8", b"{\"key\": 1}"],
+                         ids=["nested", "not-utf8", "wrong-key"])
+def test_a_damaged_manifest_is_built_again(tmp_path, damage):
+    """A manifest that does not parse (nested past Python's stack: RecursionError, not a ValueError) or names
+    another key is a damaged artifact: the next build writes it afresh instead of raising."""
+    artifact = builder.build("vanilla", root=tmp_path / "cache")
+    (artifact.directory / builder.MANIFEST).write_bytes(damage)
+    again = builder.build("vanilla", root=tmp_path / "cache")
+    assert not again.hit and builder.build("vanilla", root=tmp_path / "cache").hit

@@ -127,7 +127,7 @@ def _try_load(directory: Path, key: str, spec_name: str, sources: dict[str, byte
             return None
     try:
         manifest = json.loads(read_file(directory / MANIFEST) or b"")
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, or nested past Python's stack: damaged, built again
         return None
     digests = {name: hashlib.sha256(data).hexdigest() for name, data in sources.items()}
     if not isinstance(manifest, dict) or manifest.get("key") != key or manifest.get("sources") != digests:
