@@ -162,9 +162,10 @@ def cache_root(root: Path) -> Path:
     return root
 
 
-def read_file(path: Path) -> bytes | None:
-    """The bytes of ``path``, a regular file in the cache, opened without following a symbolic link; None if it
-    is absent. :class:`CacheError` for a symbolic link, not a regular file, or one another user can write."""
+def open_checked(path: Path):
+    """``path``, a regular file in the cache, open for reading (a binary file object) without following a symbolic
+    link; None if it is absent. :class:`CacheError` for a symbolic link, not a regular file, or one another user
+    can write."""
     try:
         fd = os.open(path, os.O_RDONLY | NONBLOCK | NOFOLLOW | CLOEXEC)
     except FileNotFoundError:
@@ -173,11 +174,24 @@ def read_file(path: Path) -> bytes | None:
         if exc.errno == errno.ELOOP or os.path.islink(path):
             raise symlink_error(path) from None
         raise failed(path, "read it", exc) from None
-    with os.fdopen(fd, "rb") as f:
+    f = os.fdopen(fd, "rb")
+    try:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise CacheError(f"{path}: not a regular file, where attnzoo keeps one; remove it {FIX}")
         check_trusted(path, st)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def read_file(path: Path) -> bytes | None:
+    """The bytes of ``path``, a regular file in the cache (:func:`open_checked`); None if it is absent."""
+    f = open_checked(path)
+    if f is None:
+        return None
+    with f:
         return f.read()
 
 

@@ -23,6 +23,7 @@ against the sha256 that record and this module pin.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -41,20 +42,15 @@ from pathlib import Path
 import torch
 
 from ...buildcache import (
-    CLOEXEC,
-    NOFOLLOW,
-    NONBLOCK,
-    CacheError,
     cache_dir,
     cache_root,
-    check_trusted,
     checked_dir,
     drop_others_write,
     failed,
     locked,
     mkdir_private,
+    open_checked,
     read_file,
-    symlink_error,
     write_atomic,
 )
 from .base import IntegrationError
@@ -169,23 +165,17 @@ def _need_converters(entry: GgufModel) -> None:
 
 # -- files ---------------------------------------------------------------------------------------------------------
 def digest(path: Path, chunk: int = 1 << 23) -> tuple[int, str]:
-    """(size, sha256) of ``path``, a regular file opened without following a symbolic link; :class:`CacheError` if
-    it is a link, not a regular file, or another user can write it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | NONBLOCK | NOFOLLOW | CLOEXEC)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise symlink_error(path) from None
-        raise failed(path, "read it", exc) from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{path}: not a regular file, where attnzoo keeps one; remove it")
-        check_trusted(path, st)
+    """(size, sha256) of ``path``, a regular file opened without following a symbolic link
+    (``buildcache.open_checked``); :class:`CacheError` if it is absent, a link, not a regular file, or another user
+    can write it."""
+    f = open_checked(path)
+    if f is None:
+        raise failed(path, "read it", FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT)))
+    with f:
         h = hashlib.sha256()
         while block := f.read(chunk):
             h.update(block)
-    return st.st_size, h.hexdigest()
+        return os.fstat(f.fileno()).st_size, h.hexdigest()
 
 
 def _manifest(folder: Path) -> dict | None:
