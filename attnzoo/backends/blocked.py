@@ -219,7 +219,8 @@ class BlockedBackend(Backend):
                        if return_accumulated and acc is not None else None)
         probs = qs.new_zeros(b, h, nq, nk) if want_probs else None
         grad = _wants_grad(qs, ks, vs, params)
-        use_sdpa = use_sdpa and all_finite(ks) and all_finite(vs)
+        finite_values = all_finite(vs)  # once per call: a block's eager path weighs non-finite values by selection
+        use_sdpa = use_sdpa and finite_values and all_finite(ks)
         step = self.block_size
         for start in range(0, nq, step):
             stop = min(start + step, nq)
@@ -241,8 +242,10 @@ class BlockedBackend(Backend):
             def block(*a, _plan=plan, _params=params,
                       _queries=query_mask[:, start:stop] if query_mask is not None and acc is not None else None):
                 if other_map(_plan) is not None:
-                    return self.mapped_block(_plan, _params, *a, want_probs=want_probs, query_mask=_queries)
-                return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa, query_mask=_queries)
+                    return self.mapped_block(_plan, _params, *a, want_probs=want_probs, query_mask=_queries,
+                                             finite_values=finite_values)
+                return self.block(_plan, _params, *a, want_probs=want_probs, use_sdpa=use_sdpa, query_mask=_queries,
+                                  finite_values=finite_values)
 
             if grad:
                 o, f_blk, colsum, p = checkpoint(block, *args, use_reentrant=False)
@@ -258,9 +261,10 @@ class BlockedBackend(Backend):
         return out, accumulated, carry, probs
 
     def block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None, key_features=None,
-              want_probs=False, use_sdpa=True, query_mask=None):
+              want_probs=False, use_sdpa=True, query_mask=None, finite_values=None):
         """One query block against its visible keys (with the features of its queries and keys, (B, H, Bq) and
-        (B, H, Bk) by name). Returns (out, F, column sums of S, probs or None); F and the column sums in
+        (B, H, Bk) by name). ``finite_values``: whether every value is finite, when the caller knows (else checked
+        here). Returns (out, F, column sums of S, probs or None); F and the column sums in
         ``accumulator_dtype(q.dtype)``, like the carry."""
         b, h, nq, d = q.shape
         hkv = k.shape[1]
@@ -312,14 +316,14 @@ class BlockedBackend(Backend):
         else:
             p = torch.softmax(logits.masked_fill(~has_key, 0.0), dim=-1).masked_fill(~allowed, 0.0)
         weights = p.reshape(b, hkv, group * nq, -1)
-        if all_finite(v):
+        if finite_values if finite_values is not None else all_finite(v):
             out = weights @ v
         else:  # a masked pair adds nothing, whatever its value (0 × NaN is NaN)
             out = weighted_rows(weights, v, allowed.expand(b, h, nq, -1).reshape(b, hkv, group * nq, -1))
         return out.reshape(b, h, nq, v.shape[-1]), f_blk, colsum, (p if want_probs else None)
 
     def mapped_block(self, plan, params, q, k, v, qpos, kpos, key_mask, carry, query_features=None,
-                     key_features=None, want_probs=False, query_mask=None):
+                     key_features=None, want_probs=False, query_mask=None, finite_values=None):
         """One query block against its visible keys under a probability transform: the keys in blocks of
         ``block_size`` (from the nearest back for a map of ``order = "reverse"``), each block's logits through the
         logits slot and -F, merged by the map's blocked form, then ``combine``. Returns what :meth:`block` does."""
@@ -348,7 +352,7 @@ class BlockedBackend(Backend):
             f_blk = f_from_s(s, carry)[:, 0]
             colsum = s.to(f_blk.dtype).sum(dim=2)[:, 0]
         vs = v.repeat_interleave(group, dim=1) if group > 1 else v
-        if not all_finite(vs):
+        if not (finite_values if finite_values is not None else all_finite(vs)):
             # a NaN or infinite value: the map's weights over every visible key at once (its reference form), each
             # masked pair selected out (a map's blocked form weighs a block's values by 0 there: 0 × NaN is NaN)
             ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
