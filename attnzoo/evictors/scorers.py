@@ -3,8 +3,9 @@ L2 norm) and KeyDiff (the key's cosine to the mean key direction) (docs/specs.md
 
 Each scores the tokens once per step, after attention (``evict_after_attention``): a prefill scores the whole prompt
 at once, as kvpress's presses do when they compress a prompt, then evicts down to the budget by those scores; each
-decoding step scores the held tokens and the new one again and evicts one. Every score that depends on more than its
-own token (SnapKV's pooling and query window, KeyDiff's anchor) is computed in :meth:`update` and stored as a
+decoding step scores the held tokens and the new one again (SnapKV: adds the new query's pooled attention) and
+evicts one. Every score that depends on more than its
+own token (SnapKV's pooling, KeyDiff's anchor) is computed in :meth:`update` and stored as a
 per-token score (``cache.state``), so removing a token changes no other token's score within the step
 (``independent_scores``: the many victims of a long prefill are chosen at once, by the scores of the whole prompt).
 None has a fused step (``kernel_rule``): the full decode path runs the rule.
@@ -86,11 +87,15 @@ class SnapKV(Evictor):
     probabilities, summed over those queries and over its key/value head's query group), the newest ``window``
     positions left out (they are kept), then pooled over the ``kernel`` neighbouring positions; the smallest score
     goes, per key/value head, ties to the oldest. At a prefill longer than the budget this is SnapKV's selection of
-    the prompt (the window: the prompt's last queries). Decoding continues the same rule with a sliding window: after
-    each generated token, the window is the last ``window`` queries, generated ones included, and every held token
-    is scored again. The window's per-query rows are kept per token (``q0`` oldest ... ``q{window-1}`` newest) beside
-    the pooled ``score``. A budget of at most ``window`` tokens shrinks the window to ``budget - 1`` (the newest rows,
-    the newest positions), so that one held token can be evicted; above it, the rule is SnapKV's as stated."""
+    the prompt (the window: the prompt's last queries), the same kept set as kvpress's SnapKVPress.
+
+    Generated tokens (kvpress lets the cache grow; a fixed page cannot): each decoding step **adds** its query's
+    attention, pooled the same way over the tokens held at that step, to every held token's score, and the newest
+    ``window`` positions stay protected, so a token keeps what the prompt's window paid it plus what every later
+    query pays it (H2O's accumulation, pooled). A step of T tokens adds its last ``min(T, window)`` real queries (a
+    prefill in chunks therefore scores with each chunk's last queries: one prefill is SnapKV's rule). One float per
+    held token (``score``), as H2O keeps. A budget of at most ``window`` tokens shrinks the window to
+    ``budget - 1`` (the newest rows, the newest positions), so that one held token can be evicted."""
 
     independent_scores = True  # the pooled score is stored by update(); the protected window is the newest positions
     kind = "snapkv"
@@ -100,11 +105,7 @@ class SnapKV(Evictor):
     evict_after_attention = True
     needs_probabilities = True
     largest = False
-
-    def __init__(self, options: SnapKVOptions) -> None:
-        super().__init__(options)
-        self.window_names = tuple(f"q{i}" for i in range(options.window))
-        self.state_names = (*self.window_names, "score")
+    state_names = ("score",)
 
     def check_budget(self, budget):
         if budget is not None and budget < 2:
@@ -116,32 +117,24 @@ class SnapKV(Evictor):
         budget."""
         return self.options.window if budget is None else min(self.options.window, budget - 1)
 
+    @property
+    def probability_rows(self) -> int:
+        """The most query rows :meth:`update` reads (the last ones of a step): the window."""
+        return self.options.window
+
     def update(self, cache, probs):
         b, h, t, m = probs.shape
         hkv = cache.positions.shape[1]
-        w = self.options.window
-        take = min(t, w)
-        # the step's last `take` queries (each row's real queries are last), summed over each key/value head's group
-        rows = probs[:, :, t - take:].detach().reshape(b, hkv, h // hkv, take, m).sum(dim=2)
-        old = torch.stack([cache.state[name] for name in self.window_names], dim=2)  # (B, H_kv, W, M), oldest first
-        both = torch.cat([old, rows.to(old.dtype)], dim=2)
-        real = cache.query_mask()
-        count = (torch.full((b,), take, dtype=torch.int64, device=old.device) if real is None
-                 else real.to(old.device).sum(-1).clamp(max=take))
-        # each row's window: its W newest real queries (a row with c real queries shifts by c, not by the step's T)
-        k = torch.arange(w, device=old.device)
-        index = torch.where(count[:, None] + k < w, count[:, None] + k, k + take)
-        window = both.gather(2, index[:, None, :, None].expand(b, hkv, w, m))
-        first = w - self.window(cache.budget)  # the rows that score: the newest window(budget)
-        total = window[:, :, first].clone()
-        for i, name in enumerate(self.window_names):
-            cache.state[name] = window[:, :, i].contiguous()
-            if i > first:
-                total = total + window[:, :, i]  # in the window's order, oldest first: the same sum in every row
-        raw = total.masked_fill(self.protected(cache), 0)  # the window's own keys are kept, not scored (kvpress)
+        take = min(t, self.window(cache.budget))
+        # the step's last `take` query rows (each row's real queries are last, zero rows before them for its
+        # padding queries: they add nothing), summed over the queries, then over each key/value head's group
+        rows = probs[:, :, t - take:].detach().sum(dim=2)
+        score = cache.state["score"]
+        raw = rows.reshape(b, hkv, h // hkv, m).sum(dim=2).to(score.dtype)
+        raw = raw.masked_fill(self.protected(cache), 0)  # the window's own keys are kept, not scored (kvpress)
         if cache.valid is not None:
             raw = raw.masked_fill(~cache.valid, 0)
-        cache.state["score"] = pool_by_position(raw, cache.positions, self.options.kernel, self.options.pool)
+        cache.state["score"] = score + pool_by_position(raw, cache.positions, self.options.kernel, self.options.pool)
 
     def score(self, cache):
         return cache.state["score"]

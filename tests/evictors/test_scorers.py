@@ -95,18 +95,21 @@ def test_snapkv_prefill_keeps_the_prompt_snapkv_names(pool, backend):
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)
 
 
-def test_snapkv_decoding_slides_the_window_over_generated_queries():
+def test_snapkv_decoding_adds_each_generated_query_pooled():
     """Prefill 20 tokens at budget 10 (window 4, avg kernel 3), then one generated token, all by hand: the new query
-    attends over the 10 kept and itself, the window is the prompt's last 3 queries and the new one, every held token
-    is scored again by position (an evicted neighbour counts 0), the newest 4 positions are kept."""
+    attends over the 10 kept and itself; its attention (summed over the group), the newest 4 positions left out, is
+    pooled by position over the held tokens (an evicted neighbour counts 0) and added to the prompt's scores; the
+    smallest unprotected score goes."""
     window, kernel, budget, n, d = 4, 3, 10, 20, 8
     q, k, v = inputs(2, n=n + 1)
     variant = variant_of("snapkv", window=window, kernel=kernel)
     cache = variant.new_cache(batch=2, budget=budget)
     variant.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], cache)
     held = kept(cache)
+    prompt_scores = [[dict(zip(cache.positions[i, j].tolist(), cache.state["score"][i, j].tolist(), strict=True))
+                      for j in range(2)] for i in range(2)]
     out = variant.decode(q[:, :, n:], k[:, :, n:], v[:, :, n:], cache)
-    probs = full_probs(q[:, :, :n], k[:, :, :n])
+    _, probs = snapkv_by_hand(q[:, :, :n], k[:, :, :n], window, kernel, "avg")
     for i in range(2):
         for j in range(2):
             positions = held[i][j] + [n + 1]
@@ -116,19 +119,35 @@ def test_snapkv_decoding_slides_the_window_over_generated_queries():
                 new = (k[i, j, idx] @ q[i, head, n] / math.sqrt(d)).softmax(-1)
                 torch.testing.assert_close(out[i, head, 0], new @ v[i, j, idx], rtol=0, atol=1e-12)
                 raw += new
-                for query in range(n - window + 1, n):  # the prompt's last window - 1 queries (0-based)
-                    raw[:-1] += probs[i, head, query, idx[:-1]]
             protected = [p > n + 1 - window for p in positions]
             raw = torch.where(torch.tensor(protected), torch.zeros(()), raw)
             by_position = dict(zip(positions, raw.tolist(), strict=True))
-            pooled = [sum(by_position.get(p + o, 0.0) for o in range(-(kernel // 2), kernel // 2 + 1)) / kernel
-                      for p in positions]
-            candidates = [(pooled[s], positions[s]) for s in range(len(positions)) if not protected[s]]
+            # the prompt's score: its last `window` queries' attention, its newest `window` keys left out, pooled
+            prompt_raw = {p: float(probs[i, 2 * j:2 * j + 2, n - window:, p - 1].sum()) if p <= n - window else 0.0
+                          for p in range(1, n + 1)}
+            before = [sum(prompt_raw.get(p + o, 0.0) for o in range(-(kernel // 2), kernel // 2 + 1)) / kernel
+                      if p <= n else 0.0 for p in positions]
+            for p, s in zip(positions[:-1], before[:-1], strict=True):
+                assert abs(prompt_scores[i][j][p] - s) < 1e-12
+            total = [before[s] + sum(by_position.get(p + o, 0.0) for o in range(-(kernel // 2), kernel // 2 + 1))
+                     / kernel for s, p in enumerate(positions)]
+            candidates = [(total[s], positions[s]) for s in range(len(positions)) if not protected[s]]
             victim = min(candidates)[1]
             assert kept(cache)[i][j] == [p for p in positions if p != victim], (i, j)
             score = cache.state["score"][i, j]
             for s, p in enumerate(cache.positions[i, j].tolist()):
-                assert abs(float(score[s]) - pooled[positions.index(p)]) < 1e-12
+                assert abs(float(score[s]) - total[positions.index(p)]) < 1e-12
+
+
+def test_snapkv_holds_one_score_per_token():
+    """Bytes: SnapKV keeps one float per held token beside its key and value, as H2O does (not its window's rows)."""
+    q, k, v = inputs(3, n=40)
+    cache = variant_of("snapkv", window=8, kernel=3).new_cache(batch=2, budget=12)
+    variant_of("snapkv", window=8, kernel=3).prefill(q, k, v, cache)
+    assert list(cache.state) == ["score"]
+    kv = cache.keys.numel() * cache.keys.element_size() * 2
+    per_token = cache.positions.numel() * (8 + 8)  # position (int64) + score (float64 for float64 keys)
+    assert cache.nbytes == kv + per_token
 
 
 def test_snapkv_ties_go_to_the_oldest_and_the_window_is_kept():
@@ -227,12 +246,14 @@ def test_equal_keys_tie_to_the_oldest(cls):
 # -- properties --------------------------------------------------------------------------------------------------
 SCORERS = [("snapkv", {"window": 3, "kernel": 3}), ("snapkv", {"window": 2, "kernel": 5, "pool": "max"}),
            ("knorm", {}), ("knorm", {"sink": 1}), ("keydiff", {}), ("keydiff", {"sink": 1, "recent": 2})]
+#: scorers whose scores do not depend on how a prompt is cut into steps (SnapKV's step adds its last queries only)
+CHUNK_FREE = [case for case in SCORERS if case[0] != "snapkv"]
 
 
-@pytest.mark.parametrize(("kind", "options"), SCORERS)
+@pytest.mark.parametrize(("kind", "options"), CHUNK_FREE)
 def test_decode_equals_prefill_while_nothing_is_evicted(kind, options):
     """Token by token or in two chunks, a prompt within the budget gives the same outputs, positions and scores
-    as one prefill (SnapKV's window slides over the same queries)."""
+    as one prefill (SnapKV's scores depend on the steps by its rule: a step adds its last `window` queries)."""
     q, k, v = inputs(6, n=14)
     variant = variant_of(kind, **options)
     results = []
@@ -349,8 +370,8 @@ def test_scorer_specs_pass_conformance(spec, backend):
 
 @pytest.mark.parametrize("backend", DECODING)
 def test_snapkv_window_counts_only_a_rows_real_queries(backend):
-    """A chunk that pads a row after it has real tokens (padding queries first, then real ones): the row's window
-    moves on by its real queries only, so its older real queries stay in the window as they do alone."""
+    """A chunk that pads a row after it has real tokens (padding queries first, then real ones): the row's step adds
+    its real queries only, as the same step does alone."""
     q, k, v = inputs(10, b=2, n=9)
     variant = variant_of("snapkv", backend, window=4, kernel=3)
     cache = variant.new_cache(batch=2, budget=30)
@@ -363,7 +384,7 @@ def test_snapkv_window_counts_only_a_rows_real_queries(backend):
     real = cache.valid[0, 0]
     for name in alone.state:
         torch.testing.assert_close(cache.state[name][0][:, real], alone.state[name][0], rtol=0, atol=1e-12)
-    assert float(alone.state["q0"].abs().sum()) > 0  # the window still holds a query of the first chunk
+    assert float(alone.state["score"].abs().sum()) > 0
 
 
 @pytest.mark.parametrize("pool", ["avg", "max"])
