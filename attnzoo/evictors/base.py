@@ -52,6 +52,10 @@ class Evictor:
     ``cache.state[name]`` in place or assign it a new (B, H_kv, M) tensor; the cache adopts it.
     ``needs_probabilities``: :meth:`update` reads the new queries' attention probabilities (backends compute
     them, O(H·T·M) per step, only for evictors that declare it; the others get None), real queries' rows only.
+    ``probability_rows``: the most query rows :meth:`update` reads, the last ones of the step (TOVA: 1, SnapKV: its
+    window), or None: every row (H2O). A backend may then compute only those rows' probabilities and hand
+    :meth:`update` a (B, H, min(T, rows), M) tensor of the step's last rows (a long prefill need not materialise
+    T x M probabilities to score a prompt); an evictor that declares it must read nothing but those rows.
     ``independent_scores``: removing a token changes no other token's score or protection, so the cache may pick
     several victims at once (after a long prefill) with the same result as one at a time; the conformance suite
     checks the claim on crafted caches.
@@ -65,6 +69,7 @@ class Evictor:
     evict_after_attention: ClassVar[bool] = False
     state_names: tuple[str, ...] = ()  # per class, or per instance from the options
     needs_probabilities: ClassVar[bool] = False
+    probability_rows: int | None = None  # per class, or per instance from the options
     independent_scores: ClassVar[bool] = False
     _options_model: ClassVar[type[EvictorOptions] | None] = None
 

@@ -101,6 +101,7 @@ class TOVA(Evictor):
     evict_after_attention = True
     state_names = ("last_attention",)
     needs_probabilities = True
+    probability_rows = 1  # the step's last query
 
     def update(self, cache, probs):
         mean = probs[:, :, -1].detach().mean(dim=1)

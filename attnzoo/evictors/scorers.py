@@ -107,6 +107,10 @@ class SnapKV(Evictor):
     largest = False
     state_names = ("score",)
 
+    def __init__(self, options: SnapKVOptions) -> None:
+        super().__init__(options)
+        self.probability_rows = options.window  # update reads the step's last `window` rows at most
+
     def check_budget(self, budget):
         if budget is not None and budget < 2:
             return f"snapkv needs budget >= 2 (the newest token is always kept), got {budget}"
@@ -116,11 +120,6 @@ class SnapKV(Evictor):
         """The queries that score, and the newest positions kept: ``window``, or ``budget - 1`` under a smaller
         budget."""
         return self.options.window if budget is None else min(self.options.window, budget - 1)
-
-    @property
-    def probability_rows(self) -> int:
-        """The most query rows :meth:`update` reads (the last ones of a step): the window."""
-        return self.options.window
 
     def update(self, cache, probs):
         b, h, t, m = probs.shape
