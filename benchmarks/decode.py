@@ -186,7 +186,7 @@ class _PeakRss:
         self._thread.join()
 
 
-def hf_one(candidate: str, context: int, steps: int) -> dict:
+def hf_one(candidate: str, context: int, steps: int, model_name: str = "tiny") -> dict:
     """One HF generate() measurement (run in a fresh process): tokens/s of the decoding steps (timed from the
     first token's logits to the last), cache bytes at the end and the peak resident memory growth during
     generate()."""
@@ -202,11 +202,18 @@ def hf_one(candidate: str, context: int, steps: int) -> dict:
             self.stamps.append(time.perf_counter())
             return scores
 
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=context + steps + 8)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    prompt = torch.randint(0, 512, (1, context))
+    if model_name == "smollm2":  # the real model (attnzoo model smollm2: cached locally, never downloaded here)
+        model, tokenizer = integration.smollm2(progress=False)
+        from attnzoo.experiments.language_model import corpus
+
+        text = corpus().decode("utf-8", errors="replace")[: context * 8]  # real text, enough for `context` tokens
+        prompt = tokenizer(text, return_tensors="pt").input_ids[:, :context]
+    else:
+        config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=context + steps + 8)
+        model = LlamaForCausalLM(config).eval()
+        prompt = torch.randint(0, 512, (1, context))
     if candidate != "dynamic":
         spec, _, budget = candidate.partition(":")
         integration.apply(model, spec, budget=int(budget) if budget else None)
@@ -233,11 +240,15 @@ def run_hf(args) -> dict:
     import subprocess
     import sys
 
-    candidates = ["dynamic", "vanilla", "selective"] + [f"selective-pruned:{b}" for b in args.hf_budgets]
+    if args.hf_specs:
+        candidates = ["dynamic", *args.hf_specs]
+    else:
+        candidates = ["dynamic", "vanilla", "selective"] + [f"selective-pruned:{b}" for b in args.hf_budgets]
     rows, results = [], {}
     for candidate in candidates:
         run = subprocess.run([sys.executable, __file__, "--hf-one", candidate, "--hf-context", str(args.hf_context),
-                              "--hf-steps", str(args.hf_steps), "--threads", str(args.threads)],
+                              "--hf-steps", str(args.hf_steps), "--threads", str(args.threads),
+                              "--hf-model", args.hf_model],
                              capture_output=True, text=True, check=True)
         result = results[candidate] = json.loads(run.stdout.strip().splitlines()[-1])
         base = results["dynamic"]
@@ -245,7 +256,7 @@ def run_hf(args) -> dict:
                  "selective": "attnzoo selective (no budget)"}.get(
             candidate, f"attnzoo {candidate.replace(':', ', budget ')}")
         # the same model's tokens: vanilla against HF's own attention, selective-pruned against no eviction
-        same_as = "dynamic" if candidate in ("dynamic", "vanilla") else "selective"
+        same_as = "dynamic" if candidate in ("dynamic", "vanilla") or args.hf_specs else "selective"
         rows.append({"candidate": label, "tokens_per_s": result["decode_tokens_per_s"],
                      "vs_dynamic_cache": result["decode_tokens_per_s"] / base["decode_tokens_per_s"],
                      "cache_bytes": result["cache_bytes"],
@@ -284,6 +295,11 @@ def main(argv=None) -> None:
     parser.add_argument("--hf-context", type=int, default=4096)
     parser.add_argument("--hf-steps", type=int, default=64)
     parser.add_argument("--hf-budgets", type=int, nargs="+", default=[4096, 512, 128])
+    parser.add_argument("--hf-model", choices=["tiny", "smollm2"], default="tiny",
+                        help="tiny: a 4-layer Llama from a config; smollm2: the real model (attnzoo model smollm2)")
+    parser.add_argument("--hf-specs", nargs="+", metavar="SPEC[:BUDGET]",
+                        help="the attnzoo candidates of --hf (default: vanilla, selective, selective-pruned at "
+                             "--hf-budgets)")
     parser.add_argument("--hf-one", help=argparse.SUPPRESS)
     parser.add_argument("--sweep", type=int, nargs="+", metavar="CONTEXT",
                         help="also the context sweep at these contexts (e.g. 1024 8192 32768): both hand loops, "
@@ -297,7 +313,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.hf_one:
-        print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps)))
+        print(json.dumps(hf_one(args.hf_one, args.hf_context, args.hf_steps, args.hf_model)))
         return
     from attnzoo.decode import fused_build
 
@@ -323,7 +339,9 @@ def main(argv=None) -> None:
         lines += sweep
     if args.hf:
         result["hf"] = run_hf(args)
-        hf = ["", f"HF generate(): Llama 4 layers, width 256, H8/2, context {args.hf_context} + {args.hf_steps} "
+        model = ("SmolLM2-135M-Instruct (30 layers, H9/3, D64; real text of the shipped corpus)"
+                 if args.hf_model == "smollm2" else "Llama 4 layers, width 256, H8/2")
+        hf = ["", f"HF generate(): {model}, context {args.hf_context} + {args.hf_steps} "
               "decoded, float32, each candidate in a fresh process (`--hf`).", "", table(result["hf"]["rows"])]
         print("\n".join(hf))
         lines += hf
