@@ -320,8 +320,8 @@ class SlotStore:
 
     def compact(self) -> None:
         """Give back the spare room of buffers that grew past what the budget needs (after a long prefill)."""
-        if self.budget is None or self._k is None:
-            return
+        if self.budget is None or self._pos is None or self._packed is not None:
+            return  # (packed: the codes hold the tokens and nothing more)
         room = max(self.budget + 1, self._m)
         if self._k.shape[2] > 2 * room:
             self._k, self._v, self._pos = (t[:, :, :room].clone() for t in (self._k, self._v, self._pos))

@@ -33,6 +33,7 @@ import operator
 import torch
 
 from ..core.numerics import ACCUMULATED_STATE, accumulator_dtype
+from . import quant
 from .slots import SlotStore
 from .state import StepState
 
@@ -57,7 +58,13 @@ class KVCache(SlotStore):
     (B, H_kv, M) per-token scores kept by the accumulator and the evictor, in ``accumulator_dtype(keys.dtype)``;
     ``next_position``: (B,) int64, the position the next real token of each row gets. ``budget=None`` never
     evicts. Between decode steps every tensor is detached from autograd (:meth:`settle`).
+
+    :meth:`pack` holds the keys and values in 8 or 4 bits until the next step (:mod:`attnzoo.decode.quant`).
     """
+
+    # the float buffers: plain attributes of the instance, absent while packed, when reading one unpacks
+    _k = quant.HeldRows("_k")
+    _v = quant.HeldRows("_v")
 
     def __init__(self, batch: int, budget: int | None, evictor=None, state_names: tuple[str, ...] = (),
                  horizon=None, spec=None) -> None:
@@ -108,6 +115,10 @@ class KVCache(SlotStore):
         #: what the full path validated, and the fast step it chose (``spec``: the (hash, name) of the spec whose
         #: ``new_cache`` made this cache: another spec's steps are refused)
         self.step_state = StepState(*(spec or (None, None)))
+        #: the keys and values in 8 or 4 bits while packed (:meth:`pack`), else None; the codes of the last pack
+        #: until the next (so that tokens still held keep them)
+        self._packed: quant.PackedKV | None = None
+        self._quant_earlier = None
 
     # -- storage --------------------------------------------------------------------------------------------------
     @property
@@ -139,6 +150,9 @@ class KVCache(SlotStore):
 
     @property
     def keys(self) -> torch.Tensor | None:
+        """(B, H_kv, M, D). While packed: the rows dequantized, a new tensor each read (the cache stays packed)."""
+        if self._packed is not None:
+            return quant.dequantized(self)[0]
         if self._scrambled:
             self._settle_order()
         if self._live is not None:
@@ -147,6 +161,7 @@ class KVCache(SlotStore):
 
     @keys.setter
     def keys(self, value: torch.Tensor) -> None:
+        self.unpack()
         if self._scrambled:
             self._settle_order()
         self.step_state.forget()
@@ -156,6 +171,8 @@ class KVCache(SlotStore):
 
     @property
     def values(self) -> torch.Tensor | None:
+        if self._packed is not None:
+            return quant.dequantized(self)[1]
         if self._scrambled:
             self._settle_order()
         if self._live is not None:
@@ -164,6 +181,7 @@ class KVCache(SlotStore):
 
     @values.setter
     def values(self, value: torch.Tensor) -> None:
+        self.unpack()
         if self._scrambled:
             self._settle_order()
         self.step_state.forget()
@@ -188,7 +206,7 @@ class KVCache(SlotStore):
     def next_position(self) -> torch.Tensor:
         """(B,) int64: the position the next real token of each row takes."""
         if isinstance(self._next, int):
-            device = self._k.device if self._k is not None else None
+            device = self._pos.device if self._pos is not None else None
             return torch.full((self.batch,), self._next, dtype=torch.int64, device=device)
         return self._next.clone()  # the cache moves its own on in place (the fused decoding steps)
 
@@ -252,21 +270,46 @@ class KVCache(SlotStore):
     def nbytes(self) -> int:
         """Bytes held by keys, values, positions, validity and per-token scores (the tokens held, not the spare
         capacity of the buffers: see :attr:`capacity_bytes`)."""
-        tensors = [self.keys, self.values, self.positions, self.valid, *self.state.values(), *self._feat.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        rows = (self.keys, self.values) if self._packed is None else ()
+        tensors = [*rows, self.positions, self.valid, *self.state.values(), *self._feat.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self._packed_bytes()
+
+    def _packed_bytes(self) -> int:
+        return 0 if self._packed is None else self._packed.nbytes
 
     @property
     def capacity_bytes(self) -> int:
         """Bytes allocated, spare room of the growing buffers included (and the padding bias of the plain lean
         step, while it is kept)."""
         bias = self._bias[1] if self._bias is not None and self._bias[0] is self._valid else None
-        tensors = [self._k, self._v, self._pos, self.valid, bias, *self.state.values(), *self._feat.values()]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        rows = (self._k, self._v) if self._packed is None else ()
+        tensors = [*rows, self._pos, self.valid, bias, *self.state.values(), *self._feat.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None) + self._packed_bytes()
 
     def memory(self) -> dict:
-        """A report: tokens held per row and head, budget, tokens evicted, bytes held and allocated."""
+        """A report: tokens held per row and head, budget, tokens evicted, bytes held and allocated, and the bits
+        the keys and values are held in (``kv_bits``: 8 or 4 while packed, None in full precision)."""
         return {"tokens": self._m, "budget": self.budget, "evicted": self.evicted, "expired": self.expired,
-                "bytes": self.nbytes, "allocated_bytes": self.capacity_bytes}
+                "bytes": self.nbytes, "allocated_bytes": self.capacity_bytes, "kv_bits": self.packed_bits}
+
+    # -- quantized between steps (attnzoo.decode.quant) ------------------------------------------------------------
+    def pack(self, bits: int) -> None:
+        """Hold the keys and values in ``bits`` (8 or 4) with a float16 scale and zero point per token and head,
+        until they are next read: the float buffers are released (:attr:`nbytes` counts the codes), and the next
+        step, or anything else that reads the buffers, dequantizes them back first (:meth:`unpack`). Call it after
+        each step: that step's new tokens were attended in full precision and are quantized now; tokens packed
+        before keep their codes (quantized once). :attr:`keys` and :attr:`values` read while packed are the
+        dequantized rows (new tensors; the cache stays packed). A no-op on an empty cache."""
+        quant.pack(self, bits)
+
+    def unpack(self) -> None:
+        """Dequantize packed keys and values back into float buffers (a no-op unless packed)."""
+        quant.unpack(self)
+
+    @property
+    def packed_bits(self) -> int | None:
+        """8 or 4 while the keys and values are packed (:meth:`pack`), else None."""
+        return None if self._packed is None else self._packed.bits
 
     def over_budget(self) -> bool:
         return self.budget is not None and self._m > self.budget
@@ -433,9 +476,12 @@ class KVCache(SlotStore):
         if bool(((index < 0) | (index >= self.batch)).any()):
             raise ValueError(f"reorder index out of range for a cache of batch {self.batch}: {index.tolist()}")
         self._live = self._feat_live = None
-        if self._k is not None:
-            index = index.to(self._k.device)
-            self._k, self._v, self._pos = (t.index_select(0, index) for t in (self._k, self._v, self._pos))
+        if self._pos is not None:
+            index = index.to(self._pos.device)
+            if quant.reorder(self, index):  # packed: the codes move, there are no float buffers
+                self._pos = self._pos.index_select(0, index)
+            else:
+                self._k, self._v, self._pos = (t.index_select(0, index) for t in (self._k, self._v, self._pos))
             self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
             self._feat = {name: t.index_select(0, index) for name, t in self._feat.items()}
             self._totals = {name: t.index_select(0, index) for name, t in self._totals.items()}

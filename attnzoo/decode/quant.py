@@ -1,0 +1,305 @@
+"""Keys and values held in 8 or 4 bits between decoding steps (docs/decoding.md, "Quantized keys and values").
+
+Rows (B, H_kv, M, D) are quantized **per token**: each (batch row, key/value head, token) has its own asymmetric
+scale ``s`` and zero point ``z``, both stored in float16, and its D elements become codes ``c`` in [0, 2**bits - 1]
+(rounded to nearest, ties to even) with ``x ~ z + c * s``:
+
+- 8 bits: one uint8 code per element, (B, H_kv, M, D);
+- 4 bits: two codes per uint8 byte, (B, H_kv, M, D // 2), element 2i in the low nibble and 2i + 1 in the high one
+  (D must be even, else one line).
+
+``z`` is the row's minimum rounded *down* to a float16, ``s`` is ``(max - z) / (2**bits - 1)`` rounded *up* to a
+float16, so ``[z, z + (2**bits - 1) * s]`` covers the row and every element is within ``s / 2`` of its dequantized
+value (plus float32's rounding of ``z + c * s``; and the float dtype's own rounding when the rows are bfloat16 or
+float16). A row whose minimum or scale does not fit float16 (|min| or (max - min) / (2**bits - 1) beyond 65504) is
+refused with one line. A row holding a NaN or an infinity is held as NaN: its scale and zero point are NaN, so every
+element of that token dequantizes to NaN (attention over a NaN key or value gives NaN, as the full-precision cache
+does for a NaN); the other tokens keep their own scales, untouched.
+
+A :class:`~attnzoo.decode.storage.KVCache` holds its rows this way between steps (:func:`pack`): the float
+buffers are dropped (``KVCache._k``/``_v`` leave the instance), and the first read of ``_k`` or ``_v`` (the next
+step, any evictor, :func:`unpack`) dequantizes them back into float buffers (:class:`HeldRows`). A step's new tokens
+are attended in full precision during their own step and quantized at its end (transformers' ``QuantizedCache``
+keeps a full-precision residual of recent tokens in the same spirit). Tokens already held are *not* quantized again:
+:func:`pack` finds each held token's earlier codes (same row, head and position, and a dequantized row bit for bit
+the one held) and keeps them, so a token's error is that of its first quantization however many steps it stays.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BITS", "QuantizedRows", "check_bits", "dequantize", "pack", "pack_nibbles", "quantize",
+           "quantized_nbytes", "unpack", "unpack_nibbles"]
+
+#: the bit widths offered
+BITS = (8, 4)
+_FP16_MAX = 65504.0
+
+
+def check_bits(bits, name: str = "kv_bits") -> int:
+    """``bits`` if it is 8 or 4 (an int, not a bool), else a ValueError of one line naming ``name``."""
+    if type(bits) is not int or bits not in BITS:
+        raise ValueError(f"{name} must be 8 or 4 (or None: full precision), got {bits!r}")
+    return bits
+
+
+class QuantizedRows(NamedTuple):
+    """Rows (B, H_kv, M, D) in ``bits``: ``codes`` uint8 (B, H_kv, M, D) for 8 bits, (B, H_kv, M, D // 2) for 4;
+    ``scale`` and ``zero`` float16 (B, H_kv, M); ``head_dim`` D."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    head_dim: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales and zero points."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero))
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h, m = self.scale.shape
+        return b, h, m, self.head_dim
+
+    def index_select(self, dim: int, index: torch.Tensor) -> QuantizedRows:
+        """The rows ``index`` along ``dim`` (0: batch rows, 1: heads, 2: tokens)."""
+        return self._replace(codes=self.codes.index_select(dim, index), scale=self.scale.index_select(dim, index),
+                             zero=self.zero.index_select(dim, index))
+
+    def gather_tokens(self, slot: torch.Tensor) -> QuantizedRows:
+        """The tokens ``slot`` (B, H_kv, M') of each row and head."""
+        codes = self.codes.gather(2, slot.unsqueeze(-1).expand(*slot.shape, self.codes.shape[-1]))
+        return self._replace(codes=codes, scale=self.scale.gather(2, slot), zero=self.zero.gather(2, slot))
+
+
+def quantized_nbytes(batch: int, heads: int, tokens: int, head_dim: int, bits: int) -> int:
+    """Bytes :func:`quantize` holds for rows (batch, heads, tokens, head_dim) in ``bits``: the codes
+    (head_dim or head_dim / 2 bytes a token and head) and a float16 scale and zero point (4 bytes)."""
+    check_bits(bits, "bits")
+    per_token = (head_dim if bits == 8 else (head_dim + 1) // 2) + 4
+    return batch * heads * tokens * per_token
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes in [0, 15] (..., D), D even, as (..., D // 2) bytes: element 2i low nibble, 2i + 1 high."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles`: (..., D // 2) bytes as (..., D) codes."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def _down16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) as the largest float16 <= x."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, float("-inf"))), h)
+
+
+def _up16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) as the smallest float16 >= x."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, float("inf"))), h)
+
+
+def quantize(x: torch.Tensor, bits: int) -> QuantizedRows:
+    """Rows ``x`` (B, H_kv, M, D) of a floating dtype in ``bits`` (8 or 4), one scale and zero point per (row,
+    head, token) (the module's docstring: the rule, the bound, non-finite and too-large rows)."""
+    check_bits(bits, "bits")
+    if x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"quantize takes floating rows (B, H_kv, M, D), got {x.dtype} of shape {tuple(x.shape)}")
+    d = x.shape[-1]
+    if bits == 4 and d % 2:
+        raise ValueError(f"4-bit keys and values pack two codes a byte: the head size must be even, got {d}")
+    levels = (1 << bits) - 1
+    with torch.no_grad():
+        xf = x.detach().float()
+        finite = torch.isfinite(xf).all(-1)
+        if d:
+            lo, hi = xf.amin(-1), xf.amax(-1)
+        else:
+            lo = hi = xf.new_zeros(x.shape[:3])
+        lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
+        zero = _down16(lo)
+        scale = _up16((hi - zero.float()) / levels)
+        fits = (lo.abs() <= _FP16_MAX) & torch.isfinite(zero) & torch.isfinite(scale)
+        if not bool(fits.all()):
+            where_ = tuple(int(i) for i in (~fits).nonzero()[0].tolist())
+            raise ValueError(f"a token's rows span [{float(lo[where_]):.6g}, {float(hi[where_]):.6g}] (batch row, "
+                             f"head, slot {where_}): beyond float16's range (65504) for the {bits}-bit scale and "
+                             f"zero point; hold these keys and values in full precision (kv_bits=None)")
+        zf, sf = zero.float().unsqueeze(-1), scale.float().unsqueeze(-1)
+        codes = ((xf - zf) / torch.where(sf > 0, sf, 1.0)).round_().clamp_(0, levels)
+        codes = torch.where(finite.unsqueeze(-1), codes, 0.0).to(torch.uint8)
+        nan = torch.tensor(float("nan"), dtype=torch.float16, device=x.device)
+        scale = torch.where(finite, scale, nan)
+        zero = torch.where(finite, zero, nan)
+        if bits == 4:
+            codes = pack_nibbles(codes)
+    return QuantizedRows(codes, scale, zero, bits, d)
+
+
+def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows ``z + c * s`` (B, H_kv, M, D), computed in float32, in ``dtype`` (or written into ``out``)."""
+    codes = unpack_nibbles(q.codes) if q.bits == 4 else q.codes
+    rows = torch.addcmul(q.zero.float().unsqueeze(-1), codes.float(), q.scale.float().unsqueeze(-1))
+    if out is not None:
+        out.copy_(rows)
+        return out
+    return rows.to(dtype)
+
+
+# -- a KVCache held quantized between steps ---------------------------------------------------------------------------
+class PackedKV(NamedTuple):
+    """What a packed cache holds in place of its float buffers: keys and values, their float dtype and device."""
+
+    keys: QuantizedRows
+    values: QuantizedRows
+    dtype: torch.dtype
+
+    @property
+    def bits(self) -> int:
+        return self.keys.bits
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def index_select(self, dim: int, index: torch.Tensor) -> PackedKV:
+        return self._replace(keys=self.keys.index_select(dim, index), values=self.values.index_select(dim, index))
+
+
+class _Earlier(NamedTuple):
+    """The codes a cache held before :func:`unpack`, with the positions of their slots: :func:`pack` keeps them
+    for the tokens still held (so no token is quantized twice)."""
+
+    packed: PackedKV
+    positions: torch.Tensor
+
+
+class HeldRows:
+    """``KVCache._k`` / ``_v`` while the cache is packed. A non-data descriptor: while the float buffer is in the
+    instance's ``__dict__`` (unpacked, the normal case) it is read as a plain attribute at no cost; once :func:`pack`
+    removes it, the first read dequantizes the rows back (:func:`unpack`) and returns the buffer."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache, owner=None):
+        if cache is None:
+            return self
+        if cache.__dict__.get("_packed") is None:
+            raise AttributeError(self.name)
+        unpack(cache)
+        return cache.__dict__[self.name]
+
+
+def pack(cache, bits: int) -> None:
+    """Hold ``cache``'s keys and values in ``bits`` until the next step (:meth:`KVCache.pack`). Refused, before
+    anything changes, for a head size 4 bits cannot pack or a token beyond float16's scale range."""
+    check_bits(bits, "kv_bits")
+    held = cache.__dict__
+    if held.get("_packed") is not None:
+        if held["_packed"].bits == bits:
+            return
+        unpack(cache)
+    k = held.get("_k")
+    if k is None or cache._m == 0:
+        return
+    if k.shape[-1] % 2 and bits == 4:
+        raise ValueError(f"kv_bits=4 packs two codes a byte: the head size must be even, got {k.shape[-1]}")
+    if cache._live is not None:
+        raise ValueError("pack: a step is in progress (rows with gradient are attended): pack after it")
+    if cache._scrambled:
+        cache._settle_order()
+    m = cache._m
+    rows = (held["_k"][:, :, :m], held["_v"][:, :, :m])
+    fresh = [quantize(r, bits) for r in rows]
+    earlier = held.get("_quant_earlier")
+    if earlier is not None:
+        fresh = _keep_earlier(fresh, rows, cache._pos[:, :, :m].contiguous(), earlier, bits)
+    fast = cache.step_state.fast
+    if getattr(fast, "held", None):  # a fused step keeps the buffers it checked and its op's arguments: let them
+        fast.held = fast.fixed = ()  # go (attnzoo/decode/fused.py: the next step lays the new buffers out anew)
+    cache._packed = PackedKV(fresh[0], fresh[1], k.dtype)
+    cache._quant_earlier = None
+    cache._bias = None
+    del held["_k"], held["_v"]
+
+
+def _keep_earlier(fresh, rows, positions, earlier: _Earlier, bits: int):
+    """``fresh`` codes, except where a token held before the step is held still: its earlier codes (matched by
+    row, head and position, and kept only where they dequantize bit for bit to the row held: it is that token)."""
+    old = earlier.packed
+    if old.bits != bits or old.keys.shape[:2] != rows[0].shape[:2] or old.keys.shape[2] == 0:
+        return fresh
+    order = earlier.positions.argsort(dim=-1, stable=True)
+    sorted_pos = earlier.positions.gather(-1, order)
+    last = sorted_pos.shape[-1] - 1
+    # padding shares its position with the next real token: try the last slot of a position, then the first
+    for cand in ((torch.searchsorted(sorted_pos, positions, right=True) - 1).clamp_(0, last),
+                 torch.searchsorted(sorted_pos, positions).clamp_(0, last)):
+        slot = order.gather(-1, cand)
+        same = sorted_pos.gather(-1, cand) == positions
+        old_rows = [q.gather_tokens(slot) for q in (old.keys, old.values)]
+        for q, r in zip(old_rows, rows, strict=True):
+            same &= (dequantize(q, r.dtype) == r).all(-1)
+        fresh = [_where(same, o, f) for o, f in zip(old_rows, fresh, strict=True)]
+    return fresh
+
+
+def _where(cond: torch.Tensor, a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
+    return b._replace(codes=torch.where(cond.unsqueeze(-1), a.codes, b.codes),
+                      scale=torch.where(cond, a.scale, b.scale), zero=torch.where(cond, a.zero, b.zero))
+
+
+def unpack(cache) -> None:
+    """Dequantize ``cache``'s keys and values back into float buffers (as many slots as the positions' buffer, and
+    room for the next token: budget + 1 slots under an evicting budget, where the lean steps put it), keeping the
+    codes until the next :func:`pack`. Nothing to do unless packed."""
+    held = cache.__dict__
+    packed = held.get("_packed")
+    if packed is None:
+        return
+    b, h, m, d = packed.keys.shape
+    pos = cache._pos
+    room = max(m + 1, pos.shape[2])  # the slots the positions keep (appends write all three buffers), and a spare
+    if cache.budget is not None and cache.evictor is not None:
+        room = max(room, cache.budget + 1)
+    if pos.shape[2] < room:
+        cache._pos = pos.new_empty(b, h, room)
+        cache._pos[:, :, :m] = pos[:, :, :m]
+    device = packed.keys.codes.device
+    bufs = []
+    for q in (packed.keys, packed.values):
+        buf = torch.empty(b, h, room, d, dtype=packed.dtype, device=device)
+        dequantize(q, out=buf[:, :, :m])
+        bufs.append(buf)
+    held["_k"], held["_v"] = bufs
+    cache._packed = None
+    cache._quant_earlier = _Earlier(packed, cache._pos[:, :, :m].clone())
+
+
+def dequantized(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of a packed cache, dequantized, in slot order, without unpacking it (new tensors)."""
+    packed = cache._packed
+    return dequantize(packed.keys, packed.dtype), dequantize(packed.values, packed.dtype)
+
+
+def reorder(cache, index: torch.Tensor) -> bool:
+    """Keep the batch rows ``index`` of the codes a cache holds (packed, or kept for the next :func:`pack`); True
+    when it is packed (its float buffers are absent: :meth:`KVCache.reorder` moves only the rest)."""
+    held = cache.__dict__
+    earlier = held.get("_quant_earlier")
+    if earlier is not None:
+        cache._quant_earlier = _Earlier(earlier.packed.index_select(0, index), earlier.positions.index_select(0, index))
+    packed = held.get("_packed")
+    if packed is None:
+        return False
+    cache._packed = packed.index_select(0, index.to(packed.keys.codes.device))
+    return True

@@ -1,0 +1,315 @@
+"""Keys and values held in 8 or 4 bits between decoding steps (attnzoo/decode/quant.py, ``KVCache.pack``; issue 52).
+
+Every comparison of floats is to a tolerance: the quantizer's bound (half a scale per element), or a loose one where
+the whole decode is compared with full precision."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import attnzoo
+from attnzoo.decode import quant
+
+EVICTORS = ["h2o", "tova", "snapkv", "streaming", "knorm", "keydiff", "selective-pruned"]
+
+
+def within_half_scale(x: torch.Tensor, q: quant.QuantizedRows) -> None:
+    """Every element of ``x`` within half its token's scale of its dequantized value (and float32's rounding)."""
+    back = quant.dequantize(q, torch.float64)
+    half = q.scale.double().unsqueeze(-1) / 2
+    slack = 1e-6 * (x.double().abs() + q.zero.double().abs().unsqueeze(-1)) + 1e-12
+    assert bool(((back - x.double()).abs() <= half * (1 + 1e-6) + slack).all())
+
+
+# -- the quantizer, by hand --------------------------------------------------------------------------------------------
+def test_8_bits_by_hand():
+    # min -2, max -2 + 255 * 0.0625: zero -2 and scale 0.0625 are float16 numbers, so they are exactly these
+    x = torch.tensor([-2.0, -2.0 + 0.0625 * 100, -2.0 + 15.9375, 0.03]).view(1, 1, 1, 4)
+    q = quant.quantize(x, 8)
+    assert q.codes.dtype == torch.uint8 and q.scale.dtype == torch.float16 and q.zero.dtype == torch.float16
+    assert float(q.zero) == -2.0 and float(q.scale) == 0.0625
+    # 0.03 - (-2) = 2.03 = 32.48 scales: code 32, back at -2 + 2 = 0, 0.03 away (< 0.0625 / 2)
+    assert q.codes.view(-1).tolist() == [0, 100, 255, 32]
+    back = quant.dequantize(q).view(-1)
+    assert back[:3].tolist() == pytest.approx([-2.0, 4.25, 13.9375], abs=1e-6)
+    assert float(back[3]) == pytest.approx(0.0, abs=1e-6)
+    within_half_scale(x, q)
+
+
+def test_4_bits_by_hand_and_the_packing():
+    x = torch.tensor([0.0, 0.375, 1.875, 1.0, 0.5, 0.06]).view(1, 1, 1, 6)  # scale 1.875 / 15 = 0.125
+    q = quant.quantize(x, 4)
+    assert float(q.zero) == 0.0 and float(q.scale) == 0.125
+    codes = [0, 3, 15, 8, 4, 0]  # 0.06 / 0.125 = 0.48: code 0
+    assert q.codes.shape == (1, 1, 1, 3)
+    # element 2i in the low nibble, 2i + 1 in the high one
+    assert q.codes.view(-1).tolist() == [0 | 3 << 4, 15 | 8 << 4, 4 | 0 << 4]
+    assert quant.unpack_nibbles(q.codes).view(-1).tolist() == codes
+    assert quant.dequantize(q).view(-1).tolist() == pytest.approx([c * 0.125 for c in codes], abs=1e-7)
+    within_half_scale(x, q)
+
+
+def test_nibbles_by_hand():
+    codes = torch.tensor([[1, 2, 3, 4, 15, 0]], dtype=torch.uint8)
+    packed = quant.pack_nibbles(codes)
+    assert packed.tolist() == [[0x21, 0x43, 0x0F]]
+    assert quant.unpack_nibbles(packed).tolist() == codes.tolist()
+
+
+def test_the_zero_point_rounds_down_and_the_scale_up_so_the_range_is_covered():
+    x = torch.tensor([0.1, 0.7, 0.3, 0.1]).view(1, 1, 1, 4)  # 0.1 and 0.6 / 255 are no float16 numbers
+    for bits in (8, 4):
+        q = quant.quantize(x, bits)
+        z, s = float(q.zero), float(q.scale)
+        assert z <= 0.1 and z > 0.1 - 1e-4
+        assert z + ((1 << bits) - 1) * s >= 0.7
+        within_half_scale(x, q)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_round_trip_within_half_a_scale(bits, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 17, 8) * torch.logspace(-4, 3, 17).view(1, 1, 17, 1)
+    x[0, 0, 0] = 0.0  # a constant row: scale 0, exact
+    x[1, 2, 3] = 1000.0 + torch.randn(8) * 1e-3  # far from 0: the zero point's float16 step sets the scale
+    x = x.to(dtype)
+    q = quant.quantize(x, bits)
+    assert q.scale.shape == x.shape[:3] and bool((q.scale >= 0).all())
+    levels = (1 << bits) - 1
+    rows = x.double()
+    assert bool((q.zero.double() <= rows.amin(-1)).all())
+    assert bool((q.zero.double() + levels * q.scale.double() >= rows.amax(-1) * (1 - 1e-7) - 1e-12).all())
+    within_half_scale(x, q)
+    assert float(quant.dequantize(q)[0, 0, 0].abs().max()) == 0.0
+
+
+def test_refusals_are_one_line():
+    for bad in (3, 16, True, 8.0, "8", None):
+        with pytest.raises(ValueError, match="kv_bits must be 8 or 4") as info:
+            quant.check_bits(bad)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="head size must be even") as info:
+        quant.quantize(torch.randn(1, 1, 2, 5), 4)
+    assert "\n" not in str(info.value)
+    quant.quantize(torch.randn(1, 1, 2, 5), 8)  # 8 bits: any head size
+    for row in ([-7e4, 0.0], [0.0, 7e4 * 255], [1e6, 1e6]):  # a zero point or a scale beyond float16
+        with pytest.raises(ValueError, match="beyond float16's range") as info:
+            quant.quantize(torch.tensor(row).view(1, 1, 1, 2), 8)
+        assert "\n" not in str(info.value)
+    assert quant.quantize(torch.tensor([-6e4, 6e4]).view(1, 1, 1, 2), 8).scale.isfinite().all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_token_is_nan_and_only_that_token(bad):
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 4, 6)
+    x[0, 1, 2, 3] = bad
+    for bits in (8, 4):
+        q = quant.quantize(x, bits)
+        back = quant.dequantize(q)
+        assert bool(back[0, 1, 2].isnan().all())
+        others = torch.ones(1, 2, 4, dtype=torch.bool)
+        others[0, 1, 2] = False
+        assert bool(back[others].isfinite().all())
+        assert bool(q.scale[others].isfinite().all())
+        kept = x.clone()
+        kept[0, 1, 2] = 0.0
+        within_half_scale(kept[others].view(1, 1, -1, 6), quant.QuantizedRows(
+            q.codes[others].view(1, 1, 7, -1), q.scale[others].view(1, 1, 7), q.zero[others].view(1, 1, 7), bits, 6))
+
+
+def test_quantized_nbytes():
+    assert quant.quantized_nbytes(2, 3, 5, 64, 8) == 2 * 3 * 5 * (64 + 4)
+    assert quant.quantized_nbytes(2, 3, 5, 64, 4) == 2 * 3 * 5 * (32 + 4)
+    for bits in (8, 4):
+        assert quant.quantize(torch.randn(2, 3, 5, 64), bits).nbytes == quant.quantized_nbytes(2, 3, 5, 64, bits)
+
+
+# -- a KVCache packed between steps ------------------------------------------------------------------------------------
+def decode_run(spec, bits, *, steps=8, batch=2, budget=10, dtype=torch.float32, seed=0, forget=False, check=None):
+    """Prefill 16 tokens and decode ``steps`` more, packing after each step when ``bits``; the outputs."""
+    torch.manual_seed(seed)
+    layer = attnzoo.nn.Attention(spec, num_heads=4, head_dim=16, num_kv_heads=2)
+    cache = layer.new_cache(batch=batch, budget=budget)
+    g = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    outs = [layer.prefill(rand(batch, 4, 16, 16), rand(batch, 2, 16, 16), rand(batch, 2, 16, 16), cache)[:, :, -1:]]
+    for _ in range(steps):
+        if bits:
+            cache.pack(bits)
+            if check is not None:
+                check(cache)
+        if forget:
+            cache.step_state.forget()
+        outs.append(layer.decode(rand(batch, 4, 1, 16), rand(batch, 2, 1, 16), rand(batch, 2, 1, 16), cache))
+    if bits:
+        cache.pack(bits)
+    return torch.cat(outs, dim=2), cache
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("spec", EVICTORS)
+def test_every_evictor_decodes_packed(spec, bits):
+    def packed(cache):
+        assert cache.packed_bits == bits and "_k" not in cache.__dict__ and "_v" not in cache.__dict__
+        assert cache.num_tokens <= 10
+
+    out, cache = decode_run(spec, bits, check=packed)
+    full, _ = decode_run(spec, None)
+    assert out.shape == full.shape and bool(out.isfinite().all())
+    assert cache.memory()["kv_bits"] == bits and cache.num_tokens == 10
+    if spec in ("streaming", "h2o", "tova", "selective-pruned"):  # evictors that do not read keys keep the same set
+        tol = 0.05 if bits == 8 else 0.5
+        assert float((out - full).abs().max()) < tol
+
+
+@pytest.mark.parametrize("spec", ["h2o", "selective-pruned", "streaming", "snapkv"])
+def test_the_fast_steps_decode_packed_as_the_full_path(spec):
+    fast, cache = decode_run(spec, 8)
+    full, _ = decode_run(spec, 8, forget=True)
+    torch.testing.assert_close(fast, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_nbytes_counts_what_is_held(bits):
+    _, cache = decode_run("h2o", bits, batch=3, budget=12)
+    b, hkv, m, d = 3, 2, 12, 16
+    codes = d if bits == 8 else d // 2
+    state = sum(t.numel() * t.element_size() for t in cache.state.values())
+    assert state == b * hkv * m * 4 * len(cache.state)  # float32 scores
+    expected = 2 * b * hkv * m * (codes + 2 + 2) + b * hkv * m * 8 + state  # K, V (codes, scale, zero), positions
+    assert cache.nbytes == expected == cache.memory()["bytes"]
+    assert cache.capacity_bytes >= cache.nbytes
+    cache.unpack()
+    assert cache.nbytes == 2 * b * hkv * m * d * 4 + b * hkv * m * 8 + state
+
+
+def test_the_float_buffers_are_released_between_steps():
+    _, cache = decode_run("h2o", None, steps=3)  # the fused h2o step holds its buffers
+    kref, vref = weakref.ref(cache.__dict__["_k"]), weakref.ref(cache.__dict__["_v"])
+    before = cache.nbytes
+    cache.pack(8)
+    gc.collect()
+    assert kref() is None and vref() is None
+    assert cache.nbytes < before / 2  # D = 16: 16 + 4 bytes a token and head for 64 in float32
+    _, cache = decode_run("h2o", 8, steps=3)
+    assert "_k" not in cache.__dict__
+
+
+def codes_recorder():
+    """A check for :func:`decode_run` that fails when a token held from one step to the next changes its codes."""
+    seen = {}
+
+    def record(cache):
+        keys, values = cache._packed.keys.codes, cache._packed.values.codes
+        for b in range(cache.batch):
+            for h in range(keys.shape[1]):
+                for slot, pos in enumerate(cache.positions[b, h].tolist()):
+                    now = (keys[b, h, slot].tolist(), values[b, h, slot].tolist())
+                    assert seen.setdefault((b, h, pos), now) == now, (b, h, pos)  # quantized once, never again
+
+    return record
+
+
+@pytest.mark.parametrize(("spec", "bits"), [("h2o", 4), ("snapkv", 8), ("selective-pruned", 8)])
+def test_held_tokens_keep_their_codes_from_step_to_step(spec, bits):
+    decode_run(spec, bits, steps=12, check=codes_recorder())
+
+
+def test_views_read_while_packed_are_dequantized_and_leave_it_packed():
+    _, cache = decode_run("h2o", 8)
+    keys, values = cache.keys, cache.values
+    assert cache.packed_bits == 8 and keys.shape == (2, 2, 10, 16) and values.dtype == torch.float32
+    q = cache._packed.keys
+    torch.testing.assert_close(keys, quant.dequantize(q))
+    cache.unpack()
+    assert cache.packed_bits is None
+    torch.testing.assert_close(cache.keys, keys)
+    cache.pack(8)
+    cache.keys = keys.clone()  # setting rows unpacks first
+    assert cache.packed_bits is None and cache.num_tokens == 10
+
+
+def test_reading_the_buffers_unpacks():
+    _, cache = decode_run("tova", 8)
+    assert cache._k.shape[2] >= 11 and cache.packed_bits is None  # room for the step's spare slot
+
+
+def test_left_padded_rows_decode_packed_as_alone():
+    spec, budget, bits = "h2o", 6, 8
+    torch.manual_seed(3)
+    layer = attnzoo.nn.Attention(spec, num_heads=4, head_dim=16, num_kv_heads=2).double()
+    t = 12
+    q, k, v = (torch.randn(2, h, t, 16, dtype=torch.float64) for h in (4, 2, 2))
+    real = torch.ones(2, t, dtype=torch.bool)
+    real[1, :5] = False
+    steps = [tuple(torch.randn(2, h, 1, 16, dtype=torch.float64) for h in (4, 2, 2)) for _ in range(6)]
+    batch = layer.new_cache(batch=2, budget=budget)
+    outs = [layer.prefill(q, k, v, batch, key_mask=real)[:, :, -1:]]
+    for qs, ks, vs in steps:
+        batch.pack(bits)
+        outs.append(layer.decode(qs, ks, vs, batch))
+    batch.pack(bits)
+    alone = layer.new_cache(batch=1, budget=budget)
+    one = [layer.prefill(q[1:, :, 5:], k[1:, :, 5:], v[1:, :, 5:], alone)[:, :, -1:]]
+    for qs, ks, vs in steps:
+        alone.pack(bits)
+        one.append(layer.decode(qs[1:], ks[1:], vs[1:], alone))
+    alone.pack(bits)
+    torch.testing.assert_close(torch.cat(outs, 2)[1:], torch.cat(one, 2), rtol=1e-9, atol=1e-9)
+    assert batch.positions[1].tolist() == alone.positions[0].tolist()
+    torch.testing.assert_close(batch.keys[1:], alone.keys, rtol=1e-9, atol=1e-9)
+
+
+def test_beam_reorder_moves_the_codes():
+    _, cache = decode_run("h2o", 8, batch=2)
+    keys, positions = cache.keys, cache.positions
+    cache.reorder(torch.tensor([1, 1, 0]))
+    assert cache.packed_bits == 8 and "_k" not in cache.__dict__ and cache.batch == 3
+    torch.testing.assert_close(cache.keys, keys[[1, 1, 0]])
+    assert cache.positions.tolist() == positions[[1, 1, 0]].tolist()
+    layer = attnzoo.nn.Attention("h2o", num_heads=4, head_dim=16, num_kv_heads=2)
+    out = layer.decode(torch.randn(3, 4, 1, 16), torch.randn(3, 2, 1, 16), torch.randn(3, 2, 1, 16), cache)
+    cache.pack(8)
+    assert out.shape == (3, 4, 1, 16) and bool(out.isfinite().all()) and cache.num_tokens == 10
+
+
+def test_beam_reorder_between_unpack_and_pack_keeps_the_codes():
+    _, cache = decode_run("streaming", 8, batch=2)
+    codes = cache._packed.keys.codes.clone()
+    cache.unpack()
+    cache.reorder(torch.tensor([1, 0]))
+    cache.pack(8)
+    assert torch.equal(cache._packed.keys.codes, codes[[1, 0]])
+
+
+def test_pack_refusals_leave_the_cache_as_it_was():
+    layer = attnzoo.nn.Attention("h2o", num_heads=2, head_dim=5, num_kv_heads=1)
+    cache = layer.new_cache(batch=1, budget=4)
+    layer.prefill(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), torch.randn(1, 1, 3, 5), cache)
+    with pytest.raises(ValueError, match="head size must be even"):
+        cache.pack(4)
+    with pytest.raises(ValueError, match="kv_bits must be 8 or 4"):
+        cache.pack(2)
+    assert cache.packed_bits is None and cache.keys.shape == (1, 1, 3, 5)
+    cache.pack(8)
+    assert cache.packed_bits == 8
+    cache.pack(8)  # again: nothing to do
+    empty = layer.new_cache(batch=1, budget=4)
+    empty.pack(8)
+    assert empty.packed_bits is None and empty.nbytes == 0
+
+
+@pytest.mark.parametrize("spec", ["vanilla", "h2o", "selective"])
+def test_without_a_budget_packed_decodes_close_to_full_precision(spec):
+    # no budget: the buffers grow by doubling; the positions keep their room while the rows are packed
+    out, cache = decode_run(spec, 8, budget=None, steps=20)
+    full, _ = decode_run(spec, None, budget=None, steps=20)
+    assert cache.num_tokens == 36 and cache.packed_bits == 8
+    torch.testing.assert_close(out, full, rtol=0, atol=0.05)
