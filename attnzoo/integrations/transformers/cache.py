@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...decode.quant import check_bits
 from ...nn import Attention
 from .base import CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, applied_modules, where
 
@@ -49,11 +50,13 @@ class AttnzooLayer(CacheLayerMixin):
     is_sliding = False
     supports_early_init = False
 
-    def __init__(self, index: int, core: Attention, budget: int | None) -> None:
+    def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None) -> None:
         super().__init__()
         self.index = index
         self.core = core
         self.budget = budget
+        #: 8 or 4: the layer's keys and values are held in that many bits between steps (KVCache.pack); None: full
+        self.kv_bits = kv_bits
         self.kv = None
         self.seen = 0
         self._pending: torch.Tensor | None = None
@@ -140,13 +143,19 @@ class AttnzooLayer(CacheLayerMixin):
                 self.kv.next_position = start
         if positions is not None:
             check_cache_positions(self.kv, positions, key_mask, here)
+        if self.kv_bits is not None:  # dequantized for this step; its new tokens attended as given, packed after it
+            self.kv.unpack()
         if q.shape[2] == 1:
-            return core.decode(q, k, v, self.kv, key_mask=key_mask, x=x)
-        return core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
+            out = core.decode(q, k, v, self.kv, key_mask=key_mask, x=x)
+        else:
+            out = core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
+        if self.kv_bits is not None:
+            self.kv.pack(self.kv_bits)
+        return out
 
     def memory(self) -> dict:
         report = {"layer": self.index, "seen": self.seen, "budget": self.budget, "tokens": 0, "evicted": 0,
-                  "expired": 0, "bytes": 0, "allocated_bytes": 0}
+                  "expired": 0, "bytes": 0, "allocated_bytes": 0, "kv_bits": None}
         if self.kv is not None:
             report.update(self.kv.memory())
         return report
@@ -195,9 +204,17 @@ class AttnzooCache(Cache):
     untouched; the attention function prefills or decodes the layer's ``KVCache``, so transformers holds no copy.
     ``cache.layers[i].kv`` (or ``cache.kv_caches[i]``) is layer i's ``KVCache``, with its own ``memory()``. Beam
     search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` reorder the rows of every
-    ``KVCache``; ``crop`` is refused (assisted decoding). :meth:`memory` reports tokens and bytes per layer."""
+    ``KVCache``; ``crop`` is refused (assisted decoding). :meth:`memory` reports tokens and bytes per layer.
+    ``kv_bits`` (8 or 4; None: full precision) holds every layer's keys and values in that many bits between steps
+    (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
+    attends its new tokens in full precision, and packs them with the rest after it."""
 
-    def __init__(self, model, budget=UNSET) -> None:
+    def __init__(self, model, budget=UNSET, kv_bits: int | None = None) -> None:
+        if kv_bits is not None:
+            try:
+                check_bits(kv_bits, "kv_bits")
+            except ValueError as exc:
+                raise IntegrationError(f"AttnzooCache: {exc}") from None
         modules = applied_modules(model)
         record = getattr(model.config, CONFIG_KEY)
         if budget is UNSET:
@@ -207,8 +224,12 @@ class AttnzooCache(Cache):
         for module, b in zip(modules, budgets, strict=True):
             core = getattr(module, CORE_NAME)
             validate_budget(core, b, module)
-            layers.append(AttnzooLayer(module.layer_idx, core, b))
+            if kv_bits == 4 and core.head_dim % 2:
+                raise IntegrationError(f"{where(module)}: kv_bits=4 packs two codes a byte: the head size must be "
+                                       f"even, got {core.head_dim}")
+            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits))
         super().__init__(layers=layers)
+        self.kv_bits = kv_bits
 
     def _layer_for(self, module) -> AttnzooLayer:
         index = module.layer_idx
