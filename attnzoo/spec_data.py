@@ -90,7 +90,8 @@ class SpecBase(StrictModel):
                     f"cache: evictor '{evictor.kind}' ranks tokens by their softmax attention probabilities, and "
                     f"transforms[{mapped}] ('{self.transforms[mapped].kind}') replaces the softmax: its weights are "
                     "no probabilities to rank by")
-            problem = evictor.check_budget(self.cache.budget) if self.cache.budget is not None else None
+            budget = self.cache.budget  # a fraction of the prompt is checked by the evictor once resolved
+            problem = evictor.check_budget(budget) if budget is not None and not isinstance(budget, float) else None
             if problem:
                 raise ValueError(f"cache.budget: {problem}")
         return self

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 import torch
-from pydantic import Field, create_model
+from pydantic import create_model, field_validator
 
 from ..transforms.base import StrictModel
 
@@ -13,12 +13,66 @@ if TYPE_CHECKING:
     from ..decode.storage import KVCache
 
 
+def budget_problem(value: Any) -> str | None:
+    """Why ``value`` is no budget, or None: a budget is an int >= 1 (tokens), a float in (0, 1] (a fraction of
+    the prompt, resolved at each request's prefill: :func:`resolve_budget`) or None (never evict)."""
+    if value is None or (type(value) is int and value >= 1):
+        return None
+    if type(value) is float and 0.0 < value <= 1.0:  # NaN fails both comparisons
+        return None
+    return (f"a budget is an int >= 1 (tokens), a float in (0, 1] (a fraction of the prompt) or null, "
+            f"got {value!r}")
+
+
+def is_fraction(budget: Any) -> bool:
+    """Whether ``budget`` is a fraction of the prompt (a float), not a token count."""
+    return type(budget) is float
+
+
+def smallest_budget(evictor: Evictor | None, limit: int = 1 << 16) -> int | None:
+    """The smallest token budget ``evictor`` accepts (:meth:`Evictor.check_budget`), up to ``limit``; 1 without an
+    evictor; None when it accepts none."""
+    if evictor is None:
+        return 1
+    return next((b for b in range(1, limit + 1) if not evictor.check_budget(b)), None)
+
+
+def resolve_budget(budget: Any, prompt_tokens: int, evictor: Evictor | None = None) -> int | None:
+    """The token budget of a cache whose first step (its prefill) brings ``prompt_tokens`` real tokens: an int
+    or None as given; a fraction f gives ``max(minimum, round(f * prompt_tokens))``, ``minimum`` the smallest budget
+    ``evictor`` accepts (:func:`smallest_budget`), checked by the evictor. Raises ValueError (one line naming the
+    budget)."""
+    problem = budget_problem(budget)
+    if problem:
+        raise ValueError(f"budget: {problem}")
+    if not is_fraction(budget):
+        return budget
+    minimum = smallest_budget(evictor)
+    if minimum is None:
+        raise ValueError(f"budget {budget} (a fraction of the prompt): evictor '{evictor.kind}' accepts no budget "
+                         f"({evictor.check_budget(1 << 16)})")
+    resolved = max(minimum, round(budget * prompt_tokens))
+    problem = evictor.check_budget(resolved) if evictor is not None else None
+    if problem:
+        raise ValueError(f"budget {resolved} (fraction {budget} of a {prompt_tokens}-token prompt): {problem}")
+    return resolved
+
+
 class EvictorOptions(StrictModel):
-    """The ``cache:`` mapping of a spec: ``evictor`` (the kind), ``budget`` (tokens per layer; None never evicts)
-    and the evictor's own options."""
+    """The ``cache:`` mapping of a spec: ``evictor`` (the kind), ``budget`` (tokens per layer, an int >= 1; a
+    float in (0, 1]: that fraction of each request's prompt, :func:`resolve_budget`; None never evicts) and the
+    evictor's own options."""
 
     evictor: str
-    budget: int | None = Field(None, ge=1)
+    budget: int | float | None = None
+
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget(cls, value: Any) -> Any:
+        problem = budget_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
 
 class KernelRule(NamedTuple):

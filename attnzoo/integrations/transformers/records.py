@@ -4,8 +4,9 @@
 
 :func:`check_record` is the one reader: a record is a JSON object with known keys only (:data:`RECORD_KEYS`), each
 of its type; its spec is an embedded spec or the name of a spec registered here (never a path), loads, and hashes to
-the recorded hash; its budget, backend and prefer are values :func:`~.core.apply` accepts. Anything else is refused
-with one line naming the ``config.json`` and the field, with every value it quotes clipped."""
+the recorded hash; its budget, backend and prefer are values :func:`~.core.apply` accepts (a budget may be a
+fraction of the prompt, a float in (0, 1]). Anything else is refused with one line naming the ``config.json`` and
+the field, with every value it quotes clipped."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def check_record(record: Any, where: str) -> dict:
     refuse; :class:`CheckpointSpecMismatchError` (an ``IntegrationError``) for a spec that does not hash to the
     recorded hash (the spec was edited after saving, or a transform or plugin here changed its defaults)."""
     from ...errors import SpecError
+    from ...evictors.base import budget_problem
     from ...registry import get_registry
     from ...spec import load_spec
 
@@ -87,10 +89,10 @@ def check_record(record: Any, where: str) -> dict:
         raise IntegrationError(f"{field}.name: a str (the spec's name), got {_type(name)}")
     budget = record.get("budget", RECORD_DEFAULTS["budget"])
     values = budget if isinstance(budget, list) else [budget]
-    if (isinstance(budget, list) and not budget) or any(
-            v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1) for v in values):
+    if (isinstance(budget, list) and not budget) or any(budget_problem(v) for v in values):
         shown = f"a list of {len(budget)}" if isinstance(budget, list) and not budget else clip(repr(budget), 40)
-        raise IntegrationError(f"{field}.budget: an int >= 1, null, or a list of them (one per layer), got {shown}")
+        raise IntegrationError(f"{field}.budget: an int >= 1, a float in (0, 1] (a fraction of the prompt), null, or "
+                               f"a list of them (one per layer), got {shown}")
     backend = record.get("backend", RECORD_DEFAULTS["backend"])
     if not isinstance(backend, str):
         raise IntegrationError(f"{field}.backend: a str ('auto' or a backend's name), got {_type(backend)}")

@@ -64,10 +64,17 @@ def _serve_pruned(vllm_config, record: dict, where: str) -> None:
     if getattr(vllm_config, "kv_transfer_config", None) is not None:
         raise ServeDeclined(f"{where}: a KV connector (kv_transfer_config) moves paged blocks; a pruned cache's "
                             f"page is not one: turn it off for a pruned checkpoint")
+    if any(isinstance(b, float) for b in budgets(record)):
+        raise ServeDeclined(f"{where}: budget {record['budget']} is a fraction of the prompt; vLLM needs a token "
+                            f"budget: its page is sized at startup")
     model_config = vllm_config.model_config
     if getattr(model_config, "is_hybrid", False):
         raise ServeDeclined(f"{where}: a hybrid model (attention beside other layers' states) could be preempted and "
                             f"recomputed, which does not reproduce a pruned history")
+    try:
+        budget = page_budget(record, model_config.max_model_len)
+    except IntegrationError as exc:  # a fraction of the prompt: one line, before any setting is changed
+        raise ServeDeclined(f"{where}: {exc}") from None
     scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
     changed = []
     if scheduler.enable_chunked_prefill:
@@ -79,7 +86,6 @@ def _serve_pruned(vllm_config, record: dict, where: str) -> None:
     if scheduler.max_num_batched_tokens < model_config.max_model_len:
         scheduler.max_num_batched_tokens = model_config.max_model_len
         changed.append(f"max_num_batched_tokens {model_config.max_model_len} (a whole prompt in one step)")
-    budget = page_budget(record, model_config.max_model_len)
     _LOG.warning("attnzoo: %s: each layer keeps at most %s tokens per request in one page%s%s", where, budget,
                  " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
                  if None in budgets(record) else "", "; " + "; ".join(changed) if changed else "")
@@ -125,6 +131,13 @@ def budgets(record: dict) -> list:
 def page_budget(record: dict, max_model_len: int) -> int:
     """The tokens a page holds: the largest recorded budget (one page size for every layer; a layer with a smaller
     budget uses fewer slots), or ``max_model_len`` where a layer's budget is null (it never evicts; the page keeps
-    its tokens with their per-token scores, e.g. selective attention's F)."""
+    its tokens with their per-token scores, e.g. selective attention's F). A fraction of the prompt (a float budget)
+    is refused in one line (an :class:`~attnzoo.integrations.transformers.base.IntegrationError`): the page is sized
+    once, at engine start, and each request would resolve its own budget at its prefill."""
     found = budgets(record)
+    fractions = [b for b in found if isinstance(b, float)]
+    if fractions:
+        raise IntegrationError(f"budget {fractions[0]} is a fraction of the prompt, which attnzoo's vLLM backend does "
+                               f"not serve (a request's page is sized once, at engine start): save the checkpoint "
+                               f"with a token budget (zt.apply(model, spec, budget=<tokens>))")
     return max_model_len if None in found else max(found)

@@ -28,7 +28,8 @@ def test_what_the_paged_cache_cannot_hold_is_declined_naming_the_transform(name,
 
 
 @pytest.mark.parametrize("name", ["vanilla", "ssa", "alibi", "alibi-learnable", "softcap", "sink", "qk-norm", "local",
-                                  "selective", "selective-ssa", "selective-pruned", "h2o", "tova", "streaming"])
+                                  "selective", "selective-ssa", "selective-pruned", "h2o", "tova", "streaming",
+                                  "snapkv", "knorm", "keydiff"])
 def test_the_specs_in_scope_are_served(name):
     """Evicting specs (the selective accumulator with an evictor too) are served in a page per request
     (attnzoo/integrations/vllm/ring.py; tests/integrations/vllm/test_vllm.py serves them)."""
@@ -120,6 +121,7 @@ def test_the_engine_start_check_refuses_in_one_line():
          ["layers 0..0 of 2", "qwen3", "max_window_layers"]),
         (_config(_record("selective-pruned"), speculative=object()), True, ["speculative decoding", "evicted"]),
         (_config(_record("h2o"), transfer=object()), True, ["KV connector"]),
+        (_config({**_record("h2o"), "budget": 0.25}), True, ["0.25", "vLLM needs a token budget: its page is sized"]),
         (_config(_record("streaming"), hybrid=True), True, ["hybrid model", "recomputed"]),
         # Llama 4's chunked layers run as per-chunk virtual batches in vLLM (positions restart): declined
         (_config(_record("vanilla"), attention_chunk_size=8192), True,
@@ -128,3 +130,25 @@ def test_the_engine_start_check_refuses_in_one_line():
         with pytest.raises(ServeDeclined) as caught:
             check_config(config, on_cpu)
         assert "\n" not in str(caught.value) and all(w in str(caught.value) for w in words)
+
+
+def test_a_fraction_of_the_prompt_is_refused_where_the_page_is_sized():
+    """A budget that is a fraction of each request's prompt (a float) is not served: a request's page is sized once,
+    at engine start. Refused in one line where the page is sized (``page_budget``: at start, and in a worker of an
+    engine started another way), before any setting of vLLM is changed."""
+    from attnzoo.integrations.vllm import ServeDeclined
+    from attnzoo.integrations.vllm.start import _serve_pruned, page_budget
+
+    assert page_budget({"budget": [16, 20]}, 1024) == 20
+    assert page_budget({"budget": [16, None]}, 1024) == 1024
+    for budget in (0.25, [16, 0.5]):
+        with pytest.raises(IntegrationError) as caught:
+            page_budget({"budget": budget}, 1024)
+        line = str(caught.value)
+        assert "\n" not in line and "fraction of the prompt" in line and "token budget" in line, line
+    config = _config(_record("snapkv"))
+    with pytest.raises(ServeDeclined) as caught:
+        _serve_pruned(config, {**_record("snapkv"), "budget": 0.25}, "/ckpt: attnzoo spec 'snapkv'")
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("/ckpt: attnzoo spec 'snapkv': budget 0.25") and "fraction" in line
+    assert config.scheduler_config.enable_chunked_prefill and config.cache_config.enable_prefix_caching
