@@ -44,6 +44,7 @@ from ..core.composition import checked_logits, checked_rows
 from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f, weighted_rows
 from ..decode import fast
 from ..decode.fast import plain_one
+from ..decode.step import evictor_query_rows
 from ..transforms.base import Context, Dims, Slot
 from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
@@ -449,16 +450,23 @@ class BlockedBackend(Backend):
         count = q.shape[2]
         mapped = plan.one(Slot.PROBABILITY) is not None  # another map than the softmax: the blocks below
         acc = plan.one(Slot.ACCUMULATOR)
+        # an evictor that reads only the step's last rows (``probability_rows``): the output by the path a spec
+        # without it takes, then those rows' probabilities alone (an accumulator's F ties a row's probabilities to
+        # the step's earlier queries: the whole step's then)
+        rows = evictor_query_rows(cache, count) if want_probs and acc is None and not mapped else None
+        if rows is not None:
+            want_probs = False
         bare = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                 and not plan.many(Slot.LOGITS) and plan.one(Slot.NORMALISER) is None and not mapped)
         # a NaN or infinite value takes the blocks: the prompt's kernels weigh masked pairs' values by 0
         prompt = (bare and count > 1 and cache.num_tokens == count and consecutive_positions(qpos)
                   and all_finite(vs))
+        probs = None
         if prompt and acc is None:
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
             out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
                                                  enable_gqa=q.shape[1] != ks.shape[1])
-            cache.settle(None, None)
+            carry = None
         elif (prompt and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == qs.shape[-1]
               and (pointwise := fusable_pointwise(acc)) is not None
               and not _wants_grad(qs, ks, vs, params) and all_finite(ks)):
@@ -466,13 +474,11 @@ class BlockedBackend(Backend):
             # forward by small query blocks, and the carry its keys start decoding with
             out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(q.shape[-1]), acc.heads()[0], pointwise,
                                            int(qpos[0, 0]), min(self.block_size, PREFILL_BLOCK))
-            cache.settle(carry, None)
         elif (count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
               and not mapped):
             # one query at the newest position: every cached key is visible and no mask applies
             out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.accumulated(),
                                          query_features, key_features)
-            cache.settle(carry, None)
         else:
             ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
@@ -480,7 +486,13 @@ class BlockedBackend(Backend):
                                                features=query_features, key_features=key_features,
                                                query_mask=cache.query_mask() if acc is not None else None)
             out = softmax_map_combine(plan, out, qs.shape, params)
-            cache.settle(carry, probs)
+        if rows is not None:  # the evictor's rows: those queries through the blocks, their probabilities kept
+            _, _, _, probs = self.blocks(plan, rows.queries(qs), ks, vs, qpos.gather(1, rows.index.to(qpos.device)),
+                                         kpos, params, mask, None, want_probs=True, use_sdpa=False,
+                                         features={n: rows.queries(t) for n, t in query_features.items()},
+                                         key_features=key_features)
+            probs = rows.pack(probs)
+        cache.settle(carry, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
 

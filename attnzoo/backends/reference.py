@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..core.composition import checked_logits, checked_rows
+from ..decode.step import evictor_query_rows
 from ..transforms.base import Dims, Slot
 from .base import Backend, Mode, eager_dtype_reasons
 
@@ -157,6 +158,9 @@ class ReferenceBackend(Backend):
         if selection is not None:
             carry = cache.accumulated()
             total = carry + selection.to(carry.dtype).sum(dim=2)[:, 0]
+        rows = evictor_query_rows(cache, q.shape[2])
+        if rows is not None:  # an evictor that reads the step's last rows (``probability_rows``): those rows only
+            probs = rows.pack(rows.queries(probs))
         cache.settle(total, probs)
         return out
 

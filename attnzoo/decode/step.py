@@ -128,7 +128,64 @@ def admit(plan, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params
     return DecodeStep(qs, positions, features)
 
 
-def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | None) -> None:
+class EvictorRows(NamedTuple):
+    """Probabilities a backend hands ``cache.settle`` in place of a (B, H, T, M) tensor when the evictor declares
+    ``probability_rows`` (:func:`evictor_query_rows`): ``probs`` (B, H, R, M), already what the evictor reads (the
+    last R rows of :func:`real_query_rows`' packing of the step's T rows), so :func:`settle` packs nothing."""
+
+    probs: torch.Tensor
+
+
+class QueryRows(NamedTuple):
+    """The step's query rows whose probabilities an evictor that declares ``probability_rows`` reads
+    (:func:`evictor_query_rows`): ``index`` (B, R), each row's query indices (into the step's T queries), and
+    ``real`` (B, R) bool or None (every one real); the evictor's row j of batch row b is the probabilities of query
+    ``index[b, j]`` where ``real[b, j]``, else a zero row. :meth:`pack` makes them from the probabilities of those
+    queries."""
+
+    index: torch.Tensor
+    real: torch.Tensor | None
+
+    def queries(self, rows: torch.Tensor) -> torch.Tensor:
+        """The selected queries of ``rows`` (B, X, T, ...) along dim 2: (B, X, R, ...)."""
+        index = self.index.to(rows.device).view(*self.index.shape[:1], 1, self.index.shape[1],
+                                                *([1] * (rows.dim() - 3)))
+        return rows.gather(2, index.expand(rows.shape[0], rows.shape[1], -1, *rows.shape[3:]))
+
+    def pack(self, probs: torch.Tensor) -> EvictorRows:
+        """The selected queries' probabilities (B, H, R, M) as :func:`settle` takes them: zero rows where a query
+        is padding."""
+        if self.real is not None:
+            zero = torch.zeros((), dtype=probs.dtype, device=probs.device)
+            probs = torch.where(self.real.to(probs.device)[:, None, :, None], probs, zero)
+        return EvictorRows(probs)
+
+
+def evictor_query_rows(cache, count: int) -> QueryRows | None:
+    """Which of a step's ``count`` query rows the cache's evictor reads, when it declares ``probability_rows``
+    (``Evictor.probability_rows``: the last R of the rows it gets) and R < ``count``, else None (no evictor that
+    reads probabilities, or every row: a backend computes the (B, H, T, M) probabilities and :func:`settle` packs
+    them). Call after the step's tokens are appended (``admit``): padding queries (``cache.query_mask()``) are
+    packed first, so the rows are each batch row's last R real queries, with padding queries (zero rows) in front
+    where it has fewer than R; they may lie anywhere among the T, padding inside them included.
+
+    A backend then computes only those queries' probabilities (the same mask and logits transforms as the whole
+    step's) and hands ``cache.settle`` ``rows.pack(probs)``: the evictor gets exactly what the whole step's
+    probabilities give it, and no T x M tensor is made. The queries' probabilities must not depend on the other
+    queries of the step (an accumulator's F does: a backend keeps the whole step's probabilities there)."""
+    evictor = cache.evictor
+    rows = getattr(evictor, "probability_rows", None) if evictor is not None and evictor.needs_probabilities else None
+    if rows is None or rows >= count:
+        return None
+    real = cache.query_mask()
+    if real is None:
+        index = torch.arange(count - rows, count, device=cache.positions.device)
+        return QueryRows(index.expand(cache.batch, rows), None)
+    order = torch.argsort(real.to(torch.int8), dim=-1, stable=True)[:, count - rows:]  # padding first, then real
+    return QueryRows(order, real.gather(-1, order))
+
+
+def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | EvictorRows | None) -> None:
     """After attending (``cache.settle``): store the new running F (B, M), update the evictor's scores from the new
     queries' attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
 
@@ -137,7 +194,10 @@ def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | None) 
 
     Padding queries (``cache.query_mask()``: a left-padded prompt, a padding token decoded) are not the row's: the
     evictor gets only real queries' rows (:func:`real_query_rows`), and a row whose new tokens are all padding keeps
-    its F and its evictor's scores as they were (the row alone had no such step)."""
+    its F and its evictor's scores as they were (the row alone had no such step).
+
+    ``probs`` may instead be :class:`EvictorRows`: the rows the evictor reads (``probability_rows``), already packed
+    (:func:`evictor_query_rows`)."""
     cache.end_step()
     evictor = cache.evictor
     if evictor is not None and evictor.needs_probabilities and probs is None:
@@ -155,6 +215,8 @@ def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | None) 
     if evictor is not None:
         if not evictor.needs_probabilities:
             probs = None
+        elif isinstance(probs, EvictorRows):  # the evictor's rows, packed by the backend
+            probs = probs.probs.detach().to(accumulator_dtype(cache.keys.dtype))
         else:
             probs = probs.detach().to(accumulator_dtype(cache.keys.dtype))
             if real is not None:
