@@ -162,6 +162,7 @@ class KVCache(SlotStore):
     @keys.setter
     def keys(self, value: torch.Tensor) -> None:
         self.unpack()
+        self._quant_earlier = None  # rows set: the next pack quantizes every token
         if self._scrambled:
             self._settle_order()
         self.step_state.forget()
@@ -182,6 +183,7 @@ class KVCache(SlotStore):
     @values.setter
     def values(self, value: torch.Tensor) -> None:
         self.unpack()
+        self._quant_earlier = None
         if self._scrambled:
             self._settle_order()
         self.step_state.forget()
@@ -196,6 +198,8 @@ class KVCache(SlotStore):
 
     @positions.setter
     def positions(self, value: torch.Tensor) -> None:
+        self.unpack()
+        self._quant_earlier = None
         if self._scrambled:
             self._settle_order()
         self.step_state.forget()
@@ -256,6 +260,15 @@ class KVCache(SlotStore):
         held = _attach_checked(self, keys, values, positions, state, held, next_position, evicted, expired)
         super().attach(keys, values, positions, state, held, next_position, evicted=evicted, expired=expired,
                        scrambled=scrambled, step_state=step_state)
+
+    # -- copies (attnzoo.decode.rewind) -------------------------------------------------------------------------
+    def copy(self) -> KVCache:
+        """A deep copy (:func:`attnzoo.decode.rewind.copy_cache`): every tensor held copied once (tokens, packed
+        codes, positions, per-token scores and features), the evictor shared; the copy and this cache then step
+        independently (one compressed context, several continuations)."""
+        from .rewind import copy_cache
+
+        return copy_cache(self)
 
     # -- reporting -----------------------------------------------------------------------------------------------
     def __len__(self) -> int:

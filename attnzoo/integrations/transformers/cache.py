@@ -7,19 +7,25 @@ sliding-window layer, no token that no later query can see). ``cache.layers[i].k
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ...decode.create import check_fraction, prompt_budget
 from ...decode.quant import check_bits
+from ...decode.rewind import mark, rewind, rewind_refusal
+from ...evictors.base import budget_problem, is_fraction
 from ...nn import Attention
 from .base import CONFIG_KEY, CORE_NAME, UNSET, IntegrationError, applied_modules, where
 
 
 def check_budget_value(value, here: str):
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise IntegrationError(f"{here}: a budget must be an int >= 1 or None, got {value!r}")
+    """``value`` if it is a budget: an int >= 1 (tokens), a float in (0, 1] (a fraction of each request's prompt,
+    resolved at its prefill: :meth:`AttnzooLayer.resolve_budget`) or None; else one line naming ``here``."""
+    problem = budget_problem(value)
+    if problem:
+        raise IntegrationError(f"{here}: {problem}")
     return value
 
 
@@ -35,7 +41,13 @@ def budgets_for(budget, spec, count: int) -> list[int | None]:
 
 
 def validate_budget(core: Attention, budget, module) -> None:
+    """Refuse at apply time a budget the layer's cache would refuse: a token count by the evictor's rule; a
+    fraction of the prompt (checked by the evictor once resolved) where there is no evictor, or one that accepts
+    no budget."""
     try:
+        if is_fraction(budget):
+            check_fraction(core.variant.plan, budget)
+            return
         core.new_cache(1, budget=budget)
     except ValueError as exc:
         raise IntegrationError(f"{where(module)}: {exc}") from None
@@ -46,9 +58,13 @@ class AttnzooLayer(CacheLayerMixin):
     its batch) and the count of tokens seen. ``keys``/``values`` stay None: transformers holds no copy of them."""
 
     is_compileable = False
-    is_croppable = False
+    is_croppable = False  # assisted decoding crops inside a step's tokens: only a prefill's end is kept (crop_to)
     is_sliding = False
     supports_early_init = False
+    #: (tokens seen, attnzoo.decode.rewind.Mark) at the end of each prefill with nothing evicted since: crop_to
+    _marks: tuple = ()
+    #: tokens of the last step (update): a step after a prefill keeps the state the prefill left
+    _last_step = 0
 
     def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None) -> None:
         super().__init__()
@@ -71,6 +87,7 @@ class AttnzooLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Hand the new tokens back untouched (the attention function appends them to the attnzoo cache)."""
         self.is_initialized = True
+        self._remember(key_states.shape[-2])
         self.seen += key_states.shape[-2]
         self._pending = key_states
         return key_states, value_states
@@ -88,6 +105,7 @@ class AttnzooLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.kv = None
+        self._marks, self._last_step = (), 0
         self.seen = 0
         self._pending = None
         self.is_initialized = False
@@ -99,12 +117,72 @@ class AttnzooLayer(CacheLayerMixin):
         return None
 
     def crop(self, tokens_to_remove: int) -> None:
+        """transformers' layer crop: ``tokens_to_remove`` < 0 drops that many of the last tokens seen (0: nothing).
+        Only back to the end of a prefill with nothing evicted or expired since (:meth:`crop_refusal`)."""
         if tokens_to_remove == 0:
             return
-        raise IntegrationError("AttnzooCache cannot crop (assisted or speculative decoding): an evicting cache "
-                               "cannot give tokens back")
+        self.crop_to(self.seen - abs(tokens_to_remove))
+
+    def crop_refusal(self, seen: int) -> str | None:
+        """Why this layer cannot go back to ``seen`` tokens seen, or None (a no-op when ``seen`` >= the tokens
+        seen): ``seen`` must be the end of a prefill (a step of several tokens) after which this layer evicted or
+        expired nothing (the tokens it held then are all held still) and reordered no row."""
+        if seen >= self.seen or self.kv is None:
+            return None
+        found = [at for n, at in self._marks if n == seen]
+        if not found:
+            kept = [n for n, at in self._marks if rewind_refusal(self.kv, at) is None]
+            return (f"it keeps no state at {seen} tokens seen (it keeps the state at the end of each prefill of "
+                    f"several tokens until a token is evicted or expired since, or the rows are reordered; kept "
+                    f"now: {kept or 'none'})")
+        return rewind_refusal(self.kv, found[0])
+
+    def crop_to(self, seen: int) -> None:
+        """Go back to ``seen`` tokens seen (:meth:`crop_refusal`): the tokens after it dropped, the tokens held
+        then with the scores they had then."""
+        if seen >= self.seen or self.kv is None:
+            return
+        problem = self.crop_refusal(seen)
+        if problem:
+            raise IntegrationError(f"AttnzooCache layer {self.index} cannot crop to {seen} tokens: {problem}; to ask "
+                                   f"several questions of one compressed context, pass context_cache.copy() to each "
+                                   f"generate() (docs/transformers.md)")
+        rewind(self.kv, next(at for n, at in self._marks if n == seen))
+        self._marks = tuple((n, at) for n, at in self._marks if n <= seen)
+        self.seen, self._pending, self._last_step = seen, None, 0
+
+    def copy(self) -> AttnzooLayer:
+        """This layer with a deep copy of its ``KVCache`` (:meth:`KVCache.copy`); the marks it can crop back to are
+        shared (never written)."""
+        new = copy.copy(self)
+        new.kv = None if self.kv is None else self.kv.copy()
+        new._pending = None
+        return new
+
+    def _remember(self, new_tokens: int) -> None:
+        """At the start of a step: keep the state the previous step left if it was a prefill (several tokens), to
+        crop back to; forget the kept states that an eviction or expiry since made unreachable."""
+        if self._marks and self.kv is not None:
+            self._marks = tuple((n, at) for n, at in self._marks if rewind_refusal(self.kv, at) is None)
+        if self._last_step > 1 and self.kv is not None and self.seen not in (n for n, _ in self._marks):
+            self._marks = (*self._marks, (self.seen, mark(self.kv)))
+        self._last_step = new_tokens
+
+    def resolve_budget(self, k: torch.Tensor, key_mask, here: str) -> int | None:
+        """The token budget of the ``KVCache`` this layer creates at its first step: :attr:`budget` as given, or,
+        for a fraction of the prompt, that fraction of the first step's real tokens (the longest row's, for a
+        left-padded batch: the cache is dense, one budget for every row), at least the smallest budget the evictor
+        accepts (:func:`attnzoo.decode.create.prompt_budget`)."""
+        if not is_fraction(self.budget):
+            return self.budget
+        tokens = k.shape[-2] if key_mask is None else int(key_mask.sum(-1).max())
+        try:
+            return prompt_budget(self.core.variant.plan, self.budget, max(tokens, 1))
+        except ValueError as exc:
+            raise IntegrationError(f"{here}: {exc}") from None
 
     def _reorder(self, index: torch.Tensor) -> None:
+        self._marks = ()  # rows moved: the states kept to crop back to are other rows'
         if self.kv is None:
             return
         self.kv.reorder(index)
@@ -137,7 +215,7 @@ class AttnzooLayer(CacheLayerMixin):
                                    f"batch {b}")
         positions = given
         if self.kv is None:
-            self.kv = core.new_cache(b, budget=self.budget)
+            self.kv = core.new_cache(b, budget=self.resolve_budget(k, key_mask, here))
             start = first_positions(positions, key_mask)
             if start is not None:
                 self.kv.next_position = start
@@ -204,7 +282,11 @@ class AttnzooCache(Cache):
     untouched; the attention function prefills or decodes the layer's ``KVCache``, so transformers holds no copy.
     ``cache.layers[i].kv`` (or ``cache.kv_caches[i]``) is layer i's ``KVCache``, with its own ``memory()``. Beam
     search (``reorder_cache``), ``batch_select_indices`` and ``batch_repeat_interleave`` reorder the rows of every
-    ``KVCache``; ``crop`` is refused (assisted decoding). :meth:`memory` reports tokens and bytes per layer.
+    ``KVCache``. :meth:`copy` is a deep copy (one compressed context, several questions: pass a copy to each
+    ``generate()``); :meth:`crop` goes back to the end of a prefill only while nothing was evicted since (assisted
+    decoding stays refused). A ``budget`` that is a float in (0, 1] is that fraction of each request's prompt,
+    resolved per layer at its first step (:meth:`AttnzooLayer.resolve_budget`) and fixed while decoding.
+    :meth:`memory` reports tokens and bytes per layer.
     ``kv_bits`` (8 or 4; None: full precision) holds every layer's keys and values in that many bits between steps
     (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
     attends its new tokens in full precision, and packs them with the rest after it."""
@@ -238,6 +320,34 @@ class AttnzooCache(Cache):
             raise IntegrationError(f"{where(module)}: this AttnzooCache was made for another model (or before apply() "
                                    f"ran again): make a new AttnzooCache(model)")
         return layer
+
+    def copy(self) -> AttnzooCache:
+        """A deep copy: every layer's ``KVCache`` copied (its keys, values, positions and per-token scores; no
+        pickle), the model's attention cores shared. Compress a context once (``model(context_ids, cache=cache)``),
+        then answer each question with ``generate(context_and_question_ids, cache=cache.copy())``: the context cache
+        stays as it was."""
+        new = copy.copy(self)
+        new.layers = [layer.copy() for layer in self.layers]
+        return new
+
+    def crop(self, max_length: int) -> None:
+        """Go back to ``max_length`` tokens seen (a negative ``max_length``: drop that many of the last tokens
+        seen, as transformers' ``Cache.crop`` takes it), in every layer or none: only to the end of a prefill (a
+        call of several tokens, such as a compressed context) after which no layer evicted or expired a token and no
+        row was reordered; the tokens after it are dropped and the tokens held keep the scores they had then.
+        Otherwise one line says why (an evicted token cannot be brought back) and points to :meth:`copy`."""
+        seen = self.get_seq_length()
+        target = seen + max_length if max_length < 0 else max_length
+        if target < 0:
+            raise IntegrationError(f"AttnzooCache.crop({max_length}): the cache has seen {seen} tokens")
+        for layer in self.layers:  # every layer checked first: a refusal leaves the cache as it was
+            problem = layer.crop_refusal(target)
+            if problem:
+                raise IntegrationError(f"AttnzooCache.crop({max_length}): layer {layer.index} cannot go back to "
+                                       f"{target} tokens seen: {problem}; to ask several questions of one compressed "
+                                       f"context, pass context_cache.copy() to each generate() (docs/transformers.md)")
+        for layer in self.layers:
+            layer.crop_to(target)
 
     @property
     def kv_caches(self) -> list:
