@@ -48,9 +48,12 @@ PRUNED_LENGTHS = (5, 17, 40, 40)
 WINDOWED_TOVA = {"name": "tova-window", "summary": "TOVA under a sliding window", "attention": {"causal": True},
                  "transforms": [{"kind": "sliding_window", "window": 24}],
                  "cache": {"evictor": "tova", "budget": BUDGET}}
-#: {name: (spec, budget)}: each served evictor at the budget; TOVA under a window with a budget per layer
+#: {name: (spec, budget)}: each served evictor at the budget (SnapKV: probabilities read over its window of the
+#: newest queries, which the budget shrinks to budget - 1, one score per token; KNorm: key-only, no per-token state;
+#: KeyDiff: key-only, one stored similarity per token); TOVA under a window with a budget per layer
 PRUNED = {"streaming": ("streaming", BUDGET), "selective-pruned": ("selective-pruned", BUDGET), "h2o": ("h2o", BUDGET),
-          "tova-window": (WINDOWED_TOVA, [BUDGET, 20])}
+          "tova-window": (WINDOWED_TOVA, [BUDGET, 20]), "snapkv": ("snapkv", BUDGET), "knorm": ("knorm", BUDGET),
+          "keydiff": ("keydiff", BUDGET)}
 NEW_TOKENS = 8
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
               gpu_memory_utilization=0.2)
@@ -179,8 +182,8 @@ def test_a_pruned_checkpoint_generates_attnzoos_evicting_tokens(pruned, name, tm
     request, allocated by vLLM's KV manager; prompts shorter and longer than the budget in one generate() call (two
     of one length), decoding past it, give the tokens of transformers + attnzoo's evicting
     cache; the pages are reused by the next call's requests. Every served evictor (sink_window, selective, H2O,
-    TOVA); TOVA under a sliding window (a cache with a horizon: each request steps alone) with a budget per layer
-    (the page holds the largest budget, each layer keeps its own)."""
+    TOVA, SnapKV, KNorm, KeyDiff); TOVA under a sliding window (a cache with a horizon: each request steps alone)
+    with a budget per layer (the page holds the largest budget, each layer keeps its own)."""
     from vllm import LLM, SamplingParams
 
     path, prompts, _, evicting = pruned[name]

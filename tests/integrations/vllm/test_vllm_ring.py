@@ -51,7 +51,7 @@ def _serving_layer(spec: str, budget: int, dtype):
     return layer, core
 
 
-@pytest.mark.parametrize("spec", ["selective-pruned", "h2o"])
+@pytest.mark.parametrize("spec", ["selective-pruned", "h2o", "snapkv", "knorm", "keydiff"])
 @pytest.mark.parametrize(("blocks", "paths"), [
     pytest.param([3, 4, 5, 6, 7], {True}, id="consecutive"),
     pytest.param([5, 3, 7, 4, 6], {True, False}, id="permuted"),  # in place once all five pages are full
@@ -60,7 +60,8 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     """The serving layer over ring pages (``attend_pruned``) against each request alone in attnzoo's own cache
     (core prefill, then decode steps), float64: prompts of one length prefilled as one batch, the full pages
     stepped as one batch, in place where their blocks are consecutive in any order (else gathered and scattered
-    back), pages still filling stepped alone; outputs every step and each page's tokens at the end."""
+    back), pages still filling stepped alone; outputs every step and each page's tokens at the end. Evictors with a
+    per-token state (F, H2O's and SnapKV's scores, KeyDiff's similarities) and one without (KNorm)."""
     import types
 
     from attnzoo.core.numerics import accumulator_dtype
