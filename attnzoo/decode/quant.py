@@ -145,13 +145,16 @@ def quantize(x: torch.Tensor, bits: int) -> QuantizedRows:
 
 
 def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The rows ``z + c * s`` (B, H_kv, M, D), computed in float32, in ``dtype`` (or written into ``out``)."""
+    """The rows ``z + c * s`` (B, H_kv, M, D), computed in float32 (float64 for float64 rows), in ``dtype`` (or
+    written into ``out``, a float tensor of that shape)."""
     codes = unpack_nibbles(q.codes) if q.bits == 4 else q.codes
-    rows = torch.addcmul(q.zero.float().unsqueeze(-1), codes.float(), q.scale.float().unsqueeze(-1))
-    if out is not None:
-        out.copy_(rows)
-        return out
-    return rows.to(dtype)
+    scale, zero = q.scale.unsqueeze(-1), q.zero.unsqueeze(-1)
+    target = dtype if out is None else out.dtype
+    if target in (torch.float32, torch.float64):  # in place, no temporary of the rows' size
+        rows = torch.empty(codes.shape, dtype=target, device=codes.device) if out is None else out
+        return rows.copy_(codes).mul_(scale).add_(zero)
+    rows = torch.addcmul(zero.float(), codes.float(), scale.float())
+    return rows.to(dtype) if out is None else out.copy_(rows)
 
 
 # -- a KVCache held quantized between steps ---------------------------------------------------------------------------
@@ -175,11 +178,13 @@ class PackedKV(NamedTuple):
 
 
 class _Earlier(NamedTuple):
-    """The codes a cache held before :func:`unpack`, with the positions of their slots: :func:`pack` keeps them
-    for the tokens still held (so no token is quantized twice)."""
+    """The codes a cache held before :func:`unpack`, the positions of their slots (in position order: :func:`pack`
+    settles the slots first) and each row's next position then (B, 1, 1): :func:`pack` keeps the codes of the
+    tokens still held (every token before that position), so no token is quantized twice."""
 
     packed: PackedKV
     positions: torch.Tensor
+    next: torch.Tensor
 
 
 class HeldRows:
@@ -219,43 +224,43 @@ def pack(cache, bits: int) -> None:
         cache._settle_order()
     m = cache._m
     rows = (held["_k"][:, :, :m], held["_v"][:, :, :m])
-    fresh = [quantize(r, bits) for r in rows]
     earlier = held.get("_quant_earlier")
-    if earlier is not None:
-        fresh = _keep_earlier(fresh, rows, cache._pos[:, :, :m].contiguous(), earlier, bits)
+    if (earlier is None or earlier.packed.bits != bits or earlier.positions.shape[:2] != rows[0].shape[:2]
+            or earlier.positions.shape[2] == 0):
+        keys, values = (quantize(r, bits) for r in rows)
+    else:
+        keys, values = _keep_earlier(rows, cache._pos[:, :, :m].contiguous(), cache.valid, earlier, bits)
     fast = cache.step_state.fast
     if getattr(fast, "held", None):  # a fused step keeps the buffers it checked and its op's arguments: let them
         fast.held = fast.fixed = ()  # go (attnzoo/decode/fused.py: the next step lays the new buffers out anew)
-    cache._packed = PackedKV(fresh[0], fresh[1], k.dtype)
+    cache._packed = PackedKV(keys, values, k.dtype)
     cache._quant_earlier = None
     cache._bias = None
     del held["_k"], held["_v"]
 
 
-def _keep_earlier(fresh, rows, positions, earlier: _Earlier, bits: int):
-    """``fresh`` codes, except where a token held before the step is held still: its earlier codes (matched by
-    row, head and position, and kept only where they dequantize bit for bit to the row held: it is that token)."""
+def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[QuantizedRows]:
+    """The codes of ``rows`` (keys, values (B, H_kv, M, D)) at ``positions`` (B, H_kv, M): a token held before the
+    step keeps its earlier codes (its row is still the one they dequantized to: rows never change once held, and
+    setting rows drops the earlier codes); a token of the step (at or past the row's next position then, or not
+    found among the earlier positions) is quantized now. Padding shares its position with the next real token (and
+    is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
     old = earlier.packed
-    if old.bits != bits or old.keys.shape[:2] != rows[0].shape[:2] or old.keys.shape[2] == 0:
-        return fresh
-    order = earlier.positions.argsort(dim=-1, stable=True)
-    sorted_pos = earlier.positions.gather(-1, order)
-    last = sorted_pos.shape[-1] - 1
-    # padding shares its position with the next real token: try the last slot of a position, then the first
-    for cand in ((torch.searchsorted(sorted_pos, positions, right=True) - 1).clamp_(0, last),
-                 torch.searchsorted(sorted_pos, positions).clamp_(0, last)):
-        slot = order.gather(-1, cand)
-        same = sorted_pos.gather(-1, cand) == positions
-        old_rows = [q.gather_tokens(slot) for q in (old.keys, old.values)]
-        for q, r in zip(old_rows, rows, strict=True):
-            same &= (dequantize(q, r.dtype) == r).all(-1)
-        fresh = [_where(same, o, f) for o, f in zip(old_rows, fresh, strict=True)]
-    return fresh
-
-
-def _where(cond: torch.Tensor, a: QuantizedRows, b: QuantizedRows) -> QuantizedRows:
-    return b._replace(codes=torch.where(cond.unsqueeze(-1), a.codes, b.codes),
-                      scale=torch.where(cond, a.scale, b.scale), zero=torch.where(cond, a.zero, b.zero))
+    before = earlier.positions
+    last = before.shape[-1] - 1
+    slot = (torch.searchsorted(before, positions, right=True) - 1).clamp_(0, last)
+    if valid is not None:
+        slot = torch.where(valid, slot, torch.searchsorted(before, positions).clamp_(0, last))
+    fresh = (positions >= earlier.next) | (before.gather(-1, slot) != positions)
+    kept = [q.gather_tokens(slot) for q in (old.keys, old.values)]
+    if bool(fresh.any()):  # the step's tokens, keys and values in one call
+        n = int(fresh.sum())
+        new = quantize(torch.cat([rows[0][fresh], rows[1][fresh]]).view(1, 2, n, -1), bits)
+        for i, q in enumerate(kept):
+            q.codes[fresh] = new.codes[0, i]
+            q.scale[fresh] = new.scale[0, i]
+            q.zero[fresh] = new.zero[0, i]
+    return kept
 
 
 def unpack(cache) -> None:
@@ -282,7 +287,7 @@ def unpack(cache) -> None:
         bufs.append(buf)
     held["_k"], held["_v"] = bufs
     cache._packed = None
-    cache._quant_earlier = _Earlier(packed, cache._pos[:, :, :m].clone())
+    cache._quant_earlier = _Earlier(packed, cache._pos[:, :, :m].clone(), cache.next_position.view(b, 1, 1))
 
 
 def dequantized(cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,7 +302,8 @@ def reorder(cache, index: torch.Tensor) -> bool:
     held = cache.__dict__
     earlier = held.get("_quant_earlier")
     if earlier is not None:
-        cache._quant_earlier = _Earlier(earlier.packed.index_select(0, index), earlier.positions.index_select(0, index))
+        cache._quant_earlier = _Earlier(earlier.packed.index_select(0, index), earlier.positions.index_select(0, index),
+                                        earlier.next.index_select(0, index))
     packed = held.get("_packed")
     if packed is None:
         return False

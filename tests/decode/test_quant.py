@@ -228,6 +228,9 @@ def test_views_read_while_packed_are_dequantized_and_leave_it_packed():
     assert cache.packed_bits == 8 and keys.shape == (2, 2, 10, 16) and values.dtype == torch.float32
     q = cache._packed.keys
     torch.testing.assert_close(keys, quant.dequantize(q))
+    _ = (cache.positions, cache.state, cache.valid, cache.nbytes, cache.memory(), repr(cache), len(cache),
+         cache.next_position, cache.key_mask())
+    assert cache.packed_bits == 8 and "_k" not in cache.__dict__  # none of these unpacks
     cache.unpack()
     assert cache.packed_bits is None
     torch.testing.assert_close(cache.keys, keys)
