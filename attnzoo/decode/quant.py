@@ -241,10 +241,11 @@ def pack(cache, bits: int) -> None:
 
 def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[QuantizedRows]:
     """The codes of ``rows`` (keys, values (B, H_kv, M, D)) at ``positions`` (B, H_kv, M): a token held before the
-    step keeps its earlier codes (its row is still the one they dequantized to: rows never change once held, and
-    setting rows drops the earlier codes); a token of the step (at or past the row's next position then, or not
-    found among the earlier positions) is quantized now. Padding shares its position with the next real token (and
-    is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
+    step keeps its earlier codes, found by position and kept only where they dequantize to the row held, as
+    :func:`unpack` gave it (rows never change once held: it is that token; a rewind, which gives positions out
+    again, or rows set are caught so); a token of the step (at or past the row's next position then, not found
+    among the earlier positions, or another row) is quantized now. Padding shares its position with the next real
+    token (and is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
     old = earlier.packed
     before = earlier.positions
     last = before.shape[-1] - 1
@@ -253,6 +254,8 @@ def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[
         slot = torch.where(valid, slot, torch.searchsorted(before, positions).clamp_(0, last))
     fresh = (positions >= earlier.next) | (before.gather(-1, slot) != positions)
     kept = [q.gather_tokens(slot) for q in (old.keys, old.values)]
+    for q, r in zip(kept, rows, strict=True):  # and the row is the one those codes gave (a rewind reuses positions)
+        fresh |= (dequantize(q, r.dtype) != r).any(-1)
     if bool(fresh.any()):  # the step's tokens, keys and values in one call
         n = int(fresh.sum())
         new = quantize(torch.cat([rows[0][fresh], rows[1][fresh]]).view(1, 2, n, -1), bits)

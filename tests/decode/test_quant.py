@@ -316,3 +316,26 @@ def test_without_a_budget_packed_decodes_close_to_full_precision(spec):
     full, _ = decode_run(spec, None, budget=None, steps=20)
     assert cache.num_tokens == 36 and cache.packed_bits == 8
     torch.testing.assert_close(out, full, rtol=0, atol=0.05)
+
+
+def test_tokens_after_a_rewind_are_quantized_anew():
+    from attnzoo.decode.rewind import mark, rewind
+
+    torch.manual_seed(4)
+    layer = attnzoo.nn.Attention("h2o", num_heads=4, head_dim=16, num_kv_heads=2)
+    cache = layer.new_cache(batch=1, budget=None)
+    layer.prefill(torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16), cache)
+    cache.pack(8)
+    at = mark(cache)
+    for _ in range(3):  # tokens at positions 7, 8, 9, then dropped
+        layer.decode(torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16), cache)
+        cache.pack(8)
+    rewind(cache, at)
+    ks = [torch.randn(1, 2, 1, 16) * 5 for _ in range(3)]  # positions 7, 8, 9 again, other rows
+    for k in ks:
+        layer.decode(torch.randn(1, 4, 1, 16), k, k, cache)
+        cache.pack(8)
+    assert cache.positions[0, 0].tolist() == list(range(1, 10))
+    q = cache._packed.keys
+    tail = quant.QuantizedRows(q.codes[:, :, 6:], q.scale[:, :, 6:], q.zero[:, :, 6:], 8, 16)
+    within_half_scale(torch.cat(ks, dim=2), tail)
