@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, NamedTuple
 
 import torch
-from pydantic import create_model, field_validator
+from pydantic import Field, create_model, field_validator
 
 from ..transforms.base import StrictModel
 
@@ -64,7 +64,9 @@ class EvictorOptions(StrictModel):
     evictor's own options."""
 
     evictor: str
-    budget: int | float | None = None
+    budget: Annotated[int, Field(ge=1)] | Annotated[float, Field(gt=0, le=1)] | None = Field(
+        None, description="tokens kept per layer; a float in (0, 1]: that fraction of each request's prompt; null: "
+        "never evict")
 
     @field_validator("budget", mode="before")
     @classmethod
