@@ -73,7 +73,9 @@ class QuantizedRows(NamedTuple):
 
     def gather_tokens(self, slot: torch.Tensor) -> QuantizedRows:
         """The tokens ``slot`` (B, H_kv, M') of each row and head."""
-        codes = self.codes.gather(2, slot.unsqueeze(-1).expand(*slot.shape, self.codes.shape[-1]))
+        b, h, m = self.scale.shape
+        rows = (torch.arange(b * h, device=slot.device).view(b, h, 1) * m + slot).view(-1)
+        codes = self.codes.reshape(b * h * m, -1).index_select(0, rows).view(*slot.shape, -1)  # whole rows
         return self._replace(codes=codes, scale=self.scale.gather(2, slot), zero=self.zero.gather(2, slot))
 
 
@@ -119,11 +121,11 @@ def quantize(x: torch.Tensor, bits: int) -> QuantizedRows:
     levels = (1 << bits) - 1
     with torch.no_grad():
         xf = x.detach().float()
-        finite = torch.isfinite(xf).all(-1)
         if d:
-            lo, hi = xf.amin(-1), xf.amax(-1)
+            lo, hi = xf.amin(-1), xf.amax(-1)  # NaN if the row holds one
         else:
             lo = hi = xf.new_zeros(x.shape[:3])
+        finite = torch.isfinite(lo) & torch.isfinite(hi)
         lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
         zero = _down16(lo)
         scale = _up16((hi - zero.float()) / levels)
@@ -176,6 +178,9 @@ class PackedKV(NamedTuple):
     def index_select(self, dim: int, index: torch.Tensor) -> PackedKV:
         return self._replace(keys=self.keys.index_select(dim, index), values=self.values.index_select(dim, index))
 
+    def gather_tokens(self, slot: torch.Tensor) -> PackedKV:
+        return self._replace(keys=self.keys.gather_tokens(slot), values=self.values.gather_tokens(slot))
+
 
 class _Earlier(NamedTuple):
     """The codes a cache held before :func:`unpack`, the positions of their slots (in position order: :func:`pack`
@@ -220,9 +225,7 @@ def pack(cache, bits: int) -> None:
         raise ValueError(f"kv_bits=4 packs two codes a byte: the head size must be even, got {k.shape[-1]}")
     if cache._live is not None:
         raise ValueError("pack: a step is in progress (rows with gradient are attended): pack after it")
-    if cache._scrambled:
-        cache._settle_order()
-    m = cache._m
+    m = cache._m  # the slots as the step left them (out of position order after a fast step: it needs no order)
     rows = (held["_k"][:, :, :m], held["_v"][:, :, :m])
     earlier = held.get("_quant_earlier")
     if (earlier is None or earlier.packed.bits != bits or earlier.positions.shape[:2] != rows[0].shape[:2]
@@ -247,15 +250,16 @@ def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[
     among the earlier positions, or another row) is quantized now. Padding shares its position with the next real
     token (and is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
     old = earlier.packed
-    before = earlier.positions
+    order = earlier.positions.argsort(dim=-1, stable=True)  # the earlier slots may be out of position order
+    before = earlier.positions.gather(-1, order)
     last = before.shape[-1] - 1
-    slot = (torch.searchsorted(before, positions, right=True) - 1).clamp_(0, last)
+    at = (torch.searchsorted(before, positions, right=True) - 1).clamp_(0, last)
     if valid is not None:
-        slot = torch.where(valid, slot, torch.searchsorted(before, positions).clamp_(0, last))
-    fresh = (positions >= earlier.next) | (before.gather(-1, slot) != positions)
-    kept = [q.gather_tokens(slot) for q in (old.keys, old.values)]
+        at = torch.where(valid, at, torch.searchsorted(before, positions).clamp_(0, last))
+    fresh = (positions >= earlier.next) | (before.gather(-1, at) != positions)
+    kept = [q.gather_tokens(order.gather(-1, at)) for q in (old.keys, old.values)]
     for q, r in zip(kept, rows, strict=True):  # and the row is the one those codes gave (a rewind reuses positions)
-        fresh |= (dequantize(q, r.dtype) != r).any(-1)
+        fresh |= ~((dequantize(q, r.dtype) - r).abs().amax(-1) == 0)  # NaN: not the same (amax of bools is slow)
     if bool(fresh.any()):  # the step's tokens, keys and values in one call
         n = int(fresh.sum())
         new = quantize(torch.cat([rows[0][fresh], rows[1][fresh]]).view(1, 2, n, -1), bits)

@@ -224,9 +224,12 @@ class SlotStore:
         self._scrambled = False
         m = self._m
         order = self._pos[:, :, :m].argsort(dim=-1)
-        rows = order.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
-        self._k[:, :, :m] = self._k[:, :, :m].gather(2, rows)
-        self._v[:, :, :m] = self._v[:, :, :m].gather(2, rows)
+        if self._packed is not None:  # keys and values in 8 or 4 bits (attnzoo.decode.quant): their codes move
+            self._packed = self._packed.gather_tokens(order)
+        else:
+            rows = order.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
+            self._k[:, :, :m] = self._k[:, :, :m].gather(2, rows)
+            self._v[:, :, :m] = self._v[:, :, :m].gather(2, rows)
         self._pos[:, :, :m] = self._pos[:, :, :m].gather(2, order)
         for t in self._state.values():
             t.copy_(t.gather(2, order))

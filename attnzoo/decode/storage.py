@@ -151,10 +151,10 @@ class KVCache(SlotStore):
     @property
     def keys(self) -> torch.Tensor | None:
         """(B, H_kv, M, D). While packed: the rows dequantized, a new tensor each read (the cache stays packed)."""
-        if self._packed is not None:
-            return quant.dequantized(self)[0]
         if self._scrambled:
             self._settle_order()
+        if self._packed is not None:
+            return quant.dequantized(self)[0]
         if self._live is not None:
             return self._live[0]
         return None if self._k is None else self._k[:, :, :self._m]
@@ -172,10 +172,10 @@ class KVCache(SlotStore):
 
     @property
     def values(self) -> torch.Tensor | None:
-        if self._packed is not None:
-            return quant.dequantized(self)[1]
         if self._scrambled:
             self._settle_order()
+        if self._packed is not None:
+            return quant.dequantized(self)[1]
         if self._live is not None:
             return self._live[1]
         return None if self._v is None else self._v[:, :, :self._m]

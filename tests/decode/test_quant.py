@@ -207,10 +207,11 @@ def codes_recorder():
     seen = {}
 
     def record(cache):
+        positions = cache.positions  # in position order: so are the codes then
         keys, values = cache._packed.keys.codes, cache._packed.values.codes
         for b in range(cache.batch):
             for h in range(keys.shape[1]):
-                for slot, pos in enumerate(cache.positions[b, h].tolist()):
+                for slot, pos in enumerate(positions[b, h].tolist()):
                     now = (keys[b, h, slot].tolist(), values[b, h, slot].tolist())
                     assert seen.setdefault((b, h, pos), now) == now, (b, h, pos)  # quantized once, never again
 
@@ -285,6 +286,7 @@ def test_beam_reorder_moves_the_codes():
 
 def test_beam_reorder_between_unpack_and_pack_keeps_the_codes():
     _, cache = decode_run("streaming", 8, batch=2)
+    _ = cache.positions  # slots in position order (reorder puts them so)
     codes = cache._packed.keys.codes.clone()
     cache.unpack()
     cache.reorder(torch.tensor([1, 0]))
