@@ -486,14 +486,41 @@ class BlockedBackend(Backend):
                                                features=query_features, key_features=key_features,
                                                query_mask=cache.query_mask() if acc is not None else None)
             out = softmax_map_combine(plan, out, qs.shape, params)
-        if rows is not None:  # the evictor's rows: those queries through the blocks, their probabilities kept
-            _, _, _, probs = self.blocks(plan, rows.queries(qs), ks, vs, qpos.gather(1, rows.index.to(qpos.device)),
-                                         kpos, params, mask, None, want_probs=True, use_sdpa=False,
-                                         features={n: rows.queries(t) for n, t in query_features.items()},
-                                         key_features=key_features)
-            probs = rows.pack(probs)
+        if rows is not None:  # the evictor's rows alone
+            probs = rows.pack(self.row_probabilities(plan, rows.queries(qs), ks, vs,
+                                                     qpos.gather(1, rows.index.to(qpos.device)), kpos, params, mask,
+                                                     {n: rows.queries(t) for n, t in query_features.items()},
+                                                     key_features))
         cache.settle(carry, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+
+
+    def row_probabilities(self, plan, qs, ks, vs, qpos, kpos, params, mask, query_features, key_features):
+        """The softmax probabilities (B, H, R, M) of some of a step's queries (an evictor's rows:
+        ``attnzoo.decode.step.evictor_query_rows``), scaled rows qs (B, H, R, D) at qpos (B, R), over the cache's
+        keys at kpos (B, 1 or H_kv, M) ascending, as :meth:`blocks` computes them for the whole step (no
+        accumulator: the rows' probabilities do not depend on the step's other queries).
+
+        With nothing but row scales under a causal mask and no key mask (a prompt's usual case): one product of
+        the rows and the keys, -inf at the keys newer than a row (only the newest slots can be), one softmax; a
+        row with no visible key, or any other spec, takes :meth:`blocks` (its probabilities kept, its output not
+        used)."""
+        b, h, r, d = qs.shape
+        hkv, m = ks.shape[1], ks.shape[2]
+        if (mask is None and plan.causal and not plan.many(Slot.MASK) and not plan.many(Slot.LOGITS)
+                and plan.one(Slot.NORMALISER) is None and m > 0
+                and bool((kpos[..., 0] <= qpos.amin(-1)[:, None]).all())):  # each row sees at least its oldest key
+            group = h // hkv
+            logits = torch.baddbmm(qs.new_empty(b * hkv, group * r, m), qs.reshape(b * hkv, group * r, d),
+                                   ks.reshape(b * hkv, m, d).transpose(-1, -2), beta=0, alpha=plan.logit_scale(d))
+            logits = logits.view(b, hkv, group, r, m)  # the scaled product in one call (beta 0: nothing added)
+            first = int((kpos <= qpos.amin()).sum(-1).min())  # keys before `first`: visible from every row
+            if first < m:
+                hidden = kpos[..., None, None, first:] > qpos[:, None, None, :, None]  # (B, 1 or H_kv, 1, R, M')
+                logits[..., first:].masked_fill_(hidden, float("-inf"))
+            return torch.softmax(logits, dim=-1).view(b, h, r, m)
+        return self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, None, want_probs=True, use_sdpa=False,
+                           features=query_features, key_features=key_features)[3]
 
 
 def _flat(params):

@@ -164,26 +164,38 @@ def test_logits_transforms_and_masks(backend, spec):
 
 @pytest.mark.parametrize("kind", ["snapkv", "tova"])
 def test_a_long_prompt_never_makes_the_whole_probabilities(kind, monkeypatch):
-    """A 600-token prompt: the output through the prompt's fast path, the evictor's rows alone through the blocks
-    (the largest probabilities made: (B, H, rows, M)), and the evictor gets those rows only."""
+    """A 600-token prompt on the blocked backend: the output by the prompt's one SDPA call, no (B, H, T, M)
+    probabilities made (the blocks never asked for them, no softmax over more than the evictor's rows), and the
+    evictor gets its rows only; the forced whole step's takes the blocks with every row, as before."""
     n, window = 600, 16
     variant = variant_of(kind, "blocked", **({"window": window} if kind == "snapkv" else {}))
     q, k, v = inputs(1, 1, 6, 2, n, 8, torch.float32)
-    made = []
-    blocks = BlockedBackend.blocks
+    made, softmaxes, sdpa_rows = [], [], []
+    blocks, softmax, sdpa = BlockedBackend.blocks, torch.softmax, torch.nn.functional.scaled_dot_product_attention
 
-    def spy(self, plan, qs, *args, want_probs=False, **kwargs):
+    def spy_blocks(self, plan, qs, *args, want_probs=False, **kwargs):
         if want_probs:
             made.append(qs.shape[2])
         return blocks(self, plan, qs, *args, want_probs=want_probs, **kwargs)
 
-    monkeypatch.setattr(BlockedBackend, "blocks", spy)
+    def spy_softmax(x, *args, **kwargs):
+        softmaxes.append(x.numel())
+        return softmax(x, *args, **kwargs)
+
+    def spy_sdpa(q, *args, **kwargs):
+        sdpa_rows.append(q.shape[2])
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(BlockedBackend, "blocks", spy_blocks)
+    monkeypatch.setattr(torch, "softmax", spy_softmax)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
     (rows, seen), (full, seen_full) = both_paths(variant, 64, 1)
+    rows_declared = window if kind == "snapkv" else 1
     with torch.no_grad():
         out = variant.prefill(q, k, v, rows)
+        assert made == [] and sdpa_rows == [n] and max(softmaxes) <= 6 * rows_declared * n
         out_full = variant.prefill(q, k, v, full)
-    rows_declared = window if kind == "snapkv" else 1
-    assert made == [rows_declared, n]  # the rows path, then the forced whole step's
+    assert made == [n]  # the forced whole step's: every row through the blocks
     assert seen == [(1, 6, rows_declared, n)] and seen_full == [(1, 6, n, n)]
     torch.testing.assert_close(out, out_full, rtol=2e-5, atol=2e-5)
     assert torch.equal(rows.positions, full.positions)
