@@ -31,7 +31,7 @@ def snapshot(cache):
 
 
 def equal(a, b):
-    return all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and a[3].keys() == b[3].keys() and all(
+    return all(torch.equal(x, y) for x, y in zip(a[:3], b[:3], strict=True)) and a[3].keys() == b[3].keys() and all(
         torch.equal(a[3][n], b[3][n]) for n in a[3]) and torch.equal(a[4], b[4]) and a[5:] == b[5:]
 
 
@@ -47,7 +47,7 @@ def test_a_copy_steps_as_its_original_and_leaves_it_unchanged(spec, budget):
     twin = variant.new_cache(batch=2, budget=budget)
     run(variant, twin, [1, 2, 3])
     outs = [variant.decode(*rows(1, s), copied) for s in (4, 5, 6)]
-    assert all(torch.equal(o, variant.decode(*rows(1, s), twin)) for o, s in zip(outs, (4, 5, 6)))
+    assert all(torch.equal(o, variant.decode(*rows(1, s), twin)) for o, s in zip(outs, (4, 5, 6), strict=True))
     assert equal(snapshot(cache), before) and equal(snapshot(copied), snapshot(twin))
 
 

@@ -172,8 +172,9 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
     ``attnzoo`` (an :class:`attnzoo.nn.Attention`) that owns the user's transforms' parameters, so they are part of
     ``model.parameters()`` and ``state_dict()``; native parameters (gpt-oss's sinks) stay the module's own.
     ``budget``: tokens an :class:`AttnzooCache` keeps per layer (an int, a float in (0, 1]: that fraction of each
-    request's prompt, None for no eviction, or a list with one value per layer); default the spec's ``cache.budget``. ``backend``: attnzoo backend (``"auto"`` picks per
-    call). The spec, its hash, the budget and ``prefer`` are recorded in ``model.config.attnzoo`` (written by
+    request's prompt, None for no eviction, or a list with one value per layer); default the spec's
+    ``cache.budget``. ``backend``: attnzoo backend (``"auto"`` picks per call). The spec, its hash, the budget and
+    ``prefer`` are recorded in ``model.config.attnzoo`` (written by
     ``save_pretrained``). Returns the model. Applying again replaces the spec (and resets its parameters). Where
     transformers' own cached ``generate()`` computes something else than its forward (a cache layer that keeps
     fewer keys than the layer's mask attends to: moshi), it warns in one line (:class:`~.base.FamilyWarning`)."""

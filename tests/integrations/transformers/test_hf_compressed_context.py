@@ -94,7 +94,8 @@ def test_the_question_inside_the_compressed_prompt_is_the_question_aware_mode():
         model(context, cache=agnostic, use_cache=True)
         model(question, cache=agnostic, use_cache=True)
     assert aware.get_seq_length() == agnostic.get_seq_length() == 16
-    assert any(not torch.equal(a.kv.positions, b.kv.positions) for a, b in zip(aware.layers, agnostic.layers))
+    pairs = zip(aware.layers, agnostic.layers, strict=True)
+    assert any(not torch.equal(a.kv.positions, b.kv.positions) for a, b in pairs)
 
 
 @pytest.mark.parametrize("kv_bits", [None, 4])
