@@ -57,6 +57,14 @@ QUESTION = "\n\nWhat is the pass key? Answer with the number only."
 ANSWER_PREFIX = "The pass key is"
 MARK = "@@PASSKEY-MESSAGE@@"
 
+BYTES_RULE = (
+    "fraction = bytes held / a bfloat16 full cache's bytes for the prompt (keys and values, 2 bytes an element). "
+    "Each attnzoo method keeps the tokens that fit (token_bytes(): keys and values at bfloat16 or at kv_bits with a "
+    "float16 scale and zero point per token and head, plus its int64 position and float32 per-token scores); "
+    "kvpress's presses keep fraction x prompt tokens (a bfloat16 DynamicCache holds keys and values only). The "
+    "model computes in float32; unquantized caches are counted at bfloat16, as served ('held' below: measured "
+    "cache.nbytes so counted, over the bfloat16 full cache's bytes).")
+
 #: kvpress's figures last recorded in issue 52 (SmolLM2-135M-Instruct, passkey at 1k tokens, 12 cases, question
 #: inside the compressed prompt; perplexity 768 compressed + 256 teacher-forced). Not measured by this script.
 KVPRESS_RECORDED = {
@@ -286,9 +294,55 @@ def budget_of(fraction: float, length: int) -> int:
     return max(1, round(fraction * length))
 
 
+def split_method(method: str) -> tuple[str, int | None]:
+    """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8): a spec, and the bits its cache holds keys and
+    values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
+    name, _, bits = method.partition("@")
+    return name, (int(bits) if bits else None)
+
+
+def token_bytes(config, spec_name: str | None, kv_bits: int | None) -> int:
+    """Bytes one token holds per layer, summed over the key/value heads, counted as a server holds them: keys and
+    values in bfloat16 (2 bytes an element) unless quantized (``kv_bits`` codes an element, plus a float16 scale and
+    zero point per token, head and tensor), and for an attnzoo cache its int64 position and float32 per-token scores
+    (its evictor's ``state_names``) per head. ``spec_name`` None: a plain full cache (keys and values only)."""
+    heads, d = config.num_key_value_heads, config.head_dim
+    if kv_bits is None:
+        kv = 2 * d * 2
+    else:
+        kv = 2 * (math.ceil(d * kv_bits / 8) + 4)
+    extra = 0
+    if spec_name is not None:
+        import attnzoo
+        from attnzoo.registry import get_registry
+
+        variant = attnzoo.compile(get_registry().specs[spec_name])
+        extra = 8 + 4 * len(variant.new_cache(batch=1).state_names)
+    return heads * (kv + extra)
+
+
+def byte_budget(fraction: float, length: int, config, spec_name: str, kv_bits: int | None) -> int:
+    """Tokens a cache keeps to hold ``fraction`` of a bfloat16 full cache's bytes for a prompt of ``length``."""
+    full = length * token_bytes(config, None, None)
+    return max(2, int(fraction * full // token_bytes(config, spec_name, kv_bits)))
+
+
 def full_kv_bytes(model, length: int) -> int:
+    """A bfloat16 full cache's keys and values for ``length`` tokens, every layer."""
     c = model.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * length * model.dtype.itemsize
+    return c.num_hidden_layers * length * token_bytes(c, None, None)
+
+
+def counted_bytes(model, cache, spec_name: str, kv_bits: int | None) -> int:
+    """``cache.nbytes`` (measured) with unquantized keys and values counted at bfloat16 (the benchmark computes in
+    float32; a server holds bfloat16): what :func:`token_bytes` predicts, checked against the cache itself."""
+    held = cache.nbytes
+    if kv_bits is None:
+        for kv in cache.kv_caches:
+            if kv is not None and kv.keys is not None:
+                for t in (kv.keys, kv.values):
+                    held -= t.numel() * (t.element_size() - 2)
+    return held
 
 
 def run_passkey(model, tokenizer, case, cache, max_new_tokens) -> tuple[str, int | None]:
@@ -368,15 +422,15 @@ def to_markdown(result: dict) -> str:
         f"**Passkey**: {cfg['cases']} cases per cell (context x depth), depths "
         f"{', '.join(pct(d) for d in cfg['depths'])}, so {cfg['cases'] * len(cfg['depths'])} per context; the "
         f"question last, inside the prompt that is compressed at prefill; greedy, {cfg['max_new_tokens']} new tokens "
-        f"at most; exact match of the number. Kept = budget / prompt tokens, per layer and KV head (budget = round("
-        f"fraction x prompt)). Every cache is float32: the fraction of bytes held relative to a full cache of the "
-        f"same dtype is the fraction of tokens kept (`held` below: measured bytes after the prompt / full cache's).",
+        f"at most; exact match of the number. Columns: {cfg.get('bytes', '')} Budgets per layer and KV head; "
+        f"`spec@8` / `spec@4`: keys and values held in 8 / 4 bits.",
         "",
     ]
     methods = list(summary["passkey"])
+    unit = "of the bytes" if cfg.get("axis", "tokens") == "bytes" else "kept"
     for context in cfg["contexts"]:
         lines += [f"### Passkey at {context} tokens (correct / cases)", "",
-                  "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
+                  "| method | " + " | ".join(f"{pct(f)} {unit}" for f in fr) + " | full cache |",
                   "|---|" + "---|" * (len(fr) + 1)]
         for m in methods:
             cells = summary["passkey"][m]
@@ -410,7 +464,7 @@ def to_markdown(result: dict) -> str:
     if any(m.startswith("kvpress") for m in summary["ppl"]):
         lines += ["kvpress rows: the prefix compressed at prefill, the continuation fed token by token with no "
                   "eviction (kvpress's presses do not run at decode): their cache grows by the continuation.", ""]
-    lines += ["| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " | full cache |",
+    lines += ["| method | " + " | ".join(f"{pct(f)} {unit}" for f in fr) + " | full cache |",
               "|---|" + "---|" * (len(fr) + 1)]
     for m, cells in summary["ppl"].items():
         if m == "full":
@@ -420,8 +474,9 @@ def to_markdown(result: dict) -> str:
                 f"{cells[str(f)]['ppl']:.2f}" if str(f) in cells else "" for f in fr) + " | |")
     lines.append("")
     if result.get("held"):
-        lines += ["Bytes held after the prompt / the full float32 cache's (mean over cases):", "",
-                  "| method | " + " | ".join(f"{pct(f)} kept" for f in fr) + " |", "|---|" + "---|" * len(fr)]
+        lines += ["Bytes held (measured `cache.nbytes`, unquantized keys and values counted at bfloat16) / a "
+                  "bfloat16 full cache's, mean over cases:", "",
+                  "| method | " + " | ".join(f"{pct(f)} {unit}" for f in fr) + " |", "|---|" + "---|" * len(fr)]
         for m, cells in result["held"].items():
             lines.append(f"| {m} | " + " | ".join(
                 f"{cells[str(f)]:.3f}" if str(f) in cells else "" for f in fr) + " |")
@@ -459,6 +514,8 @@ def plot(result: dict, path: Path) -> None:
 
     cfg, summary = result["config"], result["summary"]
     contexts = cfg["contexts"]
+    xlabel = ("% of a bfloat16 full cache's bytes" if cfg.get("axis", "tokens") == "bytes"
+              else "kept % of the prompt's tokens")
     has_ppl = "full" in summary["ppl"]
     panels = len(contexts) + has_ppl
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2), squeeze=False)
@@ -480,7 +537,7 @@ def plot(result: dict, path: Path) -> None:
                 ax.plot([100 * x for x in xs], [100 * cells[x] / 12 for x in xs], ":", marker="x", color="0.5",
                         alpha=0.5 + 0.12 * i, label=f"kvpress {press.replace('Press', '')} (issue 52, not this run)")
         n = full["total"]
-        ax.set(title=f"passkey at {context} tokens ({n} cases)", xlabel="kept % of the prompt (= bytes %)",
+        ax.set(title=f"passkey at {context} tokens ({n} cases)", xlabel=xlabel,
                ylabel="exact match %", xscale="log", ylim=(-3, 103))
         ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
         ax.minorticks_off()
@@ -496,7 +553,7 @@ def plot(result: dict, path: Path) -> None:
             ax.plot([100 * x for x in sorted(best)], [best[x] for x in sorted(best)], ":", marker="x", color="0.4",
                     label="kvpress ExpectedAttention (issue 52, not this run)")
         p = cfg["ppl"]
-        ax.set(title=f"perplexity ({p['prefix']} compressed + {p['continuation']})", xlabel="kept % of the prefix",
+        ax.set(title=f"perplexity ({p['prefix']} compressed + {p['continuation']})", xlabel=xlabel,
                ylabel="perplexity (lower is better)", xscale="log", yscale="log")
         ax.set_xticks([100 * f for f in cfg["fractions"]], [f"{100 * f:g}" for f in cfg["fractions"]])
         ax.minorticks_off()
@@ -507,7 +564,7 @@ def plot(result: dict, path: Path) -> None:
                 handles[label] = h
                 labels.append(label)
     fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle(f"SmolLM2-135M-Instruct, float32 cache: quality against the kept fraction "
+    fig.suptitle(f"SmolLM2-135M-Instruct: quality against the bytes held "
                  f"({cfg['cases']} cases per context x depth)", fontsize=10)
     fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -522,7 +579,14 @@ def parse(argv=None):
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths (0-1)")
     ap.add_argument("--cases", type=int, default=2, help="passkey cases per context x depth (the issue wants 20)")
-    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5], help="kept fractions")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5],
+                    help="fractions of a bfloat16 full cache's bytes (--axis bytes) or of the prompt's tokens")
+    ap.add_argument("--axis", choices=["bytes", "tokens"], default="bytes",
+                    help="bytes (default): every method holds the fraction of a bfloat16 full cache's bytes, its "
+                         "budget the tokens that fit (token_bytes()); tokens: budget = round(fraction x prompt)")
+    ap.add_argument("--kv-bits", nargs="+", default=[None], type=lambda v: None if v == "none" else int(v),
+                    help="per spec, the caches to run: 'none' (keys and values unquantized), 8, 4 "
+                         "(AttnzooCache(kv_bits=...)); e.g. --kv-bits none 8 4")
     ap.add_argument("--specs", nargs="*", default=None,
                     help="evicting specs to run (default: every registered spec with a cache evictor; none given: "
                          "the full cache only, e.g. beside kvpress)")
@@ -568,10 +632,11 @@ def main(argv=None) -> dict:
     zoo, _ = zt.smollm2(progress=False)
     folder = models.ensure(models.SMOLLM2, progress=False).folder
     names, aliases = evicting_specs(args.specs, args.exclude)
+    methods = [name if bits is None else f"{name}@{bits}" for name in names for bits in args.kv_bits]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
     docs = ppl_docs(tokenizer, args.ppl_docs, args.ppl_prefix, args.ppl_continuation, args.seed)
     per_method = len(cases) + len(docs)
-    total = per_method * (1 + len(names) * len(args.fractions))
+    total = per_method * (1 + len(methods) * len(args.fractions))
     if args.kvpress_python:
         total += per_method * len(args.kvpress_presses) * len(args.fractions)
     progress = tqdm(total=total, disable=args.no_progress, desc="quality", unit="case", file=sys.stderr)
@@ -592,36 +657,46 @@ def main(argv=None) -> dict:
         ppl.setdefault("full", []).append({"fraction": 1.0, "doc": doc["doc"], "nll": nll, "tokens": n})
         progress.update(1)
     seconds["full"] = time.perf_counter() - t0
-    report(args, argv, started, names, aliases, passkey, ppl, held, seconds, {}, done=False)
+    report(args, argv, started, methods, aliases, passkey, ppl, held, seconds, {}, done=False)
 
-    for name in names:
+    for method in methods:
+        name, bits = split_method(method)
         t0 = time.perf_counter()
         for fraction in args.fractions:
             ratios = []
+
+            def budget_for(length: int, fraction=fraction, name=name, bits=bits) -> int:
+                if args.axis == "tokens":
+                    return budget_of(fraction, length)
+                return byte_budget(fraction, length, zoo.config, name, bits)
+
             for case in cases:
-                budget = budget_of(fraction, len(case["ids"]))
+                budget = budget_for(len(case["ids"]))
                 record = getattr(zoo.config, "attnzoo", None) or {}
                 if (record.get("name"), record.get("budget")) != (name, budget):
                     zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget)
-                progress.set_postfix_str(f"{name} {pct(fraction)} {case['context']}")
-                answer, nbytes = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
-                passkey.setdefault(name, []).append(
+                cache = zt.AttnzooCache(zoo, budget=budget, **({"kv_bits": bits} if bits else {}))
+                progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
+                answer, _ = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
+                ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, len(case["ids"])))
+                passkey.setdefault(method, []).append(
                     {"fraction": fraction, "context": case["context"], "depth": case["depth"], "case": case["case"],
-                     "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
+                     "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"]),
+                     "budget": budget})
                 progress.update(1)
             for doc in docs:
-                budget = budget_of(fraction, args.ppl_prefix)
+                budget = budget_for(args.ppl_prefix)
                 zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget)
-                nll, n, nbytes = run_ppl(zoo, doc, args.ppl_prefix, cache)
-                ratios.append(nbytes / full_kv_bytes(zoo, args.ppl_prefix))
-                ppl.setdefault(name, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n})
+                cache = zt.AttnzooCache(zoo, budget=budget, **({"kv_bits": bits} if bits else {}))
+                nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
+                ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, args.ppl_prefix))
+                ppl.setdefault(method, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n,
+                                                   "budget": budget})
                 progress.update(1)
             if ratios:
-                held.setdefault(name, {})[str(fraction)] = sum(ratios) / len(ratios)
-        seconds[name] = time.perf_counter() - t0
-        report(args, argv, started, names, aliases, passkey, ppl, held, seconds, {}, done=False)
+                held.setdefault(method, {})[str(fraction)] = sum(ratios) / len(ratios)
+        seconds[method] = time.perf_counter() - t0
+        report(args, argv, started, methods, aliases, passkey, ppl, held, seconds, {}, done=False)
 
     kv: dict = {}
     if args.kvpress_python:
@@ -635,7 +710,7 @@ def main(argv=None) -> dict:
             passkey.update(live["passkey"])
             ppl.update(live["ppl"])
     progress.close()
-    return report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv, done=True)
+    return report(args, argv, started, methods, aliases, passkey, ppl, held, seconds, kv, done=True)
 
 
 def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv, done) -> dict:
@@ -664,7 +739,9 @@ def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv,
                    "passkey": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION,
                                "answer_prefix": ANSWER_PREFIX, "filler": str(CORPUS.relative_to(ROOT)),
                                "match": "first number in the answer == key"},
-                   "bytes": "every cache is float32: bytes held / full cache's bytes = tokens kept / prompt"},
+                   "axis": args.axis, "kv_bits": args.kv_bits,
+                   "bytes": BYTES_RULE if args.axis == "bytes" else
+                   "tokens: budget = round(fraction x prompt tokens); every cache is float32"},
         "aliases": aliases,
         "passkey": passkey,
         "ppl": ppl,

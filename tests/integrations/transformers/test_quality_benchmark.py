@@ -39,12 +39,12 @@ def test_evicting_specs_are_discovered_from_the_registry(quality):
 
 def test_the_benchmark_runs_at_a_tiny_size(quality, tmp_path):
     result = quality.main(["--contexts", "512", "--depths", "0.5", "--cases", "1", "--fractions", "0.5",
-                           "--specs", "streaming", "--ppl-docs", "1", "--ppl-prefix", "96", "--ppl-continuation",
+                           "--specs", "streaming", "--kv-bits", "none", "4", "--ppl-docs", "1", "--ppl-prefix", "96", "--ppl-continuation",
                            "16", "--out", str(tmp_path), "--name", "q", "--plot", str(tmp_path / "q.png"),
                            "--no-progress"])
     saved = json.loads((tmp_path / "q.json").read_text())
     assert set(saved) >= {"meta", "config", "passkey", "ppl", "summary", "kvpress"}
-    assert saved["config"]["methods"] == ["full", "streaming"]
+    assert saved["config"]["methods"] == ["full", "streaming", "streaming@4"]
     assert saved["meta"]["cpu"] and saved["meta"]["wall_s"] > 0
     full = saved["passkey"]["full"]
     assert len(full) == 1 and full[0]["correct"], full  # the full cache answers the pass key
@@ -53,7 +53,29 @@ def test_the_benchmark_runs_at_a_tiny_size(quality, tmp_path):
     assert saved["summary"]["passkey"]["full"]["1.0"]["512"] == {"correct": 1, "total": 1, "by_depth": {"0.5": [1, 1]}}
     ppl = saved["summary"]["ppl"]
     assert 1 < ppl["full"]["1.0"]["ppl"] < 1000 and 1 < ppl["streaming"]["0.5"]["ppl"] < 1000
-    assert 0.4 < saved["held"]["streaming"]["0.5"] <= 0.55  # 48 of 96 prefix tokens held, in bytes
+    # half a bfloat16 full cache's bytes: the tokens that fit beside each one's position (int64, per head)
+    assert 0.45 < saved["held"]["streaming"]["0.5"] <= 0.5, saved["held"]
+    assert saved["config"]["axis"] == "bytes"
+    # in 4 bits the same bytes hold ~3x the tokens (240 of 768 bytes a token per layer): more than these short
+    # prompts have, so the cache holds them all, in under half the bytes
+    assert 0.2 < saved["held"]["streaming@4"]["0.5"] <= 0.5, saved["held"]
+    budgets = {m: saved["passkey"][m][0]["budget"] for m in ("streaming", "streaming@4")}
+    assert budgets["streaming@4"] > 2.5 * budgets["streaming"], budgets
     assert "not measured in this run" in (tmp_path / "q.md").read_text()
     assert (tmp_path / "q.png").stat().st_size > 10_000
     assert result["summary"] == saved["summary"]
+
+
+def test_bytes_per_token_by_hand(quality):
+    """SmolLM2's 3 KV heads of 64: a bfloat16 full cache 3 x 2 x 64 x 2 = 768 bytes a token per layer; attnzoo adds
+    an int64 position and a float32 per score (snapkv: one) per head; 8 bits: 64 codes + float16 scale and zero
+    point per tensor; 4 bits: 32 bytes of codes."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_key_value_heads=3, head_dim=64)
+    assert quality.token_bytes(config, None, None) == 768
+    assert quality.token_bytes(config, "snapkv", None) == 3 * (256 + 8 + 4)
+    assert quality.token_bytes(config, "snapkv", 8) == 3 * (2 * (64 + 4) + 8 + 4)
+    assert quality.token_bytes(config, "streaming", 4) == 3 * (2 * (32 + 4) + 8)
+    # 12.5% of a 1,024-token bfloat16 cache (98,304 bytes a layer) in 444-byte tokens: 221
+    assert quality.byte_budget(0.125, 1024, config, "snapkv", 8) == 98_304 // 444
