@@ -39,7 +39,8 @@ def test_evicting_specs_are_discovered_from_the_registry(quality):
 
 def test_the_benchmark_runs_at_a_tiny_size(quality, tmp_path):
     result = quality.main(["--contexts", "512", "--depths", "0.5", "--cases", "1", "--fractions", "0.5",
-                           "--specs", "streaming", "--kv-bits", "none", "4", "--ppl-docs", "1", "--ppl-prefix", "96", "--ppl-continuation",
+                           "--specs", "streaming", "--kv-bits", "none", "4",
+                           "--ppl-docs", "1", "--ppl-prefix", "96", "--ppl-continuation",
                            "16", "--out", str(tmp_path), "--name", "q", "--plot", str(tmp_path / "q.png"),
                            "--no-progress"])
     saved = json.loads((tmp_path / "q.json").read_text())
