@@ -494,7 +494,6 @@ class BlockedBackend(Backend):
         cache.settle(carry, probs)
         return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
 
-
     def row_probabilities(self, plan, qs, ks, vs, qpos, kpos, params, mask, query_features, key_features):
         """The softmax probabilities (B, H, R, M) of some of a step's queries (an evictor's rows:
         ``attnzoo.decode.step.evictor_query_rows``), scaled rows qs (B, H, R, D) at qpos (B, R), over the cache's
