@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ..core.composition import checked_logits, checked_rows
-from ..decode.step import evictor_query_rows
 from ..transforms.base import Dims, Slot
 from .base import Backend, Mode, eager_dtype_reasons
 
@@ -158,9 +157,8 @@ class ReferenceBackend(Backend):
         if selection is not None:
             carry = cache.accumulated()
             total = carry + selection.to(carry.dtype).sum(dim=2)[:, 0]
-        rows = evictor_query_rows(cache, q.shape[2])
-        if rows is not None:  # an evictor that reads the step's last rows (``probability_rows``): those rows only
-            probs = rows.pack(rows.queries(probs))
+        # the oracle hands every row's probabilities; settle gives the evictor its real rows, of which it reads the
+        # last ``probability_rows`` (a fast backend computes only those: tests/decode/test_prefill_rows.py)
         cache.settle(total, probs)
         return out
 
