@@ -106,11 +106,23 @@ def time_case(cfg: Config, spec: str, n: int, grad: bool) -> dict[str, float]:
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str) -> int:
+    """A memory field of this process's /proc/self/status (``VmRSS``, ``VmHWM``), in KiB (Linux)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_growth_mib(setup: str, measured: str) -> float:
+    """Peak resident memory that ``measured`` (Python statements) adds in a fresh process after ``setup`` ran
+    (MiB; Linux: the peak is reset through /proc/self/clear_refs once ``setup`` made its inputs), for benchmarks
+    that report peak memory beside their times."""
+    code = (f"{setup}\nfrom attnzoo.bench import rss_kib\n"
+            f"open('/proc/self/clear_refs', 'w').write('5'); base = rss_kib('VmRSS')\n"
+            f"{measured}\nprint(rss_kib('VmHWM') - base)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(result.stdout.strip().splitlines()[-1]) / 1024
 
 
 def worker(cfg: Config, name: str, spec: str, n: int, grad: bool) -> dict[str, float]:
@@ -118,11 +130,11 @@ def worker(cfg: Config, name: str, spec: str, n: int, grad: bool) -> dict[str, f
     torch.set_num_threads(cfg.threads)
     fn = _callable(name, spec, cfg, grad)
     q, k, v = _inputs(cfg, n, grad)
-    before = _rss_kib("VmRSS")
+    before = rss_kib("VmRSS")
     start = time.perf_counter()
     fn(q, k, v)
     first = time.perf_counter() - start
-    peak = _rss_kib("VmHWM")
+    peak = rss_kib("VmHWM")
     return {"first_call_s": first, "peak_mib": max(0, peak - before) / 1024}
 
 

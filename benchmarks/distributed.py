@@ -42,14 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from attnzoo.bench import rss_kib
+
 MMAP_THRESHOLD = 128 * 1024
-
-
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _inputs(n, heads, head_dim, seed=0):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 import attnzoo
+from attnzoo.bench import peak_growth_mib
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode import cpu_model  # noqa: E402
@@ -42,26 +42,15 @@ def run(variant, tensors, packed: bool, docs: int, length: int, grad: bool) -> N
             variant(*tensors, **kwargs)
 
 
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def peak_mib(spec: str, backend: str, packed: bool, docs: int, length: int, heads: int, head_dim: int,
              grad: bool) -> float:
     """Peak resident memory above the inputs, in a fresh process (MiB; Linux: the peak is reset once the inputs
     exist, through /proc/self/clear_refs)."""
-    code = (f"import torch, attnzoo, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-            f"from packing import inputs, run, rss_kib; torch.set_num_threads(2);"
-            f"v = attnzoo.compile({spec!r}, backend={backend!r});"
-            f"t = inputs({packed}, {docs}, {length}, {heads}, {head_dim}, {grad});"
-            f"open('/proc/self/clear_refs', 'w').write('5'); base = rss_kib('VmRSS');"
-            f"run(v, t, {packed}, {docs}, {length}, {grad});"
-            f"print(rss_kib('VmHWM') - base)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(result.stdout.strip().splitlines()[-1]) / 1024
+    setup = (f"import torch, attnzoo, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+             f"from packing import inputs, run; torch.set_num_threads(2);"
+             f"v = attnzoo.compile({spec!r}, backend={backend!r});"
+             f"t = inputs({packed}, {docs}, {length}, {heads}, {head_dim}, {grad})")
+    return peak_growth_mib(setup, f"run(v, t, {packed}, {docs}, {length}, {grad})")
 
 
 def main(argv=None) -> int:

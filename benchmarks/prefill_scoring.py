@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import attnzoo
-from attnzoo.bench import cpu_model  # the model name from /proc/cpuinfo
+from attnzoo.bench import cpu_model, peak_growth_mib  # the model name from /proc/cpuinfo
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M's attention
 EVICTORS = {"snapkv": {"window": 32}, "tova": {}, "h2o": {}, "knorm": {}, "none": None}
@@ -64,27 +62,16 @@ def run(case: str, variant, q, k, v, budget: int):
         return out
 
 
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def peak_mib(case: str, length: int, budget: int, threads: int) -> float:
     """Peak resident memory above the inputs and the compiled variant, in a fresh process (MiB), after one warm-up
     call of a shorter prompt (so that one-time imports and builds are not counted)."""
     kind = case.removesuffix("-full")
-    code = (f"import torch, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
-            f"from prefill_scoring import inputs, run, rss_kib, variant_of; torch.set_num_threads({threads});"
-            f"v = variant_of({kind!r}) if {case!r} != 'sdpa' else None;"
-            f"run({case!r}, v, *inputs({2 * budget}), {budget});"
-            f"t = inputs({length});"
-            f"open('/proc/self/clear_refs', 'w').write('5'); base = rss_kib('VmRSS');"
-            f"run({case!r}, v, *t, {budget});"
-            f"print(rss_kib('VmHWM') - base)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(result.stdout.strip().splitlines()[-1]) / 1024
+    setup = (f"import torch, sys; sys.path.insert(0, {str(Path(__file__).parent)!r});"
+             f"from prefill_scoring import inputs, run, variant_of; torch.set_num_threads({threads});"
+             f"v = variant_of({kind!r}) if {case!r} != 'sdpa' else None;"
+             f"run({case!r}, v, *inputs({2 * budget}), {budget});"
+             f"t = inputs({length})")
+    return peak_growth_mib(setup, f"run({case!r}, v, *t, {budget})")
 
 
 def main(argv=None) -> int:
