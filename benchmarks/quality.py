@@ -407,6 +407,12 @@ def summarise(result: dict) -> dict:
     return {"passkey": table, "ppl": ppl}
 
 
+def measured_contexts(result: dict) -> list[int]:
+    """The contexts whose passkey cases ran (none with ``--cases 0``: a perplexity-only run)."""
+    full = result["summary"]["passkey"].get("full", {}).get("1.0", {})
+    return [c for c in result["config"]["contexts"] if str(c) in full]
+
+
 def to_markdown(result: dict) -> str:
     cfg, meta, summary = result["config"], result["meta"], result["summary"]
     fr = cfg["fractions"]
@@ -428,7 +434,7 @@ def to_markdown(result: dict) -> str:
     ]
     methods = list(summary["passkey"])
     unit = "of the bytes" if cfg.get("axis", "tokens") == "bytes" else "kept"
-    for context in cfg["contexts"]:
+    for context in measured_contexts(result):
         lines += [f"### Passkey at {context} tokens (correct / cases)", "",
                   "| method | " + " | ".join(f"{pct(f)} {unit}" for f in fr) + " | full cache |",
                   "|---|" + "---|" * (len(fr) + 1)]
@@ -513,7 +519,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfg, summary = result["config"], result["summary"]
-    contexts = cfg["contexts"]
+    contexts = measured_contexts(result)
     xlabel = ("% of a bfloat16 full cache's bytes" if cfg.get("axis", "tokens") == "bytes"
               else "kept % of the prompt's tokens")
     has_ppl = "full" in summary["ppl"]
