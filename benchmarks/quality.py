@@ -614,9 +614,52 @@ def parse(argv=None):
     ap.add_argument("--kvpress-side", action="append", default=[],
                     help="a side folder holding kvpress, put last on its sys.path (repeatable)")
     ap.add_argument("--kvpress-presses", nargs="+", default=KVPRESS_PRESSES)
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="run nothing: join these results of runs on the same cases into one (--out/--name/--plot)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--kvpress-worker", default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def merge(paths: list[str]) -> dict:
+    """One result from several runs on the same cases (e.g. attnzoo's specs, kvpress's presses and a perplexity-only
+    run, each its own process): the first run's configuration; every other run must have asked the same passkey
+    cases (the full cache's keys per context, depth and case) and scored the same text, else one line names it.
+    Methods join the tables in the order of the files; a method in two files is refused."""
+    runs = [(p, json.loads(Path(p).read_text())) for p in paths]
+    first_path, result = runs[0]
+    result = json.loads(json.dumps(result))  # a copy
+    key = lambda r: {(x["context"], x["depth"], x["case"]): x["key"] for x in r["passkey"].get("full", [])}  # noqa: E731
+    same_ppl = lambda r: (r["config"]["ppl"], r["config"]["seed"])  # noqa: E731
+    for path, other in runs[1:]:
+        theirs, ours = key(other), key(result)
+        if any(ours.get(c, k) != k for c, k in theirs.items()) or same_ppl(other) != same_ppl(result):
+            raise SystemExit(f"--merge: {path} ran other passkey cases or another text than {first_path}")
+        for c in theirs:  # a perplexity-only first run takes its cases from the others
+            if c not in ours:
+                result["passkey"].setdefault("full", []).extend(
+                    x for x in other["passkey"]["full"] if (x["context"], x["depth"], x["case"]) == c)
+        for part in ("passkey", "ppl"):
+            for method, rows in other[part].items():
+                if method == "full":
+                    continue
+                if method in result[part]:
+                    raise SystemExit(f"--merge: method {method!r} is in {path} and in an earlier file")
+                result[part][method] = rows
+        result["held"].update(other.get("held", {}))
+        result["meta"]["method_seconds"].update(
+            {m: t for m, t in other["meta"]["method_seconds"].items() if m != "full"})
+        if other["kvpress"].get("live"):
+            result["kvpress"] = other["kvpress"]
+        result["meta"]["complete"] = result["meta"].get("complete", True) and other["meta"].get("complete", True)
+    result["config"]["contexts"] = sorted({x["context"] for x in result["passkey"].get("full", [])}) or \
+        result["config"]["contexts"]
+    result["config"]["methods"] = ["full", *[m for m in result["passkey"] if m != "full"],
+                                   *[m for m in result["ppl"] if m not in result["passkey"]]]
+    result["meta"]["merged_from"] = [str(p) for p in paths]
+    result["meta"]["command"] = "; ".join(r["meta"]["command"] for _, r in runs)
+    result["summary"] = summarise(result)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -624,6 +667,16 @@ def main(argv=None) -> dict:
     if args.kvpress_worker:
         kvpress_worker(args.kvpress_worker)
         return {}
+    if args.merge:
+        result = merge(args.merge)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+        (out / f"{args.name}.md").write_text(to_markdown(result) + "\n")
+        if args.plot:
+            plot(result, Path(args.plot))
+        print(to_markdown(result))
+        return result
     import torch
     from tqdm import tqdm
 
