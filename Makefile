@@ -89,15 +89,20 @@ bench-probability: $(STAMP)
 	$(BIN)/attnzoo bench vanilla sigmoid softpick stick-breaking diff --lengths 4096 --memory-lengths 4096 \
 		--out benchmarks/results/probability
 
-# issue 52: quality per kept fraction on the real model (SmolLM2-135M-Instruct, float32, CPU): passkey at 1k tokens
-# (depths 10/50/90%, 2 cases per cell) and perplexity (768 compressed + 128 token by token), the full cache and every
-# evicting spec but selective-ssa (a spec to train) at 12.5/25/50% kept (benchmarks/results/quality.{json,md},
-# docs/images/quality.png; docs/quality.md). One thread: on this shared 2-core host, two threads against other jobs
-# took ~45 s per 1k case, one 5-15 s. kvpress live in the same run: KVPRESS_ARGS='--kvpress-python PY --kvpress-path
-# DIR --kvpress-side DIR' (docs/quality.md)
+# issue 52: quality per byte on the real model (SmolLM2-135M-Instruct, CPU): passkey at 1k and 2k tokens (depths
+# 10/50/90%, 7 cases each: 21 a cell) and perplexity (768 compressed + 256 token by token) at 12.5 and 25% of a
+# bfloat16 full cache's bytes: snapkv at full precision, 8 and 4 bits; h2o, tova, streaming (perplexity only); then
+# one merged table and plot (benchmarks/results/quality.{json,md}, docs/images/quality.png; docs/quality.md). One
+# thread a run. kvpress live: KVPRESS_ARGS='--kvpress-python PY --kvpress-path DIR --kvpress-side DIR' runs its
+# presses on the same cases (else the committed benchmarks/results/quality-kvpress.json is merged).
+QUALITY := OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --fractions 0.125 0.25 --ppl-docs 1 --threads 1
 bench-quality: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --contexts 1024 --cases 2 --threads 1 \
-		--exclude selective-ssa --ppl-docs 1 --ppl-continuation 128 $(KVPRESS_ARGS)
+	$(QUALITY) --contexts 1024 2048 --cases 7 --specs snapkv --kv-bits 4 8 none --name quality-snapkv --plot ''
+	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming --kv-bits 8 4 none --name quality-ppl --plot ''
+	$(if $(KVPRESS_ARGS),$(QUALITY) --contexts 1024 2048 --cases 7 --specs --kvpress-presses KeyDiffPress \
+		SnapKVPress --name quality-kvpress --plot '' $(KVPRESS_ARGS))
+	$(BIN)/python benchmarks/quality.py --merge benchmarks/results/quality-snapkv.json \
+		benchmarks/results/quality-ppl.json benchmarks/results/quality-kvpress.json --name quality
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

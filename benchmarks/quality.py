@@ -527,7 +527,11 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.2), squeeze=False)
     axes = list(axes[0])
     methods = [m for m in summary["passkey"] if m != "full"]
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    scored = [m for m in summary["ppl"] if m != "full"]  # a perplexity-only run's methods too
+    everyone = methods + [m for m in scored if m not in methods]
+    palette = [f"C{i}" for i in range(10)] if len(everyone) <= 10 else \
+        [plt.cm.tab20(j) for j in (*range(0, 20, 2), *range(1, 20, 2))]  # 20 distinct: dark ones first
+    colors = {m: palette[i % len(palette)] for i, m in enumerate(everyone)}
     style = lambda m: "s--" if m.startswith("kvpress") else "o-"  # noqa: E731
     for ax, context in zip(axes, contexts, strict=False):
         full = summary["passkey"]["full"]["1.0"][str(context)]
@@ -550,7 +554,7 @@ def plot(result: dict, path: Path) -> None:
     ax = axes[-1] if has_ppl else None
     if has_ppl:
         ax.axhline(summary["ppl"]["full"]["1.0"]["ppl"], color="black", ls="--", lw=1, label="full cache")
-        for m in methods:
+        for m in scored:
             cells = summary["ppl"].get(m, {})
             xs = [f for f in cfg["fractions"] if str(f) in cells]
             ax.plot([100 * x for x in xs], [cells[str(x)]["ppl"] for x in xs], style(m), color=colors[m], label=m)
