@@ -37,6 +37,7 @@ from .base import (
     PARAM_MARK,
     CheckpointSpecMismatchError,
     FamilyWarning,
+    FunctionWarning,
     IntegrationError,
     ProbeError,
     is_core_key,
@@ -59,7 +60,8 @@ from .sharding import is_sharded, sequence_shard, shard_sequence, unshard_sequen
 
 __all__ = [
     "ATTN_IMPLEMENTATION", "AttnzooCache", "AttnzooLayer", "CHECKPOINT_GUARD", "CONFIG_KEY", "CONFLICTS", "CORE_MARK",
-    "CORE_NAME", "CheckpointSpecMismatchError", "FamilyWarning", "IntegrationError", "LayerCall", "METADATA_HASH",
+    "CORE_NAME", "CheckpointSpecMismatchError", "FamilyWarning", "FunctionWarning", "IntegrationError", "LayerCall",
+    "METADATA_HASH",
     "METADATA_NAME", "METADATA_SPEC", "ModelError", "NativeLayer", "PARAM_MARK", "ProbeError", "apply",
     "attention_forward", "attention_mask", "check_record", "compose", "from_pretrained", "is_applied", "is_core_key",
     "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe", "stamp_safetensors",

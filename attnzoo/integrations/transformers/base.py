@@ -50,6 +50,14 @@ class FamilyWarning(UserWarning):
     the module and the reason (docs/transformers.md, "Family notes")."""
 
 
+class FunctionWarning(UserWarning):
+    """A spec whose transforms change what a pretrained model's attention computes before any token is evicted
+    (selective attention's mask, temperatures away from 1): measured at :func:`apply` on a random probe of the first
+    layer against the layer's own attention. One line with the measured change; such a spec needs training (a
+    fine-tune) before it serves a pretrained checkpoint; evictor-only specs keep the model's function
+    (docs/transformers.md, "Which specs keep a pretrained model's function")."""
+
+
 class CheckpointSpecMismatchError(IntegrationError):
     """A checkpoint was saved with another spec than the model's (the message names the file and both hashes)."""
 

@@ -15,6 +15,7 @@ from .base import (
     PREFER,
     UNSET,
     FamilyWarning,
+    FunctionWarning,
     IntegrationError,
     ProbeError,
     applied_modules,
@@ -208,6 +209,7 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
         core.hf_notices = notices
         validate_budget(core, layer_budget, module)
         built.append((module, core))
+    changed = function_change(built[0][1], pairs[0][1], model_type, prefer, config) if built else None
     for module, core in built:  # only once every layer is built: a refusal leaves the model as it was
         setattr(module, CORE_NAME, core)
         if not getattr(module, "_attnzoo_hooked", False):
@@ -236,7 +238,48 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
     mismatch = cache_window_mismatch(model, [call for _, call in pairs], model_type)
     if mismatch is not None:
         warnings.warn(mismatch, FamilyWarning, stacklevel=2)
+    if changed is not None and changed > FUNCTION_TOLERANCE:
+        kinds = ", ".join(sorted({t.kind for t in loaded.transforms})) or "its attention section"
+        warnings.warn(f"spec '{loaded.name}' changes what this model's attention computes before anything is evicted "
+                      f"(layer 0 on a random probe: the output moved by {changed:.2g} of its size): its transforms "
+                      f"({kinds}) start away from the pretrained function and need training (a fine-tune) before "
+                      f"the model answers as it did; to serve a pretrained checkpoint as it is, use an evictor-only "
+                      f"spec (h2o, tova, snapkv, streaming, knorm, keydiff; docs/transformers.md)", FunctionWarning,
+                      stacklevel=2)
     return model
+
+
+#: the relative change of a layer's attention output, on the probe, above which :func:`apply` warns: far above
+#: float32 rounding between two backends (1e-6), far below what a transform that changes the function moves
+FUNCTION_TOLERANCE = 1e-3
+
+
+def function_change(core: Attention, call, model_type: str, prefer: str, config) -> float | None:
+    """How far ``core`` (a layer's attention with the user's transforms, as applied) moves the layer's own
+    attention's output, max |a - b| / max |b|, on a seeded random probe (one row of 48 tokens, float32), the native
+    parameters bound alike; None where it cannot run (the meta device, a probe that fails)."""
+    try:
+        native, bound = compose(NativeLayer(call, model_type), load_spec({"name": "native", "attention":
+                                                                           {"causal": True}}), prefer)
+        params = core.params()
+        device = next((t.device for t in params.values()), None)
+        if device is not None and device.type == "meta":
+            return None
+        plain = Attention(native, call.num_heads, call.head_dim, call.num_kv_heads, backend="reference",
+                          dtype=torch.float32, device=device, input_dim=_hidden_size(config))
+        gen = torch.Generator().manual_seed(0)
+        h, hkv, d, n = call.num_heads, call.num_kv_heads, call.head_dim, 48
+        q, k, v = (torch.randn(1, heads, n, d, generator=gen).to(device) for heads in (h, hkv, hkv))
+        x = torch.randn(1, n, _hidden_size(config) or 1, generator=gen).to(device)
+        own = {key: t.detach().float() for key, t in params.items()}
+        with torch.no_grad():
+            a = core.variant(q, k, v, params=own, inputs=core.token_inputs(x, n) if len(core.token_projections)
+                             else None)
+            b = plain.variant(q, k, v, params={key: own[key] for key in plain.params() if key in own})
+        scale = float(b.abs().amax())
+        return float((a.float() - b).abs().amax()) / scale if scale > 0 else None
+    except Exception:  # noqa: BLE001 - a measurement, never a reason to refuse the apply
+        return None
 
 
 def cache_window_mismatch(model, calls, model_type: str) -> str | None:
