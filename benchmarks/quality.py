@@ -672,15 +672,7 @@ def main(argv=None) -> dict:
         kvpress_worker(args.kvpress_worker)
         return {}
     if args.merge:
-        result = merge(args.merge)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-        (out / f"{args.name}.md").write_text(to_markdown(result) + "\n")
-        if args.plot:
-            plot(result, Path(args.plot))
-        print(to_markdown(result))
-        return result
+        return write(args, merge(args.merge), done=True)
     import torch
     from tqdm import tqdm
 
@@ -812,6 +804,12 @@ def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv,
         "kvpress": kv or {"why": "no --kvpress-python given", "recorded": KVPRESS_RECORDED["source"]},
     }
     result["summary"] = summarise(result)
+    return write(args, result, done)
+
+
+def write(args, result: dict, done: bool) -> dict:
+    """The JSON, the markdown and the plot of ``result`` (``--out``, ``--name``, ``--plot``); the tables on stdout
+    when the run is ``done``."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
