@@ -244,9 +244,9 @@ def pack(cache, bits: int) -> None:
 
 def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[QuantizedRows]:
     """The codes of ``rows`` (keys, values (B, H_kv, M, D)) at ``positions`` (B, H_kv, M): a token held before the
-    step keeps its earlier codes, found by position and kept only where they dequantize to the row held, as
-    :func:`unpack` gave it (rows never change once held: it is that token; a rewind, which gives positions out
-    again, or rows set are caught so); a token of the step (at or past the row's next position then, not found
+    step keeps its earlier codes, found by position (rows never change once held: it is that token; rows set drop
+    the earlier codes, and a rewind, which gives positions out again, moves ``earlier.next`` back to its mark:
+    :func:`forget_from`); a token of the step (at or past the row's next position then, not found
     among the earlier positions, or another row) is quantized now. Padding shares its position with the next real
     token (and is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
     old = earlier.packed
@@ -258,8 +258,6 @@ def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int) -> list[
         at = torch.where(valid, at, torch.searchsorted(before, positions).clamp_(0, last))
     fresh = (positions >= earlier.next) | (before.gather(-1, at) != positions)
     kept = [q.gather_tokens(order.gather(-1, at)) for q in (old.keys, old.values)]
-    for q, r in zip(kept, rows, strict=True):  # and the row is the one those codes gave (a rewind reuses positions)
-        fresh |= ~((dequantize(q, r.dtype) - r).abs().amax(-1) == 0)  # NaN: not the same (amax of bools is slow)
     if bool(fresh.any()):  # the step's tokens, keys and values in one call
         n = int(fresh.sum())
         new = quantize(torch.cat([rows[0][fresh], rows[1][fresh]]).view(1, 2, n, -1), bits)
@@ -295,6 +293,17 @@ def unpack(cache) -> None:
     held["_k"], held["_v"] = bufs
     cache._packed = None
     cache._quant_earlier = _Earlier(packed, cache._pos[:, :, :m].clone(), cache.next_position.view(b, 1, 1))
+
+
+def forget_from(cache, next_position) -> None:
+    """Positions from ``next_position`` on (an int, or (B,) per row) will be given out again (a rewind): the codes
+    kept for the next :func:`pack` count only for the tokens before it, so a later token at a reused position is
+    quantized anew."""
+    earlier = cache.__dict__.get("_quant_earlier")
+    if earlier is None:
+        return
+    again = torch.as_tensor(next_position, device=earlier.next.device).view(-1, 1, 1)
+    cache._quant_earlier = earlier._replace(next=torch.minimum(earlier.next, again))
 
 
 def dequantized(cache) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import quant
 from .state import StepState
 
 
@@ -106,6 +107,7 @@ def rewind(cache, at: Mark) -> None:
     if problem:
         raise ValueError(f"cannot rewind the cache: {problem}")
     _ = cache._k  # keys and values held in 8 or 4 bits between steps are unpacked (attnzoo.decode.quant)
+    quant.forget_from(cache, at.next_position)  # the positions after the mark are given out again
     _ = cache.state  # settles the slots' order
     valid = cache.valid  # caught up with the plain lean step's appends
     m = at.held
