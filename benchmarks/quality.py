@@ -295,10 +295,28 @@ def budget_of(fraction: float, length: int) -> int:
 
 
 def split_method(method: str) -> tuple[str, int | None]:
-    """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8): a spec, and the bits its cache holds keys and
-    values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
+    """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8); 'snapkv@4u' -> ('snapkv', 4): a spec, and the
+    bits its cache holds keys and values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
     name, _, bits = method.partition("@")
-    return name, (int(bits) if bits else None)
+    return name, (int(bits.rstrip("u")) if bits else None)
+
+
+def cache_options(method: str) -> dict:
+    """``AttnzooCache`` options of a method: ``spec@8`` / ``spec@4`` quantized in Hadamard-rotated coordinates (the
+    cache's default), ``spec@8u`` / ``spec@4u`` unrotated (``kv_rotate=False``)."""
+    _, bits = split_method(method)
+    if bits is None:
+        return {}
+    return {"kv_bits": bits, **({"kv_rotate": False} if method.endswith("u") else {})}
+
+
+def kv_bits_choice(value: str):
+    """--kv-bits values: none, 8, 4, 8u, 4u."""
+    if value == "none":
+        return None
+    if value not in ("8", "4", "8u", "4u"):
+        raise argparse.ArgumentTypeError(f"--kv-bits takes none, 8, 4, 8u or 4u, got {value!r}")
+    return value
 
 
 def token_bytes(config, spec_name: str | None, kv_bits: int | None) -> int:
@@ -429,7 +447,8 @@ def to_markdown(result: dict) -> str:
         f"{', '.join(pct(d) for d in cfg['depths'])}, so {cfg['cases'] * len(cfg['depths'])} per context; the "
         f"question last, inside the prompt that is compressed at prefill; greedy, {cfg['max_new_tokens']} new tokens "
         f"at most; exact match of the number. Columns: {cfg.get('bytes', '')} Budgets per layer and KV head; "
-        f"`spec@8` / `spec@4`: keys and values held in 8 / 4 bits.",
+        f"`spec@8` / `spec@4`: keys and values held in 8 / 4 bits, quantized in Hadamard-rotated coordinates (the "
+        f"cache's default); `spec@8u` / `spec@4u`: unrotated (`kv_rotate=False`).",
         "",
     ]
     methods = list(summary["passkey"])
@@ -594,9 +613,10 @@ def parse(argv=None):
     ap.add_argument("--axis", choices=["bytes", "tokens"], default="bytes",
                     help="bytes (default): every method holds the fraction of a bfloat16 full cache's bytes, its "
                          "budget the tokens that fit (token_bytes()); tokens: budget = round(fraction x prompt)")
-    ap.add_argument("--kv-bits", nargs="+", default=[None], type=lambda v: None if v == "none" else int(v),
+    ap.add_argument("--kv-bits", nargs="+", default=[None], type=kv_bits_choice,
                     help="per spec, the caches to run: 'none' (keys and values unquantized), 8, 4 "
-                         "(AttnzooCache(kv_bits=...)); e.g. --kv-bits none 8 4")
+                         "(AttnzooCache(kv_bits=...), Hadamard-rotated), 8u, 4u (unrotated, kv_rotate=False); "
+                         "e.g. --kv-bits none 8 4")
     ap.add_argument("--specs", nargs="*", default=None,
                     help="evicting specs to run (default: every registered spec with a cache evictor; none given: "
                          "the full cache only, e.g. beside kvpress)")
@@ -730,7 +750,7 @@ def main(argv=None) -> dict:
                 record = getattr(zoo.config, "attnzoo", None) or {}
                 if (record.get("name"), record.get("budget")) != (name, budget):
                     zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget, **({"kv_bits": bits} if bits else {}))
+                cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
                 answer, _ = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, len(case["ids"])))
@@ -742,7 +762,7 @@ def main(argv=None) -> dict:
             for doc in docs:
                 budget = budget_for(args.ppl_prefix)
                 zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget, **({"kv_bits": bits} if bits else {}))
+                cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, args.ppl_prefix))
                 ppl.setdefault(method, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n,

@@ -16,7 +16,10 @@ EVICTORS = ["h2o", "tova", "snapkv", "streaming", "knorm", "keydiff", "selective
 
 
 def within_half_scale(x: torch.Tensor, q: quant.QuantizedRows) -> None:
-    """Every element of ``x`` within half its token's scale of its dequantized value (and float32's rounding)."""
+    """Every element of ``x`` within half its token's scale of its dequantized value (and float32's rounding); for
+    rotated codes, in the rotated coordinates (``rotate(x)`` against the codes before they are rotated back)."""
+    if q.rotated:
+        x, q = quant.rotate(x.double()), q._replace(rotated=False)
     back = quant.dequantize(q, torch.float64)
     half = q.scale.double().unsqueeze(-1) / 2
     slack = 1e-6 * (x.double().abs() + q.zero.double().abs().unsqueeze(-1)) + 1e-12
@@ -121,6 +124,79 @@ def test_a_non_finite_token_is_nan_and_only_that_token(bad):
             q.codes[others].view(1, 1, 7, -1), q.scale[others].view(1, 1, 7), q.zero[others].view(1, 1, 7), bits, 6))
 
 
+# -- rotated (Hadamard) codes -----------------------------------------------------------------------------------------
+def test_the_hadamard_rotation_by_hand():
+    r = 2 ** -0.5
+    assert quant.hadamard(2).view(-1).tolist() == pytest.approx([r, r, r, -r])
+    h4 = quant.hadamard(4, torch.float64)
+    assert (h4 * 2).tolist() == [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]
+    assert [quant.rotation_block(d) for d in (64, 80, 96, 6, 5, 1, 0)] == [64, 16, 32, 2, 1, 1, 1]
+    # D = 6: three blocks of 2; [3, 1] -> [4, 2] / sqrt 2
+    x = torch.tensor([3.0, 1.0, 0.0, 2.0, -1.0, -1.0], dtype=torch.float64)
+    assert quant.rotate(x).tolist() == pytest.approx([4 * r, 2 * r, 2 * r, -2 * r, -2 * r, 0.0])
+    odd = torch.randn(2, 5)
+    assert quant.rotate(odd) is odd  # no power-of-two block: no rotation
+    with pytest.raises(ValueError, match="power of two, got 6"):
+        quant.hadamard(6)
+
+
+@pytest.mark.parametrize("d", [64, 80, 6])
+def test_rotation_is_orthonormal_and_its_own_inverse(d):
+    g = torch.Generator().manual_seed(d)
+    x = torch.randn(3, 2, 7, d, generator=g, dtype=torch.float64)
+    y = quant.rotate(x)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(quant.rotate(y), x, rtol=1e-12, atol=1e-12)
+    q = torch.randn(d, dtype=torch.float64, generator=g)  # dot products (attention logits) are kept
+    torch.testing.assert_close(y @ quant.rotate(q), x @ q, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_rotated_codes_round_trip_within_half_a_scale_in_rotated_coordinates(bits):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, 3, 9, 64, generator=g)
+    q = quant.quantize(x, bits, rotate=True)
+    assert q.rotated and q.codes.shape == quant.quantize(x, bits).codes.shape  # the same bytes held
+    within_half_scale(x, q)
+    # in the head's own coordinates: each token's error has the same Euclidean norm, <= sqrt(D) * scale / 2
+    err = (quant.dequantize(q, torch.float64) - x.double()).norm(dim=-1)
+    assert bool((err <= 8 * q.scale.double() / 2 * (1 + 1e-5) + 1e-6).all())
+    assert quant.quantize(torch.randn(1, 1, 2, 5), 8, rotate=True).rotated is False  # odd D: nothing to rotate
+
+
+def test_rotation_shrinks_the_error_of_keys_with_outlier_channels():
+    # pretrained keys have a few channels far larger than the rest: unrotated, they set every token's scale
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, 256, 64, generator=g)
+    x[..., [3, 40]] *= 30.0
+    for bits in (8, 4):
+        plain = (quant.dequantize(quant.quantize(x, bits)) - x).pow(2).mean()
+        rotated = (quant.dequantize(quant.quantize(x, bits, rotate=True)) - x).pow(2).mean()
+        assert float(rotated) < 0.25 * float(plain), (bits, float(rotated), float(plain))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_token_rotated_is_nan_and_only_that_token(bad):
+    x = torch.randn(1, 1, 5, 8)
+    x[0, 0, 2, 1] = bad
+    back = quant.dequantize(quant.quantize(x, 4, rotate=True))
+    assert bool(back[0, 0, 2].isnan().all())
+    others = [0, 1, 3, 4]
+    assert bool(back[0, 0, others].isfinite().all())
+    torch.testing.assert_close(back[0, 0, others], x[0, 0, others], rtol=0, atol=0.5)
+
+
+def test_a_cache_packs_rotated_unless_told_otherwise():
+    torch.manual_seed(2)
+    out, cache = decode_run("h2o", 4)
+    assert cache._packed.rotated and cache._packed.values.rotated
+    cache.pack(4, rotate=False)  # another layout: unpacked and packed again, unrotated
+    assert not cache._packed.rotated and cache.packed_bits == 4
+    plain, _ = decode_run("h2o", 4, rotate=False)
+    full, _ = decode_run("h2o", None)
+    assert float((out - full).abs().max()) < 0.5 and float((plain - full).abs().max()) < 0.5
+
+
 def test_quantized_nbytes():
     assert quant.quantized_nbytes(2, 3, 5, 64, 8) == 2 * 3 * 5 * (64 + 4)
     assert quant.quantized_nbytes(2, 3, 5, 64, 4) == 2 * 3 * 5 * (32 + 4)
@@ -129,7 +205,8 @@ def test_quantized_nbytes():
 
 
 # -- a KVCache packed between steps ------------------------------------------------------------------------------------
-def decode_run(spec, bits, *, steps=8, batch=2, budget=10, dtype=torch.float32, seed=0, forget=False, check=None):
+def decode_run(spec, bits, *, steps=8, batch=2, budget=10, dtype=torch.float32, seed=0, forget=False, check=None,
+               rotate=True):
     """Prefill 16 tokens and decode ``steps`` more, packing after each step when ``bits``; the outputs."""
     torch.manual_seed(seed)
     layer = attnzoo.nn.Attention(spec, num_heads=4, head_dim=16, num_kv_heads=2)
@@ -142,14 +219,14 @@ def decode_run(spec, bits, *, steps=8, batch=2, budget=10, dtype=torch.float32, 
     outs = [layer.prefill(rand(batch, 4, 16, 16), rand(batch, 2, 16, 16), rand(batch, 2, 16, 16), cache)[:, :, -1:]]
     for _ in range(steps):
         if bits:
-            cache.pack(bits)
+            cache.pack(bits, rotate)
             if check is not None:
                 check(cache)
         if forget:
             cache.step_state.forget()
         outs.append(layer.decode(rand(batch, 4, 1, 16), rand(batch, 2, 1, 16), rand(batch, 2, 1, 16), cache))
     if bits:
-        cache.pack(bits)
+        cache.pack(bits, rotate)
     return torch.cat(outs, dim=2), cache
 
 
@@ -342,5 +419,6 @@ def test_tokens_after_a_rewind_are_quantized_anew():
         cache.pack(8)
     assert cache.positions[0, 0].tolist() == list(range(1, 10))
     q = cache._packed.keys
-    tail = quant.QuantizedRows(q.codes[:, :, 6:], q.scale[:, :, 6:], q.zero[:, :, 6:], 8, 16)
+    assert q.rotated  # what a cache packs unless told otherwise
+    tail = quant.QuantizedRows(q.codes[:, :, 6:], q.scale[:, :, 6:], q.zero[:, :, 6:], 8, 16, True)
     within_half_scale(torch.cat(ks, dim=2), tail)

@@ -66,13 +66,16 @@ class AttnzooLayer(CacheLayerMixin):
     #: tokens of the last step (update): a step after a prefill keeps the state the prefill left
     _last_step = 0
 
-    def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None) -> None:
+    def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None,
+                 kv_rotate: bool = True) -> None:
         super().__init__()
         self.index = index
         self.core = core
         self.budget = budget
         #: 8 or 4: the layer's keys and values are held in that many bits between steps (KVCache.pack); None: full
         self.kv_bits = kv_bits
+        #: quantized in Hadamard-rotated coordinates (KVCache.pack's ``rotate``)
+        self.kv_rotate = kv_rotate
         self.kv = None
         self.seen = 0
         self._pending: torch.Tensor | None = None
@@ -228,7 +231,7 @@ class AttnzooLayer(CacheLayerMixin):
         else:
             out = core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
         if self.kv_bits is not None:
-            self.kv.pack(self.kv_bits)
+            self.kv.pack(self.kv_bits, self.kv_rotate)
         return out
 
     def memory(self) -> dict:
@@ -289,9 +292,13 @@ class AttnzooCache(Cache):
     :meth:`memory` reports tokens and bytes per layer.
     ``kv_bits`` (8 or 4; None: full precision) holds every layer's keys and values in that many bits between steps
     (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
-    attends its new tokens in full precision, and packs them with the rest after it."""
+    attends its new tokens in full precision, and packs them with the rest after it; ``kv_rotate`` (default True)
+    quantizes each token in Hadamard-rotated coordinates (outlier channels no longer set its scale; False: the
+    head's own coordinates)."""
 
-    def __init__(self, model, budget=UNSET, kv_bits: int | None = None) -> None:
+    def __init__(self, model, budget=UNSET, kv_bits: int | None = None, kv_rotate: bool = True) -> None:
+        if not isinstance(kv_rotate, bool):
+            raise IntegrationError(f"AttnzooCache: kv_rotate must be True or False, got {kv_rotate!r}")
         if kv_bits is not None:
             try:
                 check_bits(kv_bits, "kv_bits")
@@ -309,9 +316,10 @@ class AttnzooCache(Cache):
             if kv_bits == 4 and core.head_dim % 2:
                 raise IntegrationError(f"{where(module)}: kv_bits=4 packs two codes a byte: the head size must be "
                                        f"even, got {core.head_dim}")
-            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits))
+            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate))
         super().__init__(layers=layers)
         self.kv_bits = kv_bits
+        self.kv_rotate = kv_rotate
 
     def _layer_for(self, module) -> AttnzooLayer:
         index = module.layer_idx

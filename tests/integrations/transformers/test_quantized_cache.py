@@ -41,6 +41,24 @@ def test_kv_bits_other_than_8_4_or_none_is_refused_in_one_line(bad):
     assert zt.AttnzooCache(model, kv_bits=None).kv_bits is None
 
 
+def test_kv_rotate_is_on_by_default_and_can_be_turned_off():
+    model = tiny("h2o", budget=None)
+    ids = prompt(16)
+    with torch.no_grad():
+        full = step_logits(model, ids, 6, zt.AttnzooCache(model))
+        rotated = zt.AttnzooCache(model, kv_bits=4)
+        plain = zt.AttnzooCache(model, kv_bits=4, kv_rotate=False)
+        a, b = step_logits(model, ids, 6, rotated), step_logits(model, ids, 6, plain)
+    assert rotated.kv_rotate and all(layer.kv._packed.rotated for layer in rotated.layers)
+    assert not any(layer.kv._packed.rotated for layer in plain.layers)
+    spread = float(full.std())
+    assert float((a - full).abs().max()) < 0.3 * spread and float((b - full).abs().max()) < 0.3 * spread
+    assert rotated.copy().layers[0].kv._packed.rotated
+    with pytest.raises(IntegrationError, match="kv_rotate must be True or False") as info:
+        zt.AttnzooCache(model, kv_bits=4, kv_rotate="yes")
+    assert "\n" not in str(info.value)
+
+
 def step_logits(model, ids, steps, cache):
     """Logits of the prompt's last token and of ``steps`` greedy tokens after it, one forward a step."""
     out = model(ids, cache=cache, use_cache=True)
