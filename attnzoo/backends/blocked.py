@@ -45,7 +45,7 @@ from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f,
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..decode.step import evictor_query_rows
-from ..transforms.base import Context, Dims, Slot
+from ..transforms.base import Context, Dims, Slot, declared_pointwise
 from ..transforms.probability import Sigmoid
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import PREFILL_BLOCK, SelectiveCausal, selective_prefill
@@ -66,10 +66,8 @@ _SIGMOID_BLOCK = 128
 
 def fusable_pointwise(acc):
     """The accumulator's pointwise selection when the fused CPU kernel can take it (one selector head, no
-    parameters), else None."""
-    if acc is None or len(acc.heads()) != 1 or acc.parameters():
-        return None
-    return acc.pointwise()
+    parameters, a declaration that describes its class's selection: ``declared_pointwise``), else None."""
+    return declared_pointwise(acc)
 
 
 def sdpa(q, k, v, **kwargs):

@@ -3,8 +3,10 @@
 
 - ``plain``: no evictor, and no transforms or only sliding windows and chunks (:data:`SPAN_MASKS`): append the
   row, attend over every held token (:func:`attend_held`), drop what no later query sees.
-- ``selective``: ``selective_mask`` with the ``selective`` evictor at its budget: the victim by the evictor's rule
-  leaves, the new token takes its slot, attention, F updated in place.
+- ``selective``: an accumulator (alone in the spec) with the ``selective`` evictor at its budget: the victim by the
+  evictor's rule leaves, the new token takes its slot, attention, F updated in place. Chosen by what the accumulator
+  declares, whatever its class: a pointwise selection is written out (in C for a named rule), any other takes the
+  backend's one-query attention.
 - ``sink_window``: no transforms, sink + window at its budget: the same with the evictor's rule.
 - ``h2o``, ``tova``: no transforms, at their budget, evicting after attention: the new token into the spare slot,
   attention over budget + 1 tokens, the evictor's ``update`` and ``victim``, the spare token into the victim's slot.
@@ -23,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from ..core.numerics import ACCUMULATED_STATE, accumulator_dtype
-from ..transforms.base import Slot
-from . import fused
+from ..transforms.base import Slot, declared_pointwise
+from . import fused, layout
 from .state import FastStep
 from .step import drop_expired
 
@@ -56,6 +58,13 @@ def ready_scoring(cache) -> bool:
     return (cache.rows_only() and cache._m == cache.budget and cache.horizon is None
             and cache._k.shape[2] > cache._m and set(cache._state) == set(cache.evictor.state_names)
             and cache.dense_scores(1))
+
+
+def ready_selective_any(cache) -> bool:
+    """:func:`ready_selective`, and no held F below 0: the step picks the victim among the held tokens before the
+    new one (F = 0) joins them, which is the full path's victim only while some eligible F is >= 0 (an accumulator
+    whose S is >= 0, as the contract asks, always; one that breaks it takes the full path)."""
+    return ready_selective(cache) and not bool((cache._state[ACCUMULATED_STATE] < 0).any())
 
 
 def ready_replacing(cache) -> bool:
@@ -90,19 +99,9 @@ def offer(plan, cache, params, decode_one) -> FastStep | None:
     rule = kernel_rule(evictor, cache.budget)
     if rule is None:
         return None
-    if kinds == ["selective_mask"] and rule.kernel == "selective":
-        from ..transforms.selective import SelectiveMask
-
-        acc = plan.one(Slot.ACCUMULATOR)
-        geometry = cache.step_state.geometry
-        if type(acc) is SelectiveMask and dtype in _WRITTEN_OUT and geometry is not None:
-            h, group = acc.options.selector_head, geometry[0] // geometry[1]
-            bos_zero, self_zero = acc.options.protect_bos, not acc.options.self_mask
-            run = functools.partial(selective_step, scale, h // group, h % group, bos_zero, self_zero)
-            return fused.offer(evictor.kind, ready_selective, run, cache, scale, rule.kernel, rule.options,
-                               rule.state, rule.spare, selector_kv_head=h // group, selector_in_group=h % group,
-                               zero_first_score=bos_zero, zero_own_score=self_zero)
-        return FastStep(evictor.kind, ready_selective, functools.partial(selective_step_any, decode_one, plan, params))
+    acc = plan.one(Slot.ACCUMULATOR)
+    if rule.kernel == "selective" and acc is not None and len(plan.transforms) == 1:
+        return _selective_offer(plan, cache, params, decode_one, acc, evictor, rule, scale, dtype)
     if kinds:
         return None
     if rule.kernel == "sink_window":
@@ -112,6 +111,31 @@ def offer(plan, cache, params, decode_one) -> FastStep | None:
         return fused.offer(evictor.kind, ready_scoring, functools.partial(scoring_step, scale), cache, scale,
                            rule.kernel, rule.options, rule.state, rule.spare)
     return None
+
+
+def _selective_offer(plan, cache, params, decode_one, acc, evictor, rule, scale, dtype) -> FastStep | None:
+    """The selective evictor's step for the spec's one transform, the accumulator ``acc``, chosen by what it
+    declares, never by its class: a pointwise selection (``declared_pointwise``) in float32/float64 is written out
+    (:func:`selective_step`, its ``value``), in C when it names a rule the C step knows (``layout.SELECTION_RULES``);
+    any other accumulator takes :func:`selective_step_any` (the backend's one-query attention, its own
+    ``selection``), while no held F is negative (the contract's S >= 0, which the step's choice of the victim
+    before the append relies on: :func:`ready_selective_any`)."""
+    declared = declared_pointwise(acc)
+    geometry = cache.step_state.geometry
+    if declared is None or dtype not in _WRITTEN_OUT or geometry is None:
+        return FastStep(evictor.kind, ready_selective_any,
+                        functools.partial(selective_step_any, decode_one, plan, params))
+    h, group = acc.heads()[0], geometry[0] // geometry[1]
+    bos_zero, self_zero = declared.exclude_first, declared.exclude_self
+    code = layout.SELECTION_RULES.get(declared.rule) if declared.rule is not None else None
+    # a known rule is >= 0 (or NaN) everywhere; any other value is checked on the held F before each step
+    ready = ready_selective if code is not None else ready_selective_any
+    run = functools.partial(selective_step, scale, h // group, h % group, bos_zero, self_zero, declared.value)
+    if code is None:
+        return FastStep(evictor.kind, ready, run)
+    return fused.offer(evictor.kind, ready, run, cache, scale, rule.kernel, rule.options, rule.state, rule.spare,
+                       selector_kv_head=h // group, selector_in_group=h % group, selection_rule=code,
+                       zero_first_score=bos_zero, zero_own_score=self_zero)
 
 
 # -- the torch steps --------------------------------------------------------------------------------------------------
@@ -161,12 +185,13 @@ def replacing_step(scale: float, q, k, v, cache):
     return plain_one(q, ks, vs, scale)
 
 
-def selective_step(scale, kv_head, in_group, bos_zero, self_zero, q, k, v, cache):
-    """``selective_mask`` at its budget in float32/float64, its maths written out (the C step's torch form): the
-    evictor's victim (the largest F of a slot not at position 1, a NaN first, ties to the oldest position; per row,
-    so rows at different offsets each keep or lose their own first token), the new token into its slot, the logits
-    once for attention and selection, S = ReLU of the selector head's logits but 0 at position 1 (``protect_bos``)
-    and at the query's own key (no ``self_mask``), F += S after it was subtracted."""
+def selective_step(scale, kv_head, in_group, bos_zero, self_zero, value, q, k, v, cache):
+    """A pointwise selection at its budget in float32/float64 (``selective_mask``'s, or any accumulator declaring
+    one), its maths written out (the C step's torch form): the evictor's victim (the largest F of a slot not at
+    position 1, a NaN first, ties to the oldest position; per row, so rows at different offsets each keep or lose
+    their own first token), the new token into its slot, the logits once for attention and selection, S = the
+    declared ``value`` of the selector head's logits but 0 at position 1 (``exclude_first``) and at the query's own
+    key (``exclude_self``), F += S after it was subtracted."""
     ks, vs, pos, state = cache.held_slots()
     held = state[ACCUMULATED_STATE]
     victim = cache.evictor.victim(SlotView(cache, ks, pos, state))[:, 0]
@@ -175,7 +200,7 @@ def selective_step(scale, kv_head, in_group, bos_zero, self_zero, q, k, v, cache
     b, h, _, d = q.shape
     hkv = ks.shape[1]
     logits = (q.reshape(b, hkv, h // hkv, d) @ ks.transpose(-1, -2)) * scale
-    s = torch.relu(logits[:, kv_head, in_group])
+    s = value(logits[:, kv_head, in_group])
     if bos_zero:
         s.masked_fill_(bos, 0.0)
     if self_zero:

@@ -375,6 +375,8 @@ ATTNZOO_SELECTIVE_STEP_RETURNS selective_step(ATTNZOO_SELECTIVE_STEP_PARAMS) {
                           selector_in_group < g.g,
                       op, ": the selector head (", selector_kv_head, ", ", selector_in_group, ") is not one of ",
                       g.hkv, " key/value heads of ", g.g, " query heads");
+    TORCH_CHECK_VALUE(attnzoo_fused::known_selection(selection_rule), op, ": selection_rule ", selection_rule,
+                      " is not a rule this step computes (1: relu)");
     at::Tensor out = AT_DISPATCH_FLOATING_TYPES(keys.scalar_type(), "selective_step", [&] {
         const Rows<scalar_t> r = rows_of<scalar_t>(keys, values, positions, &scores, g, held);
         const scalar_t sc = (scalar_t)scale;
@@ -383,8 +385,8 @@ ATTNZOO_SELECTIVE_STEP_RETURNS selective_step(ATTNZOO_SELECTIVE_STEP_PARAMS) {
                                       const scalar_t *vb, i64 vsh, scalar_t *ob, i64 nb, scalar_t *w) {
                                       attnzoo_fused::selective_row(r, b, qb, qsh, kb, ksh, vb, vsh, ob, nb, w, sc,
                                                                    protect_first, selector_kv_head,
-                                                                   selector_in_group, zero_first_score,
-                                                                   zero_own_score);
+                                                                   selector_in_group, selection_rule,
+                                                                   zero_first_score, zero_own_score);
                                   });
     });
     bump(args.a, 8);

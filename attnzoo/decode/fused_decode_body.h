@@ -130,17 +130,29 @@ static void fill_nan(T *out, i64 n) {
     for (i64 i = 0; i < n; i++) out[i] = std::numeric_limits<T>::quiet_NaN();
 }
 
-/* Selective attention at its budget (selective_mask with the selective evictor), row b. protect_first: position 1
- * (BOS) is never the victim (the evictor's rule; decided per row, by each slot's position, so rows at other
- * offsets are ruled on their own); sel_kv, sel_g: the selector head's key/value head and its index in that head's
- * group; zero_first: S = 0 at position 1 (protect_bos); zero_own: S = 0 at the query's own key (no self_mask). The
- * victim is the largest F of an eligible slot (a NaN first, ties to the oldest position); the new token takes its
- * slot with F = 0; every head's logits minus F, softmax, values; S = ReLU of the selector head's logits, then F += S
- * in every key/value head (F is the same in all of them). */
+/* The selection rules by number (attnzoo/decode/layout.py SELECTION_RULES, named by a transform's declared
+ * PointwiseSelection.rule in attnzoo/transforms/base.py SELECTION_RULES, whose torch function each is written
+ * again here): 1 relu. Any other number is refused by the op before anything is read. */
+static inline bool known_selection(i64 rule) { return rule == 1; }
+
+template <typename T>
+static inline T select_value(i64 rule, T l) {
+    (void)rule;                   /* 1 (relu), the only rule known_selection() lets through */
+    return l < 0 ? (T)0 : l;      /* ReLU; NaN stays NaN */
+}
+
+/* Selective attention at its budget (an accumulator declaring a pointwise selection with a named rule, with the
+ * selective evictor), row b. protect_first: position 1 (BOS) is never the victim (the evictor's rule; decided per
+ * row, by each slot's position, so rows at other offsets are ruled on their own); sel_kv, sel_g: the selector
+ * head's key/value head and its index in that head's group; rule: the selection (select_value); zero_first: S = 0
+ * at position 1 (exclude_first); zero_own: S = 0 at the query's own key (exclude_self). The victim is the largest
+ * F of an eligible slot (a NaN first, ties to the oldest position); the new token takes its slot with F = 0; every
+ * head's logits minus F, softmax, values; S = the rule of the selector head's logits, then F += S in every
+ * key/value head (F is the same in all of them). */
 template <typename T>
 static void selective_row(const Rows<T> &r, i64 b, const T *q, i64 qsh, const T *k, i64 ksh, const T *v, i64 vsh,
-                          T *out, i64 nb, T *w, T sc, bool protect, i64 sel_kv, i64 sel_g, bool zero_first,
-                          bool zero_own) {
+                          T *out, i64 nb, T *w, T sc, bool protect, i64 sel_kv, i64 sel_g, i64 rule,
+                          bool zero_first, bool zero_own) {
     const i64 HKV = r.hkv, G = r.g, D = r.d, M = r.m;
     T *s = w + G * (M + 1);
     fill_nan(out, HKV * G * D);
@@ -164,10 +176,7 @@ static void selective_row(const Rows<T> &r, i64 b, const T *q, i64 qsh, const T 
         const T *Kh = r.K + b * r.ksb + hk * r.ksh, *Vh = r.V + b * r.vsb + hk * r.vsh;
         group_logits(w, q + hk * G * qsh, qsh, G, Kh, M, D, sc);
         if (hk == sel_kv)
-            for (i64 j = 0; j < M; j++) {
-                const T l = w[sel_g * M + j];
-                s[j] = l < 0 ? (T)0 : l;  /* ReLU; NaN stays NaN */
-            }
+            for (i64 j = 0; j < M; j++) s[j] = select_value(rule, w[sel_g * M + j]);
         for (i64 g = 0; g < G; g++) {
             T *wg = w + g * M;
             for (i64 j = 0; j < M; j++) wg[j] -= f0[j];

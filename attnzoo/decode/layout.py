@@ -27,6 +27,7 @@ OPS: dict[str, tuple[list[tuple[str, str]], str]] = {
         ("protect_first", "bool"),      # position 1 (BOS) is never the victim
         ("selector_kv_head", "int"),    # the selector head: its key/value head
         ("selector_in_group", "int"),   # and its index in that head's group of query heads
+        ("selection_rule", "int"),      # S = rule(l) of the selector head's logits: SELECTION_RULES (0: refused)
         ("zero_first_score", "bool"),   # S = 0 at position 1 (protect_bos)
         ("zero_own_score", "bool"),     # S = 0 at the query's own key (no self_mask)
     ], "Tensor"),
@@ -52,6 +53,10 @@ KERNELS = {"selective": "selective_step", "sink_window": "sink_window_step", "sc
            "append": "append_step"}
 RULE_OPTIONS = {"selective": ("protect_first",), "sink_window": ("sinks",), "scoring": ("tova", "recent"),
                 "append": ()}
+
+#: the selection rules the selective step computes (``PointwiseSelection.rule``, attnzoo/transforms/base.py) -> its
+#: ``selection_rule`` option; 0 (an option left out) is no rule and the op refuses it
+SELECTION_RULES = {"relu": 1}
 
 #: the arguments a step passes at every call, first (the rest are fixed when the buffers are laid out)
 PER_CALL = {"selective_step": ("q", "k", "v", "next", "nexts"), "sink_window_step": ("q", "k", "v", "next", "nexts"),

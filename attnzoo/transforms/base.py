@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, create_model
 
+from .lowering import TritonSelection
+
 
 class Slot(str, enum.Enum):
     """Where in the attention computation a transform acts (docs/specs.md: slots and their order)."""
@@ -204,7 +206,8 @@ class Transform:
         if not issubclass(cls, bases[cls.slot]):
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
         missing = [name for base, name in _REQUIRED if issubclass(cls, base) and getattr(cls, name) is
-                   getattr(base, name)]
+                   getattr(base, name)
+                   and not (name == "selection" and cls.pointwise is not AccumulatorTransform.pointwise)]
         if issubclass(cls, ProbabilityTransform) and not missing:
             problem = _blocked_form_problem(cls)
             if problem:
@@ -297,17 +300,104 @@ class MaskTransform(Transform):
         return None
 
 
-@dataclass(frozen=True)
-class PointwiseSelection:
-    """An accumulator's selection written as a pointwise function of one selector head's logits, for fused
-    kernels (the CPU selective kernel of ``blocked``): ``S[k, j] = value(l[k, j])`` on the causally visible pairs,
-    0 on the excluded ones; ``derivative(l) = dS/dl`` there. ``exclude_first``: the key at position 1 is never
-    selected (the protected BOS); ``exclude_self``: a query never selects its own key."""
+def _relu_derivative(x: torch.Tensor) -> torch.Tensor:
+    return (x > 0).to(x.dtype)
 
+
+@dataclass(frozen=True)
+class SelectionRule:
+    """A selection function that every fast path knows by name (:data:`SELECTION_RULES`): its torch ``value`` and
+    ``derivative``, and the same two as Triton expressions in ``{x}``. A :class:`PointwiseSelection` that names it
+    (``rule="relu"``) is computed by the blocked kernels with ``value``, by the triton backend with the expressions
+    and by the fused C decoding step with its own code for the name (``attnzoo/decode/fused_decode_body.h``)."""
+
+    name: str
     value: Callable[[torch.Tensor], torch.Tensor]
     derivative: Callable[[torch.Tensor], torch.Tensor]
+    triton_value: str
+    triton_derivative: str
+
+
+#: the selection rules known by name (selective attention's ReLU)
+SELECTION_RULES: dict[str, SelectionRule] = {
+    "relu": SelectionRule("relu", torch.relu, _relu_derivative, "tl.maximum({x}, 0.0)",
+                          "tl.where({x} > 0.0, 1.0, 0.0)"),
+}
+
+
+@dataclass(frozen=True)
+class PointwiseSelection:
+    """An accumulator's selection declared as a pointwise function of one selector head's logits:
+    ``S[k, j] = value(l[k, j])`` on the causally visible pairs, 0 on the excluded ones; ``derivative(l) = dS/dl``
+    there. ``exclude_first``: the key at position 1 is never selected (the protected BOS); ``exclude_self``: a
+    query never selects its own key.
+
+    ``rule``: the name of a known function (:data:`SELECTION_RULES`, e.g. ``"relu"``), which gives ``value`` and
+    ``derivative`` (leave them out) and lets every fast path compute it, the fused C decoding step included; a
+    ``value`` that is a known rule's own function (``torch.relu``) names that rule too. Without a rule, ``value``
+    and ``derivative`` are any torch functions: the blocked kernels and the torch decoding step call them."""
+
+    value: Callable[[torch.Tensor], torch.Tensor] | None = None
+    derivative: Callable[[torch.Tensor], torch.Tensor] | None = None
     exclude_first: bool = False
     exclude_self: bool = True
+    rule: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.rule is None:
+            if self.value is None or self.derivative is None:
+                raise ValueError(f"PointwiseSelection needs a rule (one of {', '.join(SELECTION_RULES)}) or both "
+                                 f"value and derivative")
+            for known in SELECTION_RULES.values():  # a known rule's own function: that rule, exactly
+                if self.value is known.value and self.derivative in (known.derivative, None):
+                    object.__setattr__(self, "rule", known.name)
+            return
+        known = SELECTION_RULES.get(self.rule)
+        if known is None:
+            raise ValueError(f"PointwiseSelection: unknown rule {self.rule!r} (known: {', '.join(SELECTION_RULES)}); "
+                             f"give value and derivative instead")
+        for name in ("value", "derivative"):
+            given = getattr(self, name)
+            if given is None:
+                object.__setattr__(self, name, getattr(known, name))
+            elif given is not getattr(known, name):
+                raise ValueError(f"PointwiseSelection(rule={self.rule!r}) takes its {name} from the rule: leave "
+                                 f"{name} out, or give value and derivative without a rule")
+
+    def select(self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context) -> torch.Tensor:
+        """S on ``logits`` of the selector head (B, 1, Nq, Nk): ``value`` where the pair is allowed and not
+        excluded, else 0 (a pair that is not kept never reaches ``value`` or its gradient)."""
+        keep = allowed
+        if self.exclude_first:
+            keep = keep & (ctx.kpos != 1)
+        if self.exclude_self:
+            keep = keep & (ctx.kpos != ctx.qpos)
+        zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+        return torch.where(keep, self.value(torch.where(keep, logits, zero)), zero)
+
+    def triton(self):
+        """The Triton lowering of a named rule (:class:`~attnzoo.transforms.lowering.TritonSelection`), or None."""
+        known = SELECTION_RULES.get(self.rule) if self.rule is not None else None
+        if known is None:
+            return None
+        keep = (["(kp != 1)"] if self.exclude_first else []) + (["(kp != qp)"] if self.exclude_self else [])
+        return TritonSelection(keep=" & ".join(keep), value=known.triton_value, derivative=known.triton_derivative)
+
+
+def declared_pointwise(acc) -> PointwiseSelection | None:
+    """What the fast paths compute for accumulator ``acc`` in place of its :meth:`~AccumulatorTransform.selection`:
+    its declared :class:`PointwiseSelection` when it has one selector head and no parameters, and the declaration
+    describes the class's selection (made in the class that defines ``selection()``, or below it: a subclass that
+    rewrites ``selection()`` but inherits ``pointwise()`` keeps the general path), else None. Chosen by what the
+    transform declares, never by its class."""
+    if acc is None or len(acc.heads()) != 1 or acc.parameters():
+        return None
+    mro = type(acc).__mro__
+    defines_selection = next(c for c in mro if "selection" in c.__dict__)
+    defines_pointwise = next(c for c in mro if "pointwise" in c.__dict__)
+    if defines_selection is not defines_pointwise and issubclass(defines_selection, defines_pointwise):
+        return None
+    return acc.pointwise()
 
 
 class AccumulatorTransform(Transform):
@@ -325,14 +415,25 @@ class AccumulatorTransform(Transform):
         self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context, params: dict[str, torch.Tensor]
     ) -> torch.Tensor:
         """logits (B, len(heads()), Nq, Nk) of :meth:`heads` after the logits slot; ``allowed`` and ``ctx``
-        restricted to those heads (``ctx.heads`` holds their indices) → S (B, 1, Nq, Nk) >= 0."""
-        raise NotImplementedError
+        restricted to those heads (``ctx.heads`` holds their indices) → S (B, 1, Nq, Nk) >= 0. The default
+        computes the :meth:`pointwise` declaration (a transform that declares one need not write this)."""
+        declared = self.pointwise()
+        if declared is None:
+            raise NotImplementedError
+        return declared.select(logits, allowed, ctx)
 
     def pointwise(self) -> PointwiseSelection | None:
-        """Optional: :meth:`selection` as a pointwise function of one selector head's logits (``heads()`` has one
-        entry, no parameters), which fused kernels take; it must equal :meth:`selection` (the conformance suite
-        compares the fused path with the reference). None (the default): not pointwise."""
+        """Optional: the selection declared as a pointwise function of one selector head's logits (``heads()`` has
+        one entry, no parameters): :meth:`selection` then defaults to it, and every fast path takes it whatever the
+        class (the fused kernels of ``blocked``, its decoding steps, in C for a named ``rule``; the Triton lowering
+        of a named rule): :func:`declared_pointwise`. None (the default): not pointwise."""
         return None
+
+    def triton(self):
+        """The Triton lowering of a declared pointwise selection with a named rule (:func:`declared_pointwise`),
+        else None (a transform may write its own)."""
+        declared = declared_pointwise(self)
+        return declared.triton() if declared is not None else None
 
 
 class NormaliserTransform(Transform):

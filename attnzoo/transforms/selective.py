@@ -1,8 +1,9 @@
 """Selective attention (Leviathan, Kalman, Matias; ICLR 2025), docs/papers.md §2.
 
 ``S[k, j] = ReLU(l[selector, k, j])`` on the masked logits of the selector head, with ``S[k, BOS] = 0`` and
-``S[k, k] = 0``; ``F[i, j] = sum_{k < i} S[k, j]`` (over strictly earlier *queries*) is subtracted from every
-head's logits. Gradients flow through F into the selector head's query and key.
+``S[k, k] = 0``, declared once (:meth:`SelectiveMask.pointwise`); ``F[i, j] = sum_{k < i} S[k, j]`` (over strictly
+earlier *queries*) is subtracted from every head's logits. Gradients flow through F into the selector head's query
+and key.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import torch
 from pydantic import Field
 
 from .base import AccumulatorTransform, Dims, PointwiseSelection, Slot, TransformOptions
-from .lowering import TritonSelection
 
 
 class SelectiveMaskOptions(TransformOptions):
@@ -40,28 +40,12 @@ class SelectiveMask(AccumulatorTransform):
     def heads(self) -> list[int]:
         return [self.options.selector_head]
 
-    def selection(self, logits, allowed, ctx, params):
-        keep = allowed
-        if self.options.protect_bos:
-            keep = keep & (ctx.kpos != 1)
-        if not self.options.self_mask:
-            keep = keep & (ctx.kpos != ctx.qpos)
-        return torch.where(keep, torch.relu(logits), torch.zeros((), dtype=logits.dtype, device=logits.device))
-
     def pointwise(self):
-        return PointwiseSelection(value=torch.relu, derivative=_relu_derivative, exclude_first=self.options.protect_bos,
+        """The one declaration of the selection (``S = ReLU(l)``, the named rule ``relu``): ``selection()``
+        (the base class's default), the Triton lowering, the blocked kernels and the fused C decoding step all
+        compute it from here."""
+        return PointwiseSelection(rule="relu", exclude_first=self.options.protect_bos,
                                   exclude_self=not self.options.self_mask)
-
-    def triton(self):
-        keep = ["(kp != 1)"] if self.options.protect_bos else []
-        if not self.options.self_mask:
-            keep.append("(kp != qp)")
-        return TritonSelection(keep=" & ".join(keep), value="tl.maximum({x}, 0.0)",
-                               derivative="tl.where({x} > 0.0, 1.0, 0.0)")
-
-
-def _relu_derivative(x: torch.Tensor) -> torch.Tensor:
-    return (x > 0).to(x.dtype)
 
 
 def memory_counts(selection_mask: torch.Tensor, tau: float = 1.0) -> torch.Tensor:

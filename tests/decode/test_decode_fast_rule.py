@@ -71,3 +71,13 @@ def test_a_difference_planted_in_the_c_body_is_caught(tmp_path, monkeypatch, fus
     with pytest.raises(AssertionError, match="spec 'h2o'.*fast step 'fused'"):
         check_fast_step(attnzoo.compile("h2o", backend="blocked"), budget=6)
     check_fast_step(attnzoo.compile("tova", backend="blocked"), budget=6)  # the planted line is H2O's alone
+
+
+def test_a_rule_the_c_step_does_not_know_is_refused_and_decoded_by_torch(monkeypatch, fused_only):
+    """The declared rule ``relu`` handed to the C step under a number it does not know: the op refuses it before
+    reading anything, and each step runs the torch form, whose S is the declaration's own ``value``."""
+    from attnzoo.decode import layout
+
+    monkeypatch.setattr(layout, "SELECTION_RULES", {"relu": 2})
+    report = check_fast_step(attnzoo.compile("selective-pruned", backend="blocked"), budget=6)
+    assert report["kinds"] == ["fused"] and report["fast_steps"] >= report["steps"] - 4

@@ -34,7 +34,7 @@ def _args(kernel: str, dtype=torch.float64) -> dict:
     scores = torch.rand(B, HKV, M + 1, generator=gen, dtype=dtype)
     if kernel == "selective":
         return args | dict(scores=scores, held=M, scale=0.35, protect_first=True, selector_kv_head=1,
-                           selector_in_group=0, zero_first_score=True, zero_own_score=False)
+                           selector_in_group=0, selection_rule=1, zero_first_score=True, zero_own_score=False)
     if kernel == "sink_window":
         return args | dict(held=M, scale=0.35, sinks=1)
     return args | dict(scores=scores, held=M, scale=0.35, tova=False, recent=2)
@@ -68,6 +68,8 @@ HOSTILE = [
     ("scoring-no-spare-slot", "scoring", lambda a: dict(held=M + 1), r"keys of shape .* > 6"),
     ("selective-held-2**63-1", "selective", lambda a: dict(held=BIG), r"keys of shape .* >= 9223372036854775807"),
     ("selective-held-2**62", "selective", lambda a: dict(held=2**62), r"keys of shape .* >= 4611686018427387904"),
+    ("selective-rule-none", "selective", lambda a: dict(selection_rule=0), r"selection_rule 0 is not a rule"),
+    ("selective-rule-unknown", "selective", lambda a: dict(selection_rule=2), r"selection_rule 2 is not a rule"),
     ("sink-held-2**63-1", "sink_window", lambda a: dict(held=BIG), r"keys of shape .* >= 9223372036854775807"),
     ("scoring-held-0", "scoring", lambda a: dict(held=0), r"held must be >= 1"),
     ("scoring-recent-negative", "scoring", lambda a: dict(recent=-1), r"recent must be >= 0"),
