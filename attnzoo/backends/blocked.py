@@ -16,7 +16,8 @@ logits transforms hand their mask (−F and −inf) to SDPA as an additive float
 
 A probability transform (another row map in place of the softmax: ``ProbabilityTransform``) whose map is the softmax
 itself (``softmax_map``: ``diff``) takes the softmax's paths above over the rows ``values(v)`` gives (wider values
-go through SDPA a slice of D at a time), then ``combine``. Causal ``sigmoid`` with nothing but row scales, at
+go through SDPA a slice of D at a time), then ``combine``. A causal map declared sigmoid (``ProbabilityTransform.
+pointwise``, ``declared_map``: ``sigmoid``, or a plugin's, whatever its class) with nothing but row scales, at
 consecutive positions, in float32/float64, is one autograd node (``sigmoid_blocks.py``: no row statistics, so each
 query block is two products and an in-place sigmoid, and its backward recomputes the block). Every other map takes
 none of the fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
@@ -45,8 +46,7 @@ from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f,
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..decode.step import evictor_query_rows
-from ..transforms.base import Context, Dims, Slot, declared_pointwise
-from ..transforms.probability import Sigmoid
+from ..transforms.base import Context, Dims, Slot, declared_map, declared_pointwise
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import PREFILL_BLOCK, SelectiveCausal, selective_prefill
 from .sigmoid_blocks import SigmoidCausal
@@ -129,10 +129,11 @@ class BlockedBackend(Backend):
         if simple and acc is None:
             out = sdpa(qs, ks, vs, is_causal=True, scale=plan.logit_scale(d), enable_gqa=q.shape[1] != k.shape[1])
             accumulated = None
-        elif plain and acc is None and isinstance(mapped, Sigmoid) and qs.dtype in _FUSED_DTYPES:
-            # sigmoid attention, causal, nothing but row scales: one autograd node (sigmoid_blocks.py)
-            bias = mapped.row_bias(positions[0], qs.dtype)
-            offset = params[mapped.kind]["bias"] if mapped.options.learnable else None
+        elif (plain and acc is None and qs.dtype in _FUSED_DTYPES and (declared := declared_map(mapped)) is not None
+              and declared.function == "sigmoid"):
+            # a map declared sigmoid (any class), causal, nothing but row scales: one autograd node (sigmoid_blocks.py)
+            bias = declared.row_bias(positions[0], qs.dtype)
+            offset = params[mapped.kind][declared.offset] if declared.offset is not None else None
             block = min(self.block_size, _SIGMOID_BLOCK)
             out = SigmoidCausal.apply(qs, ks, vs, bias, offset, plan.logit_scale(d), block)
             accumulated = None

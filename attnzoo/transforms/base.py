@@ -207,7 +207,8 @@ class Transform:
             return f"a transform in slot '{cls.slot.value}' must subclass {bases[cls.slot].__name__}"
         missing = [name for base, name in _REQUIRED if issubclass(cls, base) and getattr(cls, name) is
                    getattr(base, name)
-                   and not (name == "selection" and cls.pointwise is not AccumulatorTransform.pointwise)]
+                   and not (name == "selection" and cls.pointwise is not AccumulatorTransform.pointwise)
+                   and not (name == "weights" and cls.pointwise is not ProbabilityTransform.pointwise)]
         if issubclass(cls, ProbabilityTransform) and not missing:
             problem = _blocked_form_problem(cls)
             if problem:
@@ -450,6 +451,53 @@ class NormaliserTransform(Transform):
         raise NotImplementedError
 
 
+#: the functions a pointwise probability map may name (:class:`PointwiseMap`): those ``blocked`` has a fused node for
+MAP_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"sigmoid": torch.sigmoid}
+
+
+@dataclass(frozen=True)
+class PointwiseMap:
+    """A probability map declared pointwise: ``w = function(l + row_bias(qpos) + p[h])`` on the allowed pairs, 0
+    elsewhere, no normalisation. ``function``: a name in :data:`MAP_FUNCTIONS` (``"sigmoid"``); ``row_bias(qpos,
+    dtype)``: the bias at the query positions (any shape, the same shape back); ``offset``: the name of a per-head
+    parameter (shape ``("H",)``) added to it, or None."""
+
+    function: str
+    row_bias: Callable[[torch.Tensor, torch.dtype], torch.Tensor]
+    offset: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.function not in MAP_FUNCTIONS:
+            raise ValueError(f"PointwiseMap: unknown function {self.function!r} (known: {', '.join(MAP_FUNCTIONS)})")
+
+    def bias(self, ctx: Context, params: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """The bias broadcastable to (B, H', Nq, 1) in ``dtype``."""
+        b = self.row_bias(ctx.qpos, dtype)
+        return b if self.offset is None else b + params[self.offset].to(dtype)[ctx.heads]
+
+    def weights(self, logits, allowed, ctx, params) -> torch.Tensor:
+        zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+        w = MAP_FUNCTIONS[self.function](torch.where(allowed, logits, zero) + self.bias(ctx, params, logits.dtype))
+        return torch.where(allowed, w, torch.zeros((), dtype=w.dtype, device=w.device)).to(logits.dtype)
+
+
+def declared_map(mapped) -> PointwiseMap | None:
+    """What the fast paths compute for probability map ``mapped`` in place of its ``weights``: its declared
+    :class:`PointwiseMap`, when the declaration describes the class's map (made in the class that defines
+    ``weights()`` or below it; ``values()`` and ``combine()`` the identity; not a softmax map), else None. Chosen by
+    what the transform declares, never by its class."""
+    if mapped is None or mapped.softmax_map:
+        return None
+    mro = type(mapped).__mro__
+    declared_in = next(c for c in mro if "pointwise" in c.__dict__)
+    weights_in = next(c for c in mro if "weights" in c.__dict__)
+    if weights_in is not declared_in and issubclass(weights_in, declared_in):
+        return None  # weights() rewritten below the declaration
+    if any(name in c.__dict__ for c in mro if c is not ProbabilityTransform for name in ("values", "combine")):
+        return None  # rows or outputs mapped: not the declared w @ v
+    return mapped.pointwise()
+
+
 class ProbabilityTransform(Transform):
     """Slot ``probability``: the row map from the logits to the weights on the values, in place of the softmax
     (sigmoid attention, softpick, stick-breaking, differential attention's pair of softmaxes). At most one per spec;
@@ -488,8 +536,18 @@ class ProbabilityTransform(Transform):
 
     def weights(self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context,
                 params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """logits (B, H, Nq, Nk), allowed (bool, broadcastable) → weights (B, H, Nq, Nk), 0 where not allowed."""
-        raise NotImplementedError
+        """logits (B, H, Nq, Nk), allowed (bool, broadcastable) → weights (B, H, Nq, Nk), 0 where not allowed.
+        The default computes the :meth:`pointwise` declaration (a map that declares one need not write this)."""
+        declared = self.pointwise()
+        if declared is None:
+            raise NotImplementedError
+        return declared.weights(logits, allowed, ctx, params)
+
+    def pointwise(self) -> PointwiseMap | None:
+        """Optional: the map declared pointwise (:class:`PointwiseMap`): :meth:`weights` then defaults to it, and
+        ``blocked`` runs it as one autograd node (``sigmoid_blocks.py``) whatever the class
+        (:func:`declared_map`). None (the default): not declared."""
+        return None
 
     def values(self, vs: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         """The rows the maps weigh: vs (B, H, Nk, D) → (B, H, Nk, D'); the identity by default."""

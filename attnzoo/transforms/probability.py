@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
-from .base import ParamSpec, ProbabilityTransform, Slot, TransformOptions
+from .base import ParamSpec, PointwiseMap, ProbabilityTransform, Slot, TransformOptions
 from .lowering import TritonProbability
 
 
@@ -91,12 +91,10 @@ class Sigmoid(ProbabilityTransform):
             return -torch.log(qpos.to(dtype))
         return torch.full(qpos.shape, float(self.options.bias), dtype=dtype, device=qpos.device)
 
-    def bias(self, ctx, params, dtype) -> torch.Tensor:
-        """b broadcastable to (B, H', Nq, 1) in ``dtype``."""
-        b = self.row_bias(ctx.qpos, dtype)
-        if self.options.learnable:
-            b = b + params["bias"].to(dtype)[ctx.heads]
-        return b
+    def pointwise(self):
+        """The map's declaration, ``w = sigmoid(l + b)`` with ``b`` from :meth:`row_bias` plus the learnable
+        per-head ``bias``: ``weights()`` (the base class's default) and ``blocked``'s fused node compute it."""
+        return PointwiseMap("sigmoid", self.row_bias, "bias" if self.options.learnable else None)
 
     def triton(self):
         """Pointwise: ``w = sigmoid(x + b)``, ``b`` from the query's 1-based position ``qp`` (``-log n``) or a number,
@@ -108,11 +106,6 @@ class Sigmoid(ProbabilityTransform):
         slope = "{y} * (1.0 - {y})"
         return TritonProbability(mode="pointwise", weight=f"tl.sigmoid({{x}} + ({bias}))", derivative=slope,
                                  params=params, param_derivatives=(slope,) * len(params))
-
-    def weights(self, logits, allowed, ctx, params):
-        x = safe_logits(logits, allowed, logits.dtype)
-        w = torch.sigmoid(x + self.bias(ctx, params, logits.dtype))
-        return torch.where(allowed, w, torch.zeros((), dtype=w.dtype, device=w.device)).to(logits.dtype)
 
     def start(self, out_shape, like):
         return {"out": torch.zeros(out_shape, dtype=wide(like), device=like.device)}

@@ -14,13 +14,18 @@ import torch
 
 import attnzoo
 from attnzoo.backends import blocked
+from attnzoo.backends.sigmoid_blocks import SigmoidCausal
 from attnzoo.decode.check import check_fast_step
 from attnzoo.transforms.base import (
     AccumulatorTransform,
+    PointwiseMap,
     PointwiseSelection,
+    ProbabilityTransform,
     Slot,
+    declared_map,
     declared_pointwise,
 )
+from attnzoo.transforms.probability import Sigmoid, SigmoidOptions
 from attnzoo.transforms.selective import SelectiveMask, SelectiveMaskOptions
 
 B, H, HKV, D = 2, 4, 2, 8
@@ -86,7 +91,36 @@ class PluginNegative(SelectiveMask):
                                   exclude_first=self.options.protect_bos, exclude_self=not self.options.self_mask)
 
 
-PLUGINS = (PluginSubclass, PluginLookalike, PluginSquared, PluginRewritten, PluginNegative)
+class SigmoidSubclass(Sigmoid):
+    kind = "plugin_sigmoid"
+
+
+class SigmoidLookalike(ProbabilityTransform):
+    """Sigmoid attention declared from scratch: ``weights()`` and the blocked form from the declaration."""
+
+    kind = "plugin_sigmoid_lookalike"
+    slot = Slot.PROBABILITY
+    Options = SigmoidOptions
+    parameters = Sigmoid.parameters
+    row_bias = Sigmoid.row_bias
+
+    def pointwise(self):
+        return PointwiseMap("sigmoid", self.row_bias, "bias" if self.options.learnable else None)
+
+    start, update, finish = Sigmoid.start, Sigmoid.update, Sigmoid.finish
+
+
+class SigmoidHalved(Sigmoid):
+    """``weights()`` rewritten (half the sigmoid) under the inherited declaration."""
+
+    kind = "plugin_sigmoid_halved"
+
+    def weights(self, logits, allowed, ctx, params):
+        return super().weights(logits, allowed, ctx, params) / 2
+
+
+PLUGINS = (PluginSubclass, PluginLookalike, PluginSquared, PluginRewritten, PluginNegative, SigmoidSubclass,
+           SigmoidLookalike, SigmoidHalved)
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +231,27 @@ def test_the_fused_batch_kernel_is_chosen_by_declaration(kind, registry, monkeyp
     want, = torch.autograd.grad(reference.square().sum(), q)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
     assert len(calls) == (0 if kind == "plugin_rewritten" else 1)
+
+
+@pytest.mark.parametrize("learnable", [False, True])
+@pytest.mark.parametrize("kind", ["sigmoid", "plugin_sigmoid", "plugin_sigmoid_lookalike", "plugin_sigmoid_halved"])
+def test_the_sigmoid_node_is_chosen_by_declaration(kind, learnable, registry, monkeypatch):
+    """blocked's one-node sigmoid attention (sigmoid_blocks.py) for any map declaring ``PointwiseMap("sigmoid",
+    ...)``, never for a subclass that rewrote ``weights()``; each equals the reference, outputs and gradients."""
+    calls = []
+    real = SigmoidCausal.apply
+    monkeypatch.setattr(SigmoidCausal, "apply", lambda *a: calls.append(1) or real(*a))
+    q, k, v = (t[:, :, :37] for t in _inputs(torch.float64, seed=2))
+    q.requires_grad_()
+    spec = {"name": "sig", "transforms": [{"kind": kind, "learnable": learnable}]}
+    variant = attnzoo.compile(spec, backend="blocked", registry=registry)
+    params = variant.init_params(num_heads=H, head_dim=D, num_kv_heads=HKV, dtype=torch.float64)
+    params = {name: p + 0.1 * torch.arange(p.numel(), dtype=p.dtype).view(p.shape) for name, p in params.items()}
+    out = variant(q, k, v, params=params)
+    reference = attnzoo.compile(spec, backend="reference", registry=registry)(q, k, v, params=params)
+    torch.testing.assert_close(out, reference, rtol=1e-10, atol=1e-10)
+    got, = torch.autograd.grad(out.square().sum(), q)
+    want, = torch.autograd.grad(reference.square().sum(), q)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert len(calls) == (0 if kind == "plugin_sigmoid_halved" else 1)
+    assert (declared_map(_make(SigmoidHalved)) is None) and declared_map(_make(SigmoidLookalike)) is not None

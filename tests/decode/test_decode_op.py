@@ -61,7 +61,7 @@ def test_the_fake_kernel_gives_the_output_shape(ops):
     with torch.device("meta"):
         out = ops.op("selective")(*(torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v)),
                                   5, None, *(torch.empty(t.shape, dtype=t.dtype) for t in buffers[:4]), M, 0.35,
-                                  True, 1, 1, True, False)
+                                  True, 1, 1, 1, True, False)
     assert out.shape == (B, H, 1, D) and out.device.type == "meta"
 
 
