@@ -21,7 +21,7 @@ import torch
 
 from ..core.contract import Mode
 from ..core.numerics import accumulator_dtype
-from ..evictors.base import Evictor, eviction_order
+from ..evictors.base import Evictor, eviction_order, rule_score
 from ..inputs import check_key_mask, check_qkv
 from ..transforms.base import Dims, Slot, TokenRows
 from .state import StepState
@@ -270,7 +270,7 @@ def evict_to_budget(cache) -> None:
             evict_one(cache)
     else:
         valid = cache.valid
-        order = eviction_order(evictor.score(cache), ~evictor.protected(cache), cache.positions, evictor.largest,
+        order = eviction_order(rule_score(evictor, cache), ~evictor.protected(cache), cache.positions, evictor.largest,
                                padding=None if valid is None else ~valid)
         doomed = torch.zeros(order.shape, dtype=torch.bool, device=order.device).scatter_(-1, order[..., :excess],
                                                                                           True)

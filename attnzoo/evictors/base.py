@@ -172,7 +172,7 @@ class Evictor:
     def victim(self, cache: KVCache) -> torch.Tensor:
         """Slot index to drop per (batch row, key/value head): (B, H_kv) int64. Default: the declared rule."""
         fill = float("-inf") if self.largest else float("inf")
-        masked = self.score(cache).masked_fill(self.protected(cache), fill)
+        masked = rule_score(self, cache).masked_fill(self.protected(cache), fill)
         if getattr(cache, "ordered", False):  # the oldest of tied slots is the first: argmax/argmin decide
             return masked.argmax(-1) if self.largest else masked.argmin(-1)
         return _oldest_best(masked, cache.positions, self.largest)  # slots in any order (a fast step's)
@@ -190,6 +190,19 @@ class Evictor:
         if not (isinstance(cls.Options, type) and issubclass(cls.Options, EvictorOptions)):
             return "Options must subclass attnzoo.EvictorOptions"
         return None
+
+
+def rule_score(evictor: Evictor, cache: Any) -> torch.Tensor:
+    """``evictor.score(cache)``, refused (ValueError, one line naming the evictor) unless it has the cache's shape
+    (B, H_kv, M): a score without the head axis (B, M) would broadcast against (B, H_kv, M) where B equals H_kv or
+    is 1, and one batch row's scores would silently rank a head's tokens."""
+    score = evictor.score(cache)
+    want = cache.positions.shape
+    if not isinstance(score, torch.Tensor) or score.shape != want:
+        got = tuple(score.shape) if isinstance(score, torch.Tensor) else type(score).__name__
+        raise ValueError(f"evictor '{evictor.kind}': score() returned shape {got}, expected the cache's (B, H_kv, M) "
+                         f"= {tuple(want)}: one score per batch row, key/value head and cached token")
+    return score
 
 
 def pick(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool,
