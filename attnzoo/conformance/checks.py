@@ -155,21 +155,27 @@ def _trace(target: Target, inputs: dict, dtype) -> str | None:
     return culprit(*_traced_inputs(target, inputs, dtype))
 
 
+#: the axes of the results whose failure lines name them (batch row, head, token), by result key
+AXES = {"out": ("batch row", "head", "token", "dim"), "grad.q": ("batch row", "head", "token", "dim"),
+        "grad.k": ("batch row", "key/value head", "token", "dim"),
+        "grad.v": ("batch row", "key/value head", "token", "dim")}
+
+
 def compare(target: Target, name: str, got: dict, truth: dict, low: dict | None, inputs: dict | None = None
             ) -> None:
     """:func:`close` of every result (``<name>: <key>``)."""
     for key in truth:
-        close(target, f"{name}: {key}", got[key], truth[key], low[key] if low else None, inputs)
+        close(target, f"{name}: {key}", got[key], truth[key], low[key] if low else None, inputs, AXES.get(key))
 
 
 def close(target: Target, name: str, got: torch.Tensor, truth: torch.Tensor, low: torch.Tensor | None,
-          inputs: dict | None = None) -> None:
+          inputs: dict | None = None, axes: tuple[str, ...] | None = None) -> None:
     """``check_close``; a non-finite result (or truth) is traced, on ``inputs`` in batch form, to the transform
     whose term first goes non-finite: its torch maths (in float64, then the tested dtype; :func:`culprit`), then,
     on the triton backend, its Triton fragment rendered in torch at the pairs that may attend; else the message
     says the backend produced it."""
     try:
-        check_close(name, got, truth, low, target.dtype)
+        check_close(name, got, truth, low, target.dtype, axes)
     except AssertionError as exc:
         if inputs is None or "non-finite" not in str(exc):
             raise
@@ -329,7 +335,8 @@ def check_causality(target: Target) -> None:
     variant = target.variant()
     a = run_batch(variant, inputs, target.dtype, False, target.device)["out"][:, :, :25]
     b = run_batch(variant, changed, target.dtype, False, target.device)["out"][:, :, :25]
-    close(target, "causality: outputs before the perturbed tokens", b, a.to(torch.float64), None, inputs)
+    close(target, "causality: outputs before the perturbed tokens", b, a.to(torch.float64), None, inputs,
+          AXES["out"])
 
 
 def check_batch_invariance(target: Target) -> None:
@@ -342,7 +349,8 @@ def check_batch_invariance(target: Target) -> None:
         alone = {k: (v[row:row + 1] if k in ("q", "k", "v") or k.startswith("input.") else v)
                  for k, v in inputs.items()}
         one = run_batch(variant, alone, target.dtype, False, target.device)["out"]
-        close(target, f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, inputs)
+        close(target, f"batch invariance: row {row}", one, whole[row:row + 1].to(torch.float64), None, inputs,
+              AXES["out"])
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

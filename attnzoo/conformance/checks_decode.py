@@ -13,7 +13,7 @@ import torch
 from ..backends.base import Backend
 from ..decode import check as fast_rule
 from . import eviction
-from .checks import OFFSET, PACKED_LENGTHS, Shape, Target, Unsupported, close, compare, memo, random_case
+from .checks import AXES, OFFSET, PACKED_LENGTHS, Shape, Target, Unsupported, close, compare, memo, random_case
 from .vectors import inputs_of, params_of, run_batch
 
 
@@ -113,15 +113,25 @@ def check_packed_prefill(target: Target) -> None:
     truth = memo(target, ("packed-prefill", torch.float64),
                  lambda: _prefill_documents(target.reference(), inputs, torch.float64, "cpu", budget, False))
     got = _prefill_documents(target.variant(), inputs, target.dtype, target.device, budget, True)
-    close(target, f"packed prefill {PACKED_LENGTHS}, budget {budget}", got, truth, None, inputs)
+    close(target, f"packed prefill {PACKED_LENGTHS}, budget {budget}", got, truth, None, inputs, AXES["out"])
+
+
+def _tied_keys(inputs: dict, mode: str, gen: torch.Generator) -> dict:
+    """``inputs`` with keys whose norms or directions tie (:data:`eviction.KEY_MODES`), integer-valued."""
+    b, hkv, n, d = inputs["k"].shape
+    keys = eviction.crafted_keys(mode, b, hkv, n, d, gen, torch.float64) / d  # O(1) logits
+    return {**inputs, "k": keys}
 
 
 def check_evictor(target: Target) -> None:
-    """Evictor properties, at budgets derived from the evictor (:func:`eviction.budgets_for`: its smallest accepted
-    budget, the one just above what it protects, one between): on crafted caches it evicts exactly the token its
-    declared rule names and never a protected one; in real decoding a budget >= N changes nothing, and at each
-    derived budget (where eviction happens) the budget holds after every step, no protected token is evicted, and
-    what the spec itself protects (BOS under ``protect_bos``, a ``sink``) is never evicted."""
+    """Evictor properties. On crafted caches (:func:`eviction.check_rule_on_crafted_caches`), at budgets 2, 5 and 8
+    (those it accepts) and the budgets derived from the evictor (:func:`eviction.budgets_for`: its smallest accepted
+    budget, the one just above what it protects, one between), with random keys and keys whose norms or directions
+    tie: it evicts exactly the token its declared rule names and never a protected one, nor one the spec itself
+    protects. In real decoding, a budget >= N changes nothing, and at each derived budget (where eviction happens;
+    at the smallest also with every key the same vector, so that every score computed from the keys ties), the
+    budget holds after every step, no protected token is evicted, and what the spec itself protects (BOS under
+    ``protect_bos``, a ``sink``) is never evicted."""
     if target.spec.cache is None:
         raise Unsupported("spec has no cache evictor")
     target.require(decode=True)
@@ -129,7 +139,9 @@ def check_evictor(target: Target) -> None:
     factory = lambda: variant.plan.evictor_cls(target.spec.cache)  # noqa: E731 - a fresh evictor per use
     has_accumulator = "accumulator" in target.spec.slots()
     budgets = eviction.budgets_for(factory, has_accumulator)
-    eviction.check_rule_on_crafted_caches(factory, budgets, has_accumulator, target.generator("crafted"))
+    keep = eviction.must_keep(target.spec)
+    eviction.check_rule_on_crafted_caches(factory, eviction.crafted_budgets(factory, budgets), has_accumulator,
+                                          target.generator("crafted"), keep)
     n = max(24, max(budgets) + 8)  # every derived budget evicts, several times
     inputs = random_case(target, Shape(f"evict-n{n}", 1, 2, 1, n, 8))
     truth = memo(target, ("evict-truth", n),
@@ -139,18 +151,20 @@ def check_evictor(target: Target) -> None:
         low = memo(target, ("evict-low", n, target.dtype),
                    lambda: run_batch(target.reference(), inputs, target.dtype, False))["out"]
     full, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=n, watch=True)
-    close(target, "budget >= N", full, truth, low, inputs)
+    close(target, "budget >= N", full, truth, low, inputs, AXES["out"])
     if cache.evicted or problems:
         raise AssertionError(f"budget >= N: {cache.evicted} tokens evicted {'; '.join(problems)}")
-    keep = eviction.must_keep(target.spec)
+    # and, at the smallest budget, every key the same vector: every key norm, key direction and attention weight ties
+    tied = _tied_keys(inputs, "identical", target.generator("tied-keys"))
     for budget in budgets:
-        _, cache, problems = _decode(variant, inputs, target.dtype, target.device, budget=budget,
-                                     prefill=min(4, budget), watch=True, keep=keep)
-        if problems:
-            raise AssertionError(f"budget {budget}: {problems[0]}")
-        if cache.num_tokens != budget or not cache.evicted:
-            raise AssertionError(f"budget {budget}: cache holds {cache.num_tokens} tokens after {n} steps, "
-                                 f"{cache.evicted} evicted")
+        for keys, run in [("", inputs)] + ([(", identical keys", tied)] if budget == budgets[0] else []):
+            _, cache, problems = _decode(variant, run, target.dtype, target.device, budget=budget,
+                                         prefill=min(4, budget), watch=True, keep=keep)
+            if problems:
+                raise AssertionError(f"budget {budget}{keys}: {problems[0]}")
+            if cache.num_tokens != budget or not cache.evicted:
+                raise AssertionError(f"budget {budget}{keys}: cache holds {cache.num_tokens} tokens after {n} "
+                                     f"steps, {cache.evicted} evicted")
 
 
 #: decode steps after the prefill in :func:`check_evicted_decode` (at least; twice the budget when that is more)
@@ -214,7 +228,7 @@ def check_evicted_decode(target: Target) -> None:
                 raise AssertionError(f"{where}: after {label}: the cache keeps "
                                      f"positions {kept[i, j].tolist()} (batch row {i}, key/value head {j}) where "
                                      f"the reference keeps {want_kept[i, j].tolist()}")
-            close(target, f"{where}: {label}: out", out, want, None, inputs)
+            close(target, f"{where}: {label}: out", out, want, None, inputs, AXES["out"])
             evicting += evicted > 0
     if not evicting:
         raise AssertionError(f"decode past eviction (spec '{spec.name}'): not run, because no step after an "

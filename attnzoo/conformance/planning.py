@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import checks, checks_decode
+from . import checks, checks_decode, checks_transform
 from .vectors import VECTOR_DIR, cases_for
 
 
@@ -85,7 +85,8 @@ ALL_CHECKS = "all-checks"
 #: the triton backend offers no fast decoding step, so the case is unsupported at once.
 INTERPRETER_SECONDS = {"vectors": 0.3, "accumulated": 0.5, "decode": 3.5, "causality": 0.1, "batch-invariance": 0.15,
                        "evictor": 0.9, "evicted-decode": 2.5, "padded-decode": 2.3, "fast-step": 0.0,
-                       "determinism": 0.3, "packed/outputs": 0.7, "packed/gradients": 2.7, "packed/prefill": 3.7}
+                       "determinism": 0.3, "packed/outputs": 0.7, "packed/gradients": 2.7, "packed/prefill": 3.7,
+                       "finite-differences": 0.0, "weights": 0.0}  # these two run on the reference alone
 #: the interpreter's start (its first kernels), paid once per run
 INTERPRETER_START_SECONDS = 1.5
 
@@ -125,8 +126,9 @@ class Planned:
 
 
 def planned(target: checks.Target, profile: str) -> list[Planned]:
-    """The checks of one spec on one backend in one dtype, in the profile: float64 and float32 get every check,
-    float16 and bfloat16 outputs and gradients on :data:`checks.HALF_SHAPES`, ``accumulated`` and ``decode``."""
+    """The checks of one spec on one backend in one dtype, in the profile: float64 and float32 get every check
+    (``finite-differences`` float64 only), float16 and bfloat16 outputs and gradients on :data:`checks.HALF_SHAPES`,
+    ``accumulated`` and ``decode``."""
     half = target.dtype in checks.HALF
     out = []
     if (VECTOR_DIR / f"{target.spec.name}.json").exists() and not half:
@@ -137,6 +139,10 @@ def planned(target: checks.Target, profile: str) -> list[Planned]:
             continue
         out.append(Planned(f"outputs/{shape.id}", _flags(shape), checks.check_differential, (shape, False), shape))
         out.append(Planned(f"gradients/{shape.id}", _flags(shape), checks.check_differential, (shape, True), shape))
+    if target.dtype == torch.float64:  # the reference's gradients against its outputs: float64 only
+        out.append(Planned("finite-differences", ("gradients",), checks_transform.check_finite_differences, ()))
+    if not half and "probability" in target.spec.slots():  # only a spec with a probability map has weights
+        out.append(Planned("weights", ("probability",), checks_transform.check_weights, ()))
     out.append(Planned("accumulated", ("accumulator",), checks.check_accumulated, ()))
     out.append(Planned("decode", ("decode", "offset-positions"), checks_decode.check_decode, ()))
     if half:

@@ -42,9 +42,18 @@ def allowance(truth: torch.Tensor, low: torch.Tensor | None, dtype: torch.dtype)
     return FACTOR * torch.maximum(ref_err, torch.quantile(ref_err.flatten(), QUANTILE)) + floor
 
 
+def _at(where: tuple[int, ...], axes: tuple[str, ...] | None) -> str:
+    """``(0, 1, 3, 2)``, followed by the axes' names when ``axes`` names each (``batch row 0, head 1, ...``)."""
+    if axes is None or len(axes) != len(where):
+        return str(where)
+    return f"{where} ({', '.join(f'{axis} {i}' for axis, i in zip(axes, where, strict=True))})"
+
+
 def check_close(name: str, got: torch.Tensor, truth: torch.Tensor, reference_in_dtype: torch.Tensor | None,
-                dtype: torch.dtype) -> None:
-    """Raise AssertionError (one line) unless ``got`` meets the rule against the float64 ``truth``."""
+                dtype: torch.dtype, axes: tuple[str, ...] | None = None) -> None:
+    """Raise AssertionError (one line) unless ``got`` meets the rule against the float64 ``truth``. ``axes``: the
+    names of the tensor's axes (``("batch row", "head", "token", "dim")``), which the failure line spells out at
+    the element it names."""
     if got.shape != truth.shape:
         raise AssertionError(f"{name}: shape {tuple(got.shape)}, expected {tuple(truth.shape)}")
     got64 = got.detach().cpu().to(torch.float64)
@@ -54,7 +63,7 @@ def check_close(name: str, got: torch.Tensor, truth: torch.Tensor, reference_in_
     bad = ~torch.isfinite(got64) & finite
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0].tolist())
-        raise AssertionError(f"{name}: non-finite value at {where} ({int(bad.sum())} elements) where the "
+        raise AssertionError(f"{name}: non-finite value at {_at(where, axes)} ({int(bad.sum())} elements) where the "
                              f"reference is finite (an unwritten or overflowing element)")
     if not bool(finite.all()):
         where = tuple(int(i) for i in (~finite).nonzero()[0].tolist())
@@ -71,6 +80,7 @@ def check_close(name: str, got: torch.Tensor, truth: torch.Tensor, reference_in_
         where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), truth.shape))
         raise AssertionError(
             f"{name}: error {float(err.flatten()[worst]):.3g} > allowed {float(allowed.flatten()[worst]):.3g} at "
-            f"{where} (got {float(got64.flatten()[worst]):.6g}, expected {float(truth.flatten()[worst]):.6g}; "
+            f"{_at(where, axes)} (got {float(got64.flatten()[worst]):.6g}, expected "
+            f"{float(truth.flatten()[worst]):.6g}; "
             f"{int(over.sum())} of {over.numel()} elements over; rule: {FACTOR:g} x reference "
             f"{str(dtype).removeprefix('torch.')} error + floor, element-wise)")
