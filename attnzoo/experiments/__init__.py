@@ -9,6 +9,7 @@ show_progress)`` returning ``{"runs": [...], "summary": {...}}`` and ``plot(resu
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from pathlib import Path
 
@@ -18,6 +19,7 @@ EXPERIMENTS = {
     "denoising": ("denoising", "SSA value temperature vs vanilla, naive averaging and Bayes"),
     "graph": ("graph", "SSA query temperature on a random-graph next-token task"),
     "language-model": ("language_model", "byte-level LM on the Python docs: perplexity and the budget curve"),
+    "finetune": ("finetune", "SmolLM2-135M fine-tuned with SSA / selective + memory loss, then pruned"),
 }
 
 
@@ -86,7 +88,8 @@ def run_experiment(name: str, out: str | Path | None, show_progress: bool = True
     cfg = config(name, **overrides)
     start = time.perf_counter()
     results = {"experiment": name, "config": cfg, "environment": common.environment()}
-    results.update(mod.run(cfg, show_progress=show_progress))
+    extra = {"out": Path(out)} if out is not None and "out" in inspect.signature(mod.run).parameters else {}
+    results.update(mod.run(cfg, show_progress=show_progress, **extra))
     results["seconds"] = round(time.perf_counter() - start, 1)
     results["plots"], results["json"] = [], None
     if out is not None:

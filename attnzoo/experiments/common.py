@@ -167,25 +167,46 @@ class TrainLog:
     steps: list[int] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
+    #: the steps trained (fewer than asked when a deadline stopped it), and the step a resumed run went on from
+    done: int = 0
+    resumed_at: int | None = None
+    stopped: str | None = None
 
     def as_dict(self) -> dict:
-        return {"steps": self.steps, "losses": self.losses, "seconds": round(self.seconds, 2)}
+        return {"steps": self.steps, "losses": self.losses, "seconds": round(self.seconds, 2), "done": self.done,
+                "resumed_at": self.resumed_at, "stopped": self.stopped}
 
 
 def train(model, batches, steps: int, lr: float, loss_fn, desc: str, show_progress: bool = True,
           transform_lr: float | None = None, memory_eps: float = 0.0, log_every: int = 10, warmup: int = 50,
-          weight_decay: float = 0.01) -> TrainLog:
+          weight_decay: float = 0.01, deadline: float | None = None, checkpoints=None,
+          checkpoint_every: int = 0) -> TrainLog:
     """AdamW with warm-up and cosine decay; the attnzoo transforms in their own group (no weight decay,
     ``transform_lr``); ``memory_eps`` > 0 adds selective attention's memory loss (docs/papers.md §2) recorded
     with :func:`attnzoo.nn.recording_accumulated`. ``batches(step)`` gives one batch, ``loss_fn(model, batch)``
-    its task loss."""
+    its task loss. ``deadline`` (a ``time.perf_counter()`` value): stop before a step that would start after it
+    (``log.stopped`` says so). ``checkpoints`` (an object with ``resume(model, opt)`` -> (step, log dict) or None
+    and ``save(step, model, opt, log dict, done)``): resume from it, save every ``checkpoint_every`` steps and at
+    the end (the batches of a step depend on the step alone, so a resumed run sees the data it would have)."""
     groups = zoo_nn.parameter_groups(model, lr=lr, transform_lr=transform_lr, weight_decay=weight_decay)
     opt = torch.optim.AdamW(groups, betas=(0.9, 0.98))
     base = [g["lr"] for g in opt.param_groups]
-    log, start = TrainLog(), time.perf_counter()
+    log, start, first = TrainLog(), time.perf_counter(), 0
+    if checkpoints is not None:
+        resumed = checkpoints.resume(model, opt)
+        if resumed is not None:
+            first, saved = resumed
+            log.steps, log.losses = list(saved["steps"]), list(saved["losses"])
+            log.seconds, log.resumed_at = float(saved["seconds"]), first
+            start -= log.seconds  # the seconds of the earlier runs count
     model.train()
     with progress(steps, desc, show_progress) as bar:
-        for step in range(steps):
+        bar.update(first)
+        log.done = first
+        for step in range(first, steps):
+            if deadline is not None and time.perf_counter() >= deadline:
+                log.stopped = f"the time limit stopped it after {step} of {steps} steps"
+                break
             if _PROBE and step in (1, 1 + _PROBE[-1].steps):
                 if step == 1:
                     probe_start = time.perf_counter()
@@ -212,7 +233,14 @@ def train(model, batches, steps: int, lr: float, loss_fn, desc: str, show_progre
                 log.losses.append(loss.item())
                 bar.set_postfix(loss=f"{loss.item():.4f}")
             bar.update(1)
+            log.done = step + 1
+            if checkpoints is not None and checkpoint_every and log.done % checkpoint_every == 0 \
+                    and log.done < steps:
+                log.seconds = time.perf_counter() - start
+                checkpoints.save(log.done, model, opt, log.as_dict())
     log.seconds = time.perf_counter() - start
+    if checkpoints is not None:
+        checkpoints.save(log.done, model, opt, log.as_dict(), done=log.done == steps)
     model.eval()
     return log
 

@@ -19,6 +19,7 @@ class Setting:
     low: float = 1
     high: float = 1_000_000
     open_low: bool = False
+    choices: tuple[str, ...] = ()
 
     def range(self) -> str:
         if self.kind == "float":
@@ -44,6 +45,9 @@ SETTINGS: dict[str, Setting] = {
     "test_assignments": Setting("ints", 1, 65_536), "degrees": Setting("ints", 1, 65_536),
     "budgets": Setting("budgets", 1, 1_000_000),
     "pruned_spec": Setting("name"), "window_spec": Setting("spec"),
+    "train": Setting("choice", choices=("attention", "all")), "minutes": Setting("float", 0, 100_000),
+    "checkpoint_every": Setting("int", 0, 10_000_000), "eval_context": SIZE, "baselines": Setting("names", low=0),
+    "serve_budget": Setting("int", 1, 1_000_000), "save": Setting("int", 0, 1),
 }
 
 
@@ -84,6 +88,8 @@ def check_value(experiment: str, key: str, value: Any) -> None:
             raise bad("must be a spec name")
     elif setting.kind == "spec" and not (isinstance(value, (str, dict)) and value):
         raise bad("must be a spec name or a spec mapping")
+    elif setting.kind == "choice" and value not in setting.choices:
+        raise bad(f"must be one of {', '.join(setting.choices)}")
 
 
 def check(experiment: str, cfg: dict, tasks=None) -> None:
@@ -113,6 +119,9 @@ def check(experiment: str, cfg: dict, tasks=None) -> None:
     if {"n", "k"} <= set(cfg):
         need(cfg["k"] <= cfg["n"], f"k ({cfg['k']}) must be at most n ({cfg['n']}): k of the n tokens carry the "
              "signal")
+    if {"context", "eval_context"} <= set(cfg):
+        need(cfg["eval_context"] >= 8, f"eval_context ({cfg['eval_context']}) must be at least 8 tokens: its last "
+             "quarter is scored")
     if "tasks" in cfg and isinstance(cfg.get("budgets"), dict):
         missing = [t for t in cfg["tasks"] if t not in cfg["budgets"]]
         need(not missing, f"budgets names no budgets for task '{missing[0]}'" if missing else "")
