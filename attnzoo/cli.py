@@ -239,12 +239,10 @@ def cmd_build(args) -> int:
 
 
 def cmd_new_plugin(args) -> int:
-    from .scaffold import names, scaffold
+    from .scaffold import scaffold, summary
 
-    root = scaffold(args.name, args.dir)
-    n = names(args.name)
-    print(f"wrote {root}/: transforms {n['gain']} (query), {n['temperature']} (logits, with a Triton fragment), "
-          f"evictor {n['evictor']}, spec {n['spec']}, tests")
+    root = scaffold(args.name, args.dir, args.kind)
+    print(f"wrote {root}/: {summary(args.name, args.kind)}, tests")
     print(f"next: pip install -e {root} && pytest {root}/tests   (docs/plugin-tutorial.md explains each piece)")
     return EXIT_OK
 
@@ -464,6 +462,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME", help="the plugin's name: lowercase letters and digits, words joined by "
                    "- or _ (the package is attnzoo-NAME)")
     p.add_argument("--dir", default=".", help="where to write attnzoo-NAME/ (default: the current directory)")
+    p.add_argument("--kind", default="all", choices=("all", "transform", "map", "evictor"),
+                   help="what the package adds: all (default: a row map, a logits transform with a Triton fragment "
+                   "and an evictor), transform (a learnable query scale), map (a probability map with its blocked "
+                   "form) or evictor (an evictor-only package); each with a spec, formula tests and the conformance "
+                   "suite")
     p.set_defaults(func=cmd_new_plugin)
 
     p = sub.add_parser("experiment", help="reproduce a paper's effect at small scale (docs/experiments.md)")
