@@ -297,17 +297,20 @@ def budget_of(fraction: float, length: int) -> int:
 def split_method(method: str) -> tuple[str, int | None]:
     """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8); 'snapkv@4u' -> ('snapkv', 4): a spec, and the
     bits its cache holds keys and values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
-    name, _, bits = method.partition("@")
+    name, _, bits = method.partition("/")[0].partition("@")
     return name, (int(bits.rstrip("u")) if bits else None)
 
 
 def cache_options(method: str) -> dict:
     """``AttnzooCache`` options of a method: ``spec@8`` / ``spec@4`` quantized in Hadamard-rotated coordinates (the
-    cache's default), ``spec@8u`` / ``spec@4u`` unrotated (``kv_rotate=False``)."""
-    _, bits = split_method(method)
+    cache's default), ``spec@8u`` / ``spec@4u`` unrotated (``kv_rotate=False``); a ``/prefill`` suffix: the prompt
+    compressed at prefill and every later token kept (``evict="prefill"``, kvpress's way)."""
+    base, _, mode = method.partition("/")
+    _, bits = split_method(base)
+    options = {"evict": "prefill"} if mode == "prefill" else {}
     if bits is None:
-        return {}
-    return {"kv_bits": bits, **({"kv_rotate": False} if method.endswith("u") else {})}
+        return options
+    return {**options, "kv_bits": bits, **({"kv_rotate": False} if base.endswith("u") else {})}
 
 
 def kv_bits_choice(value: str):
@@ -486,6 +489,10 @@ def to_markdown(result: dict) -> str:
     lines += [f"### Perplexity ({p['docs']} text(s) of the corpus: {p['prefix']} tokens compressed at prefill, "
               f"{p['continuation']} teacher-forced token by token through the compressed cache, decode-time "
               f"eviction on)", ""]
+    if any(m.endswith("/prefill") for m in summary["ppl"]):
+        lines += ["`/prefill` rows: the prefix compressed at prefill (`AttnzooCache(evict=\"prefill\")`), the "
+                  "continuation fed token by token and every token of it kept, as kvpress's rows: their cache "
+                  "grows by the continuation; the fraction is that of the compressed prefix.", ""]
     if any(m.startswith("kvpress") for m in summary["ppl"]):
         lines += ["kvpress rows: the prefix compressed at prefill, the continuation fed token by token with no "
                   "eviction (kvpress's presses do not run at decode): their cache grows by the continuation.", ""]
@@ -617,6 +624,10 @@ def parse(argv=None):
                     help="per spec, the caches to run: 'none' (keys and values unquantized), 8, 4 "
                          "(AttnzooCache(kv_bits=...), Hadamard-rotated), 8u, 4u (unrotated, kv_rotate=False); "
                          "e.g. --kv-bits none 8 4")
+    ap.add_argument("--evict", nargs="+", default=["always"], choices=["always", "prefill"],
+                    help="per spec: 'always' (the budget holds at every step, the default) and/or 'prefill' (the "
+                         "prompt compressed at prefill, every later token kept, as kvpress's presses do; method "
+                         "names end in /prefill)")
     ap.add_argument("--specs", nargs="*", default=None,
                     help="evicting specs to run (default: every registered spec with a cache evictor; none given: "
                          "the full cache only, e.g. beside kvpress)")
@@ -707,7 +718,8 @@ def main(argv=None) -> dict:
     zoo, _ = zt.smollm2(progress=False)
     folder = models.ensure(models.SMOLLM2, progress=False).folder
     names, aliases = evicting_specs(args.specs, args.exclude)
-    methods = [name if bits is None else f"{name}@{bits}" for name in names for bits in args.kv_bits]
+    methods = [(name if bits is None else f"{name}@{bits}") + ("" if evict == "always" else f"/{evict}")
+               for name in names for bits in args.kv_bits for evict in args.evict]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
     docs = ppl_docs(tokenizer, args.ppl_docs, args.ppl_prefix, args.ppl_continuation, args.seed)
     per_method = len(cases) + len(docs)

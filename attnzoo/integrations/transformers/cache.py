@@ -67,7 +67,7 @@ class AttnzooLayer(CacheLayerMixin):
     _last_step = 0
 
     def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None,
-                 kv_rotate: bool = True) -> None:
+                 kv_rotate: bool = True, evict: str = "always") -> None:
         super().__init__()
         self.index = index
         self.core = core
@@ -76,6 +76,10 @@ class AttnzooLayer(CacheLayerMixin):
         self.kv_bits = kv_bits
         #: quantized in Hadamard-rotated coordinates (KVCache.pack's ``rotate``)
         self.kv_rotate = kv_rotate
+        #: "always": the budget holds at every step; "prefill": a prefill evicts down to it, a one-token step keeps
+        #: every token it appends (the cache grows while decoding, as kvpress's compressed contexts do)
+        self.evict = evict
+        self._step_budget: int | None = None  # the budget resolved at the first prefill ("prefill" mode)
         self.kv = None
         self.seen = 0
         self._pending: torch.Tensor | None = None
@@ -219,11 +223,17 @@ class AttnzooLayer(CacheLayerMixin):
         positions = given
         if self.kv is None:
             self.kv = core.new_cache(b, budget=self.resolve_budget(k, key_mask, here))
+            self._step_budget = self.kv.budget
             start = first_positions(positions, key_mask)
             if start is not None:
                 self.kv.next_position = start
         if positions is not None:
             check_cache_positions(self.kv, positions, key_mask, here)
+        if self.evict == "prefill":  # the budget at a prefill, none at a one-token step
+            want = self._step_budget if q.shape[2] > 1 else None
+            if self.kv.budget != want:
+                self.kv.budget = want
+                self.kv.step_state.forget()
         if self.kv_bits is not None:  # dequantized for this step; its new tokens attended as given, packed after it
             self.kv.unpack()
         if q.shape[2] == 1:
@@ -294,11 +304,17 @@ class AttnzooCache(Cache):
     (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
     attends its new tokens in full precision, and packs them with the rest after it; ``kv_rotate`` (default True)
     quantizes each token in Hadamard-rotated coordinates (outlier channels no longer set its scale; False: the
-    head's own coordinates)."""
+    head's own coordinates). ``evict``: ``"always"`` (default) keeps the budget at every step, so memory stays
+    bounded however long the generation; ``"prefill"`` compresses each prompt (a step of several tokens) down to the
+    budget and keeps every generated token (memory grows by the tokens generated: kvpress's way, a compressed
+    context then a free answer)."""
 
-    def __init__(self, model, budget=UNSET, kv_bits: int | None = None, kv_rotate: bool = True) -> None:
+    def __init__(self, model, budget=UNSET, kv_bits: int | None = None, kv_rotate: bool = True,
+                 evict: str = "always") -> None:
         if not isinstance(kv_rotate, bool):
             raise IntegrationError(f"AttnzooCache: kv_rotate must be True or False, got {kv_rotate!r}")
+        if evict not in ("always", "prefill"):
+            raise IntegrationError(f"AttnzooCache: evict must be 'always' or 'prefill', got {evict!r}")
         if kv_bits is not None:
             try:
                 check_bits(kv_bits, "kv_bits")
@@ -316,10 +332,11 @@ class AttnzooCache(Cache):
             if kv_bits == 4 and core.head_dim % 2:
                 raise IntegrationError(f"{where(module)}: kv_bits=4 packs two codes a byte: the head size must be "
                                        f"even, got {core.head_dim}")
-            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate))
+            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate, evict))
         super().__init__(layers=layers)
         self.kv_bits = kv_bits
         self.kv_rotate = kv_rotate
+        self.evict = evict
 
     def _layer_for(self, module) -> AttnzooLayer:
         index = module.layer_idx
