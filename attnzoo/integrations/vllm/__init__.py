@@ -19,7 +19,7 @@ TESTED_VLLM = "0.32.0"
 
 def register() -> None:
     """vLLM's plugin hook: register the attention backend and the weight filter. Idempotent."""
-    from .backend import install
+    from .install import install
 
     install()
 

@@ -34,9 +34,10 @@ def test_every_pages_views_are_each_pages_bytes(dtype):
 
 
 def _serving_layer(spec: str, budget: int, dtype):
-    """The serving layer of ``attnzoo.integrations.vllm.backend`` around a core of ``spec`` (its parameters moved off
-    their initial values), made without a checkpoint or an engine; and the core alone, for the reference."""
-    from attnzoo.integrations.vllm import backend
+    """The serving layer (``attnzoo.integrations.vllm.layer.Layer``) around a core of ``spec`` (its parameters moved
+    off their initial values), made by its constructor without a checkpoint or an engine; and the core alone, for
+    the reference."""
+    from attnzoo.integrations.vllm.layer import Layer
     from attnzoo.nn import Attention
     from attnzoo.spec import load_spec
 
@@ -45,8 +46,7 @@ def _serving_layer(spec: str, budget: int, dtype):
     with torch.no_grad():
         for p in core.parameters():
             p.add_(0.3 * torch.randn_like(p))
-    layer = object.__new__(backend._Layer)  # what its __init__ does after loading the checkpoint's parameters
-    layer._adopt(core, budget, "test")
+    layer = Layer(core, budget, "test")
     assert layer.batchable
     return layer, core
 
@@ -65,7 +65,7 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     import types
 
     from attnzoo.core.numerics import accumulator_dtype
-    from attnzoo.integrations.vllm import backend
+    from attnzoo.integrations.vllm import pages as page_ops
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
 
     dtype, budget, lengths, steps = torch.float64, 8, [7, 20, 20, 20, 3], 12
@@ -74,8 +74,8 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
     kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
     seen = []
-    real = backend._consecutive
-    monkeypatch.setattr(backend, "_consecutive", lambda b: seen.append(real(b)) or seen[-1])
+    real = page_ops.consecutive
+    monkeypatch.setattr(page_ops, "consecutive", lambda b: seen.append(real(b)) or seen[-1])
     gen = torch.Generator().manual_seed(0)
     caches = [core.new_cache(1, budget=budget) for _ in lengths]
     table = torch.tensor(blocks, dtype=torch.int32).unsqueeze(1)
@@ -140,7 +140,7 @@ def test_a_step_whose_requests_share_a_page_is_refused_before_any_write(spec, le
     prompt beside a step), and no page is written; without the check the same step writes them."""
     from attnzoo.core.numerics import accumulator_dtype
     from attnzoo.integrations.transformers.base import IntegrationError
-    from attnzoo.integrations.vllm import backend
+    from attnzoo.integrations.vllm import pages as page_ops
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
 
     dtype, budget = torch.float64, 8
@@ -158,7 +158,7 @@ def test_a_step_whose_requests_share_a_page_is_refused_before_any_write(spec, le
     assert "\n" not in line and line.startswith("test: vLLM's scheduler gave requests")
     assert f"requests {rows} of this step" in line and f"same ring page, block {block}:" in line
     assert torch.equal(kv_cache, before)  # no page, no header written
-    monkeypatch.setattr(backend, "_distinct_pages", lambda *args: None)  # what the check stops: pages written
+    monkeypatch.setattr(page_ops, "distinct_pages", lambda *args: None)  # what the check stops: pages written
     try:  # with no word, or (lone steps) the second request's header check, after the first wrote the page
         _step(layer, geometry, kv_cache, blocks, counts, lengths, gen)
     except IntegrationError as exc:
@@ -169,8 +169,8 @@ def test_a_step_whose_requests_share_a_page_is_refused_before_any_write(spec, le
 def test_a_request_without_new_tokens_shares_no_page():
     """A row of the step without new tokens writes nothing: its block id is not counted."""
     from attnzoo.integrations.transformers.base import IntegrationError
-    from attnzoo.integrations.vllm import backend
+    from attnzoo.integrations.vllm.pages import distinct_pages
 
-    backend._distinct_pages([3, 3, 4], torch.tensor([0, 1, 1]), "test")
+    distinct_pages([3, 3, 4], torch.tensor([0, 1, 1]), "test")
     with pytest.raises(IntegrationError, match="requests 0 and 1 of this step .* block 3:"):
-        backend._distinct_pages([3, 3, 4], torch.tensor([1, 1, 0]), "test")
+        distinct_pages([3, 3, 4], torch.tensor([1, 1, 0]), "test")

@@ -1,0 +1,268 @@
+"""The attention of one vLLM layer under an attnzoo spec (``backend.py``'s impl runs it): over vLLM's paged cache,
+every request's keys and values gathered from its pages through the block table and its new queries attending over
+them with the blocked backend (queries at their positions against keys at theirs): decoding requests together, as
+one batch padded after their last key (causality hides the padding), prefills one by one; over an evicting spec's
+ring pages (``ring.py``), the core's prefill with eviction and decode steps on the pages. The pages' bytes are read
+and written by ``pages.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from ...backends.blocked import BlockedBackend
+from ...nn import Attention
+from ...transforms.base import Dims, Slot
+from ..transformers.base import IntegrationError
+from . import pages as pg
+from .spec import layer_index, layer_parameters, layer_spec, native_call
+from .start import budgets
+
+
+class Layer:
+    """One vLLM attention layer's attnzoo core (the composed spec, its parameters loaded) and the attention over the
+    paged cache: vLLM's pages (:meth:`attend`) or an evicting spec's ring pages (:meth:`attend_pruned`)."""
+
+    def __init__(self, core: Attention, budget: int | None, where: str) -> None:
+        """Serve ``core`` (its parameters loaded: :func:`load_layer`), an evicting spec's pages holding ``budget``
+        tokens; ``where`` names the layer in errors."""
+        core.requires_grad_(False)
+        self.core, self.plan = core, core.variant.plan
+        self.blocked = BlockedBackend()
+        self.heads, self.kv_heads, self.head_dim = core.num_heads, core.num_kv_heads, core.head_dim
+        self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
+        self.budget = budget  # an evicting spec's, for its page
+        self.where = where
+        #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
+        #: no window horizon, so each row's step evicts exactly one token
+        self.batchable = self.budget is not None and core.new_cache(1, budget=self.budget).horizon is None
+        #: what the last re-attached cache of each batch size validated: the next keeps its fast step
+        self.states: dict[int, object] = {}
+        #: ((data pointer, shape, dtype) of the cache tensor, its pages' typed views): see _pages
+        self.page_views: tuple | None = None
+
+    def attend(self, query, kv_cache, meta, output) -> None:
+        n = meta.num_actual_tokens
+        key_pages, value_pages = pg.kv_pages(kv_cache)
+        starts = meta.query_start_loc.tolist()
+        lengths = meta.seq_lens.tolist()
+        out = output[:n].view(n, self.heads, self.head_dim)
+        decoding = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
+        if decoding:
+            self._decode(query, key_pages, value_pages, meta.block_table, starts, lengths, decoding, out)
+        for i in range(len(lengths)):
+            if starts[i + 1] - starts[i] > 1:
+                rows = slice(starts[i], starts[i + 1])
+                k, v = pg.gather(key_pages, value_pages, meta.block_table[i:i + 1], lengths[i], lengths[i])
+                q = query[rows].transpose(0, 1).unsqueeze(0)
+                kpos = torch.arange(1, lengths[i] + 1, device=q.device).unsqueeze(0)
+                out[rows] = self._attend(q, k, v, kpos[:, lengths[i] - q.shape[2]:], kpos)[0].transpose(0, 1)
+
+    def attend_pruned(self, geometry, query, key, value, kv_cache, meta, output) -> None:
+        """An evicting spec: each request's pruned cache lives in its page (``ring.py``; block
+        ``block_table[i, 0]``, the same for the request's whole life). A prompt (nothing computed before) runs the
+        core's prefill with eviction (:meth:`_prefill`), as attnzoo's own prefill does, and stores what it keeps in
+        its page; decoding requests whose pages are full step as one batch (:meth:`_decode_full`), the others one at
+        a time (:meth:`_decode_one`). Refused before any page is written: two requests of the step on one page
+        (:func:`.pages.distinct_pages`)."""
+        n = meta.num_actual_tokens
+        pages = self._pages(geometry, kv_cache)
+        starts_t = meta.query_start_loc.to(torch.int64)
+        counts_t = starts_t[1:] - starts_t[:-1]
+        lengths_t = meta.seq_lens.to(torch.int64)
+        blocks_t = meta.block_table[:, 0].to(torch.int64)
+        blocks = blocks_t.tolist()
+        pg.distinct_pages(blocks, counts_t, self.where)
+        out = output[:n].view(n, self.heads, self.head_dim)
+        full = self._full_pages(pages, counts_t, lengths_t, blocks_t)
+        if full.numel() > 1:  # one request alone takes the step below
+            self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
+                              out)
+            counts_t = counts_t.index_fill(0, full, 0)
+        starts, lengths = starts_t.tolist(), lengths_t.tolist()
+        prompts: dict[int, list[int]] = {}  # prompt length -> its requests
+        for i in torch.nonzero(counts_t).flatten().tolist():
+            count, length = starts[i + 1] - starts[i], lengths[i]
+            if count == length:
+                prompts.setdefault(count, []).append(i)
+            elif count == 1:
+                self._decode_one(pages, query, key, value, starts[i], blocks[i], length - 1, i, out)
+            else:
+                raise IntegrationError(f"{self.where}: {count} new tokens after {length - count} for request {i}: a "
+                                       f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
+                                       f"start)")
+        for count, rows in prompts.items():
+            self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
+                          blocks_t.index_select(0, torch.tensor(rows)), out)
+
+    def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
+        """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
+        prefill with eviction into a fresh cache (each row exactly as alone: the prompts are the same length), the
+        kept tokens, in position order, into each page's first slots, the headers afresh (the generation counts a
+        page's prefills). Prompts of one length in a step go together: 8 prompts of 512 tokens took 0.85x the time
+        of one at a time (the selective prefill kernel, one thread)."""
+        from . import ring
+
+        rows = len(starts)
+        if rows == 1:
+            q, k, v = (t[starts[0]:starts[0] + count].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0)
+                       for t in (query, key, value))
+        else:
+            index = (torch.tensor(starts).unsqueeze(1) + torch.arange(count)).flatten()
+            q, k, v = (t.index_select(0, index).view(rows, count, -1, self.head_dim).transpose(1, 2)
+                       for t in (query, key, value))
+        cache = self.core.new_cache(rows, budget=self.budget)
+        o = self.core.prefill(q, k, v, cache)
+        if cache.num_tokens > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
+                                   f"page {geometry.slots}")
+        pg.store(pages, blocks, cache)
+        headers = pages["hdr"].index_select(0, blocks)
+        pages["hdr"].index_copy_(0, blocks, pg.headers(cache, torch.where(
+            headers[:, 0] == ring.MAGIC, headers[:, ring.GENERATION] + 1, 1)))
+        o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
+        if rows == 1:
+            out[starts[0]:starts[0] + count] = o[0]
+        else:
+            out.index_copy_(0, index, o.reshape(rows * count, *o.shape[2:]))
+
+    def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
+        """One decode step of one request whose page is not full (or a request alone): a cache attached to its
+        page's buffers, the core's decode step; whatever a step moved out of the page is copied back."""
+        from . import ring
+
+        header = pages["hdr"][block]
+        page = {name: view[block:block + 1] for name, view in pages.items()}
+        if int(header[0]) != ring.MAGIC or int(header[ring.NEXT]) != done + 1:
+            raise IntegrationError(f"{self.where}: request {i}'s page (block {block}) does not continue at token "
+                                   f"{done + 1} (header {header.tolist()})")
+        q, k, v = (t[start:start + 1].view(1, -1, 1, self.head_dim) for t in (query, key, value))
+        cache = self.core.new_cache(1, budget=self.budget)
+        cache.attach(page["keys"], page["values"], page["positions"],
+                     {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
+                     int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]), expired=int(header[ring.EXPIRED]),
+                     scrambled=bool(header[ring.SCRAMBLED]), step_state=self.states.get(1))
+        o = self.core.decode(q, k, v, cache)
+        self.states[1] = cache.step_state
+        if pg.moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
+            pg.store(pages, torch.tensor([block]), cache)
+        header.copy_(pg.headers(cache, header[ring.GENERATION])[0])
+        out[start] = o[0, :, 0].to(out.dtype)
+
+    def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
+        """The typed views of every page of this layer's cache tensor (``RingGeometry.all_views``), made once per
+        cache tensor."""
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
+        if self.page_views is None or self.page_views[0] != key:
+            self.page_views = (key, geometry.all_views(kv_cache))
+        return self.page_views[1]
+
+    def _full_pages(self, pages, counts, lengths, blocks) -> torch.Tensor:
+        """The decoding requests (indices) whose page holds ``budget`` tokens (every request once its history
+        reached the budget): one batch for their step. Only where each row's step evicts exactly one token (an
+        evictor and no window horizon; the cache's state per row is then the page's)."""
+        from . import ring
+
+        if not self.batchable:
+            return counts.new_zeros(0)
+        headers = pages["hdr"].index_select(0, blocks)
+        full = ((counts == 1) & (lengths > 1) & (headers[:, 0] == ring.MAGIC) & (headers[:, ring.HELD] == self.budget)
+                & (headers[:, ring.NEXT] == lengths))
+        return torch.nonzero(full).flatten()
+
+    def _decode_full(self, pages, query, key, value, index, blocks, out) -> None:
+        """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch,
+        the core's decode step (the fused C step over the rows) on one cache holding the rows at their own
+        positions. Pages in consecutive blocks (in any order: the rows then go in block order; vLLM hands out free
+        blocks in order, so requests admitted together usually are) are that cache's buffers, strided views of the
+        pages: the step reads and writes them in place.
+        Otherwise each page section is gathered (one ``index_select``, the spare slot included) and the held slots
+        scattered back as the step left them (in slot order: a page stays ``scrambled`` while the lean steps leave
+        it so); so is whatever an in-place step moved out of the pages."""
+        from . import ring
+
+        m, rows = self.budget, blocks.shape[0]
+        run = pg.consecutive(blocks)
+        in_place = run is not None
+        if in_place:  # the rows in block order
+            first, order = run
+            blocks, index = blocks.index_select(0, order), index.index_select(0, order)
+        headers = pages["hdr"].index_select(0, blocks)
+        cache = self.core.new_cache(rows, budget=m)
+        names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
+        home = {name: pages[name].narrow(0, first, rows) if in_place else pages[name].index_select(0, blocks)
+                for name in names}
+        cache.attach(home["keys"], home["values"], home["positions"],
+                     {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, ring.NEXT],
+                     scrambled=bool(headers[:, ring.SCRAMBLED].any()), step_state=self.states.get(rows))
+        q, k, v = (t.index_select(0, index).view(rows, -1, 1, self.head_dim) for t in (query, key, value))
+        o = self.core.decode(q, k, v, cache)
+        self.states[rows] = cache.step_state
+        if cache.num_tokens != m:
+            raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
+        buffers = cache.buffers()
+        for name in names:
+            held = buffers[name.replace("state.", "held.")]  # a state's held slots: the evictor's own tensor, maybe
+            if in_place and held is not None and held.data_ptr() == home[name].data_ptr():
+                continue  # the step wrote the page itself
+            section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
+            section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
+        headers[:, ring.NEXT] += 1
+        headers[:, ring.EVICTED] += 1
+        headers[:, ring.SCRAMBLED] = int(cache.scrambled)
+        pages["hdr"].index_copy_(0, blocks, headers)
+        out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
+
+    def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:
+        """One new token of each request in ``rows``: one batch, keys padded after each row's last (causality
+        hides them: the padding's positions come after the query's)."""
+        index = torch.tensor([starts[i] for i in rows], device=query.device)
+        lens = [lengths[i] for i in rows]
+        longest = max(lens)
+        k, v = pg.gather(key_pages, value_pages, block_table[rows], longest, longest)
+        q = query.index_select(0, index).unsqueeze(2)  # (B, H, 1, D)
+        kpos = torch.arange(1, longest + 1, device=q.device).expand(len(rows), -1)
+        qpos = torch.tensor(lens, device=q.device).unsqueeze(1)
+        out.index_copy_(0, index, self._attend(q, k, v, qpos, kpos)[:, :, 0])
+
+    def _attend(self, q, k, v, qpos, kpos):
+        """q (B, H, T, D) at qpos (B, T), over k, v (B, H_kv, L, D) at kpos (B, L): the spec's row maps at those
+        positions, the blocked backend's attention, the output row map."""
+        plan = self.plan
+        b, h, t, _ = q.shape
+        grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
+        qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
+        ks = plan.composition.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
+        vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
+        out = self.blocked.attend_rows(plan, qs, ks, vs, qpos, kpos.unsqueeze(1), grouped)
+        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), grouped)
+
+
+def load_layer(impl, layer_name: str) -> Layer:
+    """The :class:`Layer` of vLLM's attention impl ``impl`` (``backend.AttnzooCPUImpl``: its record, heads, native
+    attention, dtype and checkpoint directory) for the layer ``layer_name``: the layer's spec composed with its
+    native attention, the core built, its parameters bound to the impl's (the native scale, ...) and the rest read
+    from the checkpoint's safetensors files (all of them, each of its shape, or one line naming the first that is
+    not), its budget from the record."""
+    index = layer_index(layer_name)
+    where = f"{impl.model_dir}: attnzoo spec '{impl.record['name']}', layer {index}"
+    call = native_call(index, impl.num_heads, impl.num_kv_heads, impl.head_size, **impl.native)
+    spec, bound = layer_spec(impl.record, call, impl.model_type, where)
+    core = Attention(spec, impl.num_heads, impl.head_size, impl.num_kv_heads, backend="blocked",
+                     dtype=impl.dtype)
+    for key, attribute in bound.items():
+        core.bind_parameter(key, impl, attribute)
+    found = layer_parameters(impl.model_dir, index)
+    wanted = dict(core.state_dict(keep_vars=True))  # every tensor of the core, keyed as layer_parameters keys them
+    missing = sorted(set(wanted) - set(found))
+    extra = sorted(set(found) - set(wanted))
+    if missing or extra:
+        raise IntegrationError(f"{where}: the checkpoint's attnzoo parameters do not match the spec ("
+                               f"{'missing ' + missing[0] if missing else 'unexpected ' + extra[0]})")
+    with torch.no_grad():
+        for name, value in found.items():
+            if tuple(value.shape) != tuple(wanted[name].shape):
+                raise IntegrationError(f"{where}: parameter {name} has shape {tuple(value.shape)} in the "
+                                       f"checkpoint, the spec needs {tuple(wanted[name].shape)}")
+            wanted[name].copy_(value)
+    recorded = budgets(impl.record)
+    return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where)
