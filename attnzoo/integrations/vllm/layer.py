@@ -2,8 +2,8 @@
 every request's keys and values gathered from its pages through the block table and its new queries attending over
 them with the blocked backend (queries at their positions against keys at theirs): decoding requests together, as
 one batch padded after their last key (causality hides the padding), prefills one by one; over an evicting spec's
-ring pages (``ring.py``), the core's prefill with eviction and decode steps on the pages. The pages' bytes are read
-and written by ``pages.py``."""
+ring pages (``ring.py``), the core's prefill with eviction and decode steps on the pages. The step's requests are read
+from vLLM's metadata once per forward (``step.py``); the pages' bytes are read and written by ``pages.py``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..transformers.base import IntegrationError
 from . import pages as pg
 from .spec import layer_index, layer_parameters, layer_spec, native_call
 from .start import budgets
+from .step import step_of
 
 
 class Layer:
@@ -41,14 +42,15 @@ class Layer:
         self.page_views: tuple | None = None
 
     def attend(self, query, kv_cache, meta, output) -> None:
+        """A spec without eviction, over vLLM's pages: the decoding requests as one batch (:meth:`_decode`), each
+        prompt or chunk of one alone (the step's requests: :func:`.step.step_of`, once per forward)."""
         n = meta.num_actual_tokens
         key_pages, value_pages = pg.kv_pages(kv_cache)
-        starts = meta.query_start_loc.tolist()
-        lengths = meta.seq_lens.tolist()
+        step = step_of(meta)
+        starts, lengths = step.starts, step.lengths
         out = output[:n].view(n, self.heads, self.head_dim)
-        decoding = [i for i in range(len(lengths)) if starts[i + 1] - starts[i] == 1]
-        if decoding:
-            self._decode(query, key_pages, value_pages, meta.block_table, starts, lengths, decoding, out)
+        if step.decoding:
+            self._decode(query, key_pages, value_pages, meta.block_table, step, out)
         for i in range(len(lengths)):
             if starts[i + 1] - starts[i] > 1:
                 rows = slice(starts[i], starts[i + 1])
@@ -63,22 +65,20 @@ class Layer:
         core's prefill with eviction (:meth:`_prefill`), as attnzoo's own prefill does, and stores what it keeps in
         its page; decoding requests whose pages are full step as one batch (:meth:`_decode_full`), the others one at
         a time (:meth:`_decode_one`). Refused before any page is written: two requests of the step on one page
-        (:func:`.pages.distinct_pages`)."""
+        (:func:`.pages.distinct_pages`, once per forward). The step's requests are read from ``meta`` once per forward
+        (:func:`.step.step_of`); which pages are full, from this layer's headers."""
         n = meta.num_actual_tokens
         pages = self._pages(geometry, kv_cache)
-        starts_t = meta.query_start_loc.to(torch.int64)
-        counts_t = starts_t[1:] - starts_t[:-1]
-        lengths_t = meta.seq_lens.to(torch.int64)
-        blocks_t = meta.block_table[:, 0].to(torch.int64)
-        blocks = blocks_t.tolist()
-        pg.distinct_pages(blocks, counts_t, self.where)
+        step = step_of(meta)
+        step.check_distinct(self.where)
+        starts_t, counts_t, lengths_t, blocks_t = step.starts_t, step.counts_t, step.lengths_t, step.blocks_t
+        starts, lengths, blocks = step.starts, step.lengths, step.blocks
         out = output[:n].view(n, self.heads, self.head_dim)
         full = self._full_pages(pages, counts_t, lengths_t, blocks_t)
         if full.numel() > 1:  # one request alone takes the step below
             self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
                               out)
-            counts_t = counts_t.index_fill(0, full, 0)
-        starts, lengths = starts_t.tolist(), lengths_t.tolist()
+            counts_t = counts_t.index_fill(0, full, 0)  # a new tensor: the step's is the other layers' too
         prompts: dict[int, list[int]] = {}  # prompt length -> its requests
         for i in torch.nonzero(counts_t).flatten().tolist():
             count, length = starts[i + 1] - starts[i], lengths[i]
@@ -212,16 +212,12 @@ class Layer:
         pages["hdr"].index_copy_(0, blocks, headers)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
 
-    def _decode(self, query, key_pages, value_pages, block_table, starts, lengths, rows, out) -> None:
-        """One new token of each request in ``rows``: one batch, keys padded after each row's last (causality
-        hides them: the padding's positions come after the query's)."""
-        index = torch.tensor([starts[i] for i in rows], device=query.device)
-        lens = [lengths[i] for i in rows]
-        longest = max(lens)
-        k, v = pg.gather(key_pages, value_pages, block_table[rows], longest, longest)
+    def _decode(self, query, key_pages, value_pages, block_table, step, out) -> None:
+        """One new token of each decoding request of ``step``: one batch, keys padded after each row's last
+        (causality hides them: the padding's positions come after the query's)."""
+        index, longest, qpos, kpos = step.decode_batch(query.device)
+        k, v = pg.gather(key_pages, value_pages, block_table[step.decoding], longest, longest)
         q = query.index_select(0, index).unsqueeze(2)  # (B, H, 1, D)
-        kpos = torch.arange(1, longest + 1, device=q.device).expand(len(rows), -1)
-        qpos = torch.tensor(lens, device=q.device).unsqueeze(1)
         out.index_copy_(0, index, self._attend(q, k, v, qpos, kpos)[:, :, 0])
 
     def _attend(self, q, k, v, qpos, kpos):

@@ -174,3 +174,44 @@ def test_a_request_without_new_tokens_shares_no_page():
     distinct_pages([3, 3, 4], torch.tensor([0, 1, 1]), "test")
     with pytest.raises(IntegrationError, match="requests 0 and 1 of this step .* block 3:"):
         distinct_pages([3, 3, 4], torch.tensor([1, 1, 0]), "test")
+
+
+def test_the_layers_of_a_forward_share_its_step():
+    """The step's requests are read from vLLM's metadata once per forward (``step.step_of``, keyed by the metadata
+    object, which vLLM builds once per forward and hands to every layer): two layers of other specs and budgets over
+    one metadata object per step each still give their core's outputs alone, and a new metadata object is a new
+    step."""
+    import types
+
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+    from attnzoo.integrations.vllm.step import step_of
+
+    dtype, lengths = torch.float64, [12, 20, 3]
+    served = []
+    for spec, budget in (("selective-pruned", 8), ("h2o", 6)):
+        layer, core = _serving_layer(spec, budget, dtype)
+        names = tuple(core.new_cache(1, budget=budget).state_names)
+        geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+        served.append((layer, core, geometry, torch.zeros(5, geometry.page_bytes // 8 + 3, dtype=dtype),
+                       [core.new_cache(1, budget=budget) for _ in lengths]))
+    gen, done, table, steps = torch.Generator().manual_seed(0), [0] * len(lengths), torch.tensor([[3], [1], [4]]), []
+    for step in range(6):
+        counts = lengths if step == 0 else [1] * len(lengths)
+        n = sum(counts)
+        starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        done = [d + c for d, c in zip(done, counts, strict=True)]
+        meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
+                                     seq_lens=torch.tensor(done, dtype=torch.int32), block_table=table)
+        for layer, core, geometry, kv_cache, caches in served:
+            q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
+            out = torch.full((n, 64), float("nan"), dtype=dtype)
+            layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+            for i, cache in enumerate(caches):
+                rows = slice(int(starts[i]), int(starts[i + 1]))
+                args = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+                want = (core.prefill if step == 0 else core.decode)(*args, cache)[0].transpose(0, 1)
+                torch.testing.assert_close(out[rows].view_as(want), want, rtol=1e-10, atol=1e-10)
+        steps.append(step_of(meta))
+        assert step_of(meta) is steps[-1] and steps[-1].lengths == done
+    assert len({id(s) for s in steps}) == len(steps)
