@@ -599,10 +599,15 @@ def plot(result: dict, path: Path) -> None:
             if label not in handles:
                 handles[label] = h
                 labels.append(label)
-    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    ncol = 6 if len(labels) > 16 else 4
+    rows = -(-len(labels) // ncol)
+    legend_in = 0.45 + 0.19 * rows  # inches below the panels for the x labels and the legend's rows
+    fig.set_size_inches(fig.get_size_inches()[0], 4.2 + legend_in)
+    fig.legend([handles[label] for label in labels], labels, loc="lower center", ncol=ncol, fontsize=8,
+               frameon=False)
     fig.suptitle(f"SmolLM2-135M-Instruct: quality against the bytes held "
                  f"({cfg['cases']} cases per context x depth)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.06 + 0.03 * (len(labels) // 4), 1, 1))
+    fig.tight_layout(rect=(0, (legend_in - 0.1) / (4.2 + legend_in), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
