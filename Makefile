@@ -97,12 +97,18 @@ bench-probability: $(STAMP)
 # presses on the same cases (else the committed benchmarks/results/quality-kvpress.json is merged).
 QUALITY := OMP_NUM_THREADS=1 $(BIN)/python benchmarks/quality.py --fractions 0.125 0.25 --ppl-docs 1 --threads 1
 bench-quality: $(STAMP)
-	$(QUALITY) --contexts 1024 2048 --cases 7 --specs snapkv --kv-bits 4 8 none --name quality-snapkv --plot ''
-	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming --kv-bits 8 4 none --name quality-ppl --plot ''
+	$(QUALITY) --contexts 1024 2048 --cases 7 --specs snapkv --kv-bits 4 --name quality-snapkv-rot --plot ''
+	$(QUALITY) --contexts 1024 2048 --cases 7 --specs snapkv --kv-bits 4u 8u none --name quality-snapkv --plot ''
+	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming --kv-bits 8 4 --name quality-ppl-rot --plot ''
+	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming snapkv --kv-bits 4 none --evict prefill \
+		--name quality-ppl-prefill --plot ''
+	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming --kv-bits 8u 4u none --name quality-ppl --plot ''
 	$(if $(KVPRESS_ARGS),$(QUALITY) --contexts 1024 2048 --cases 7 --specs --kvpress-presses KeyDiffPress \
 		SnapKVPress --name quality-kvpress --plot '' $(KVPRESS_ARGS))
-	$(BIN)/python benchmarks/quality.py --merge benchmarks/results/quality-snapkv.json \
-		benchmarks/results/quality-ppl.json benchmarks/results/quality-kvpress.json --name quality
+	$(BIN)/python benchmarks/quality.py --merge benchmarks/results/quality-snapkv-rot.json \
+		benchmarks/results/quality-snapkv.json benchmarks/results/quality-ppl-rot.json \
+		benchmarks/results/quality-ppl-prefill.json benchmarks/results/quality-ppl.json \
+		benchmarks/results/quality-kvpress.json --name quality
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'
