@@ -14,7 +14,8 @@ Training (:func:`common.train`): AdamW, warm-up and cosine decay; the transforms
 (``transform_lr``, no weight decay); ``train``: ``attention`` (each layer's q/k/v/o projections and the transforms
 train, the rest is frozen) or ``all``; ``<spec>+memory`` adds selective attention's memory loss (``memory_eps``).
 With a results folder, each training checkpoints every ``checkpoint_every`` steps into ``<out>/finetune/<run>/``
-(safetensors: the trained tensors and the optimizer's moments; JSON: the step and the losses), and running the same
+(or ``<runs>/<run>/`` when the ``runs`` setting names a folder: another command's trainings are then loaded;
+safetensors: the trained tensors and the optimizer's moments; JSON: the step and the losses), and running the same
 command again resumes there (a finished training is loaded, not trained again); ``minutes`` bounds each training's
 wall time (0: no bound; the run is then evaluated as it stands and says so). The trained model is saved with
 ``save_pretrained`` (and the tokenizer) in ``<out>/finetune/<run>/model``: ``zt.from_pretrained`` and vLLM load it.
@@ -45,7 +46,7 @@ from . import common
 DEFAULTS = dict(specs=["vanilla", "ssa", "selective+memory"], seeds=[0], steps=150, batch=4, context=256,
                 lr=5e-5, transform_lr=1e-2, memory_eps=0.1, train="attention", layers=30, minutes=0.0,
                 checkpoint_every=25, eval_context=1024, valid_windows=4, budgets=[64, 128, 256],
-                baselines=["h2o", "tova", "streaming"], serve_budget=128, save=1)
+                baselines=["h2o", "tova", "streaming"], serve_budget=128, save=1, runs="")
 
 MEMORY_SUFFIX = "+memory"
 TRAINED = ("q_proj", "k_proj", "v_proj", "o_proj")  # train="attention": these modules of each layer (and the cores)
@@ -258,7 +259,8 @@ def train_one(cfg: dict, name: str, seed: int, train_ids, tokenizer, show_progre
 
     spec_name, memory = (name[: -len(MEMORY_SUFFIX)], True) if name.endswith(MEMORY_SUFFIX) else (name, False)
     run = f"{name.replace('+', '-')}-seed{seed}"
-    ckpt = None if out is None else Checkpoints(Path(out) / "finetune" / run, _fingerprint(cfg, name, seed))
+    folder = Path(cfg["runs"]) if cfg["runs"] else None if out is None else Path(out) / "finetune"
+    ckpt = None if folder is None else Checkpoints(folder / run, _fingerprint(cfg, name, seed))
     finished = None if ckpt is None else ckpt.done()
     if finished is not None:  # trained before: load it
         model = zt.from_pretrained(str(ckpt.model), torch_dtype=torch.float32).eval()

@@ -47,7 +47,7 @@ SETTINGS: dict[str, Setting] = {
     "pruned_spec": Setting("name"), "window_spec": Setting("spec"),
     "train": Setting("choice", choices=("attention", "all")), "minutes": Setting("float", 0, 100_000),
     "checkpoint_every": Setting("int", 0, 10_000_000), "eval_context": SIZE, "baselines": Setting("names", low=0),
-    "serve_budget": Setting("int", 1, 1_000_000), "save": Setting("int", 0, 1),
+    "serve_budget": Setting("int", 1, 1_000_000), "save": Setting("int", 0, 1), "runs": Setting("path"),
 }
 
 
@@ -88,6 +88,8 @@ def check_value(experiment: str, key: str, value: Any) -> None:
             raise bad("must be a spec name")
     elif setting.kind == "spec" and not (isinstance(value, (str, dict)) and value):
         raise bad("must be a spec name or a spec mapping")
+    elif setting.kind == "path" and not isinstance(value, str):
+        raise bad("must be a folder path (a JSON string, e.g. \"runs/finetune\"), or \"\" for the default")
     elif setting.kind == "choice" and value not in setting.choices:
         raise bad(f"must be one of {', '.join(setting.choices)}")
 

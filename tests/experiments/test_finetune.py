@@ -135,11 +135,12 @@ def test_the_experiment_runs_from_the_cli_saves_and_evaluates(cached, tmp_path, 
     model_dir = tmp_path / "finetune" / "selective-memory-seed0" / "model"
     record = json.loads((model_dir / "config.json").read_text())["attnzoo"]
     assert record["name"] == "selective" and record["budget"] == 128
-    # run again: the trained models are loaded, not trained again, and score the same
+    # run again, writing elsewhere but with the first run's trainings (runs=): loaded, not trained again, the same
     again = experiments.run_experiment(
-        "finetune", tmp_path, show_progress=False, specs=["vanilla", "selective+memory"], steps=3, batch=1,
-        context=32, layers=2, eval_context=32, valid_windows=1, budgets=[6, 8], checkpoint_every=2,
-        baselines=["streaming"])
+        "finetune", tmp_path / "again", show_progress=False, specs=["vanilla", "selective+memory"], steps=3,
+        batch=1, context=32, layers=2, eval_context=32, valid_windows=1, budgets=[6, 8], checkpoint_every=2,
+        baselines=[], runs=str(tmp_path / "finetune"))
+    assert not (tmp_path / "again" / "finetune").exists()
     assert all("loaded" in r for r in again["runs"])
     for name, per in by_spec.items():
         for key, value in per.items():
