@@ -57,6 +57,18 @@ def ops():
     return _fused_ops()
 
 
+@pytest.fixture(scope="module")
+def smollm2_cached():
+    """The real model's checked cache folder (`attnzoo model smollm2`), converted here if it can be; the test is
+    skipped, with why, where it is neither cached nor convertible."""
+    from attnzoo.integrations.transformers import models
+
+    try:
+        return models.ensure(models.SMOLLM2, progress=False)
+    except models.ModelError as exc:
+        pytest.skip(f"SmolLM2 is not cached and cannot be converted here: {exc}")
+
+
 @pytest.fixture(params=["fused", "torch"])
 def lean_kind(request, monkeypatch):
     """The evicting lean steps in both forms: fused in C++ (torch ops, built once per machine into the build cache)

@@ -279,6 +279,16 @@ def figure():
     return plt
 
 
+def plot_losses(ax, runs: list[dict], ylabel: str, title: str) -> None:
+    """Each run's training loss against the step on ``ax`` (a run: ``spec``, ``seed`` and ``train``'s curve)."""
+    for r in runs:
+        ax.plot(r["train"]["steps"], r["train"]["losses"], lw=1, label=f"{r['spec']} seed {r['seed']}")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    ax.set_title(title)
+
+
 def save_figure(plt, fig, folder: Path, filename: str) -> list[str]:
     """Lay out, write ``folder/filename`` (120 dpi), close the figure; returns ``[filename]`` for the results."""
     fig.tight_layout()

@@ -127,12 +127,7 @@ def run(cfg: dict, show_progress: bool = True) -> dict:
 def plot(results: dict, folder) -> list[str]:
     plt = common.figure()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for r in results["runs"]:
-        axes[0].plot(r["train"]["steps"], r["train"]["losses"], lw=1, label=f"{r['spec']} seed {r['seed']}")
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("training loss (nats/byte)")
-    axes[0].legend(fontsize=7)
-    axes[0].set_title("training")
+    common.plot_losses(axes[0], results["runs"], "training loss (nats/byte)", "training")
     summary = results["summary"]
     context = results["config"]["context"]
     for i, (name, per) in enumerate(summary.items()):

@@ -14,17 +14,13 @@ pytest.importorskip("transformers")
 import attnzoo.nn as zoo_nn  # noqa: E402
 from attnzoo import experiments  # noqa: E402
 from attnzoo.experiments import common, finetune  # noqa: E402
-from attnzoo.integrations.transformers import models  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cached():
-    try:
-        return models.ensure(models.SMOLLM2, progress=False)
-    except models.ModelError as exc:
-        pytest.skip(f"SmolLM2 is not cached and cannot be converted here: {exc}")
+def cached(smollm2_cached):
+    return smollm2_cached
 
 
 def sliced(spec: str, train: str = "attention"):

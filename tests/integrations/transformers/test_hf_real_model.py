@@ -19,11 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cached():
-    try:
-        return models.ensure(models.SMOLLM2, progress=False)
-    except models.ModelError as exc:
-        pytest.skip(f"SmolLM2 is not cached and cannot be converted here: {exc}")
+def cached(smollm2_cached):
+    return smollm2_cached
 
 
 @pytest.fixture(scope="module")
