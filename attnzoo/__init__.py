@@ -36,9 +36,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "Spec": (".spec", "SpecBase"),
     "load_spec": (".spec", "load_spec"),
     **{name: (".transforms.base", name) for name in (
-        "AccumulatorTransform", "Context", "Dims", "LogitsTransform", "MaskTransform", "NormaliserTransform",
-        "ParamSpec", "PointwiseSelection", "ProbabilityTransform", "RowMapTransform", "RowScaleTransform", "Slot",
-        "TokenInput", "TokenRows", "Transform", "TransformOptions")},
+        "AccumulatorTransform", "Context", "Dims", "LogitsTransform", "MapStep", "MaskTransform",
+        "NormaliserTransform", "ParamSpec", "PointwiseSelection", "ProbabilityTransform", "RowMapTransform",
+        "RowScaleTransform", "Slot", "TokenInput", "TokenRows", "Transform", "TransformOptions")},
     "TritonLogits": (".transforms.lowering", "TritonLogits"),
     "TritonMask": (".transforms.lowering", "TritonMask"),
     "TritonProbability": (".transforms.lowering", "TritonProbability"),
@@ -49,9 +49,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 
 __all__ = [
     "AccumulatorTransform", "AttnzooError", "Backend", "Context", "Dims", "Evictor", "EvictorOptions",
-    "KVCache", "LogitsTransform", "MaskTransform", "Mode", "NormaliserTransform", "ParamSpec", "Plan", "PluginError",
-    "PointwiseSelection", "ProbabilityTransform", "Registry", "RowMapTransform", "RowScaleTransform", "Slot", "Spec",
-    "SpecError", "TokenInput", "TokenRows", "Transform", "TransformOptions", "TritonLogits", "TritonMask",
+    "KVCache", "LogitsTransform", "MapStep", "MaskTransform", "Mode", "NormaliserTransform", "ParamSpec", "Plan",
+    "PluginError", "PointwiseSelection", "ProbabilityTransform", "Registry", "RowMapTransform", "RowScaleTransform",
+    "Slot", "Spec", "SpecError", "TokenInput", "TokenRows", "Transform", "TransformOptions", "TritonLogits",
+    "TritonMask",
     "TritonProbability", "TritonSelection", "UnsupportedError", "Variant", "__version__", "attention", "compile",
     "explain", "get_registry", "hookimpl", "load_spec", "memory_counts", "memory_loss", "new_registry", "nn",
 ]  # every name of _LAZY, and __version__ (tests/test_import_cost.py holds the two together)
@@ -90,6 +91,7 @@ if TYPE_CHECKING:  # what static tools see; at run time the names above are impo
         Context,
         Dims,
         LogitsTransform,
+        MapStep,
         MaskTransform,
         NormaliserTransform,
         ParamSpec,

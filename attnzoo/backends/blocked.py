@@ -23,13 +23,15 @@ query block is two products and an in-place sigmoid, and its backward recomputes
 none of the fast paths: each query block runs :meth:`BlockedBackend.mapped_block`, a generic loop over key blocks of
 ``block_size`` that hands each block's logits (after the logits slot and the accumulator's -F), allowed pairs and
 values (through the map's ``values``) to the map's blocked form (``start``, ``update``, ``finish``), then its
-``combine``. How the built-in maps merge blocks: ``sigmoid`` needs no normalisation, its blocks' weighted values
-just add; ``softpick`` keeps a running shift m = max(0, the largest logit so far) and rescales its numerator and
-denominator sums by e^(m_old - m_new) as flash attention does for the softmax; ``stick_breaking`` visits the key
-blocks from the nearest back (``order = "reverse"``) and carries the running sum of log(1 - sigmoid) of the later
-keys, which every earlier key's weight is multiplied by (exact: the same sums, grouped by block); ``diff``'s blocked
-form (per-head softmaxes merged with a running maximum) is not taken here: its softmaxes take the paths above. The
-query blocks are checkpointed as usual, so training memory stays O(H · block · N). Decoding takes the same blocks (a
+``combine``; each of the three that declares a parameter ``step`` also gets the query block's ``MapStep`` (the number
+of keys each query sees over all the key blocks, counted once per query block), so that a map scaled by that count
+(SSMax) merges its blocks in one pass. How the built-in maps merge blocks: ``sigmoid`` needs no normalisation, its
+blocks' weighted values just add; ``softpick`` keeps a running shift m = max(0, the largest logit so far) and rescales
+its numerator and denominator sums by e^(m_old - m_new) as flash attention does for the softmax; ``stick_breaking``
+visits the key blocks from the nearest back (``order = "reverse"``) and carries the running sum of log(1 - sigmoid) of
+the later keys, which every earlier key's weight is multiplied by (exact: the same sums, grouped by block); ``diff``'s
+blocked form (per-head softmaxes merged with a running maximum) is not taken here: its softmaxes take the paths above.
+The query blocks are checkpointed as usual, so training memory stays O(H · block · N). Decoding takes the same blocks (a
 map never takes the one-query softmax step, nor a fast step).
 
 This module never imports the reference backend (it computes the same function independently).
@@ -46,7 +48,7 @@ from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f,
 from ..decode import fast
 from ..decode.fast import plain_one
 from ..decode.step import evictor_query_rows
-from ..transforms.base import Context, Dims, Slot, declared_map, declared_pointwise
+from ..transforms.base import Context, Dims, MapStep, Slot, declared_map, declared_pointwise
 from .base import Backend, Mode, eager_dtype_reasons
 from .selective_kernel import PREFILL_BLOCK, SelectiveCausal, selective_prefill
 from .sigmoid_blocks import SigmoidCausal
@@ -78,6 +80,11 @@ def sdpa(q, k, v, **kwargs):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     outs = [F.scaled_dot_product_attention(q, k, piece, **kwargs) for piece in value_slices(v, q.shape[-1])]
     return joined(outs, v.shape[-1])
+
+
+def _step_for(mapped, method: str, step: MapStep | None) -> dict:
+    """The keyword ``step`` for a probability map's blocked-form ``method`` when it declares it (``takes_step``)."""
+    return {"step": step} if method in mapped.takes_step else {}
 
 
 def consecutive_positions(positions: torch.Tensor) -> bool:
@@ -341,11 +348,17 @@ class BlockedBackend(Backend):
         if mapped.order == "reverse" and nk > 1 and not bool((kpos[..., 1:] >= kpos[..., :-1]).all()):
             raise ValueError(f"transform '{mapped.kind}' visits key blocks by position, and the keys are not in "
                              "position order")
-        f_blk = colsum = None
+        f_blk = colsum = step = None
         acc = plan.one(Slot.ACCUMULATOR)
-        if acc is not None:  # the selection over every visible key at once, as block() computes it
+        if acc is not None or mapped.takes_step:  # the context over every visible key at once
             ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
-            selecting = plan.composition.allowed(ctx, key_mask)
+            everywhere = plan.composition.allowed(ctx, key_mask)
+        if mapped.takes_step:  # the step's context, for the blocked-form methods that declare ``step``
+            counts = everywhere.expand(b, everywhere.shape[1], nq, nk).sum(-1, keepdim=True)
+            step = MapStep(visible=counts.to(accumulator_dtype(q.dtype)).expand(b, h, nq, 1), qpos=ctx.qpos,
+                           dims=dims)
+        if acc is not None:  # the selection over every visible key at once, as block() computes it
+            selecting = everywhere
             if query_mask is not None:  # a padding query selects nothing
                 selecting = selecting & query_mask[:, None, :, None]
             s = plan.composition.selection(acc, q, k, selecting, ctx, params, scale)
@@ -367,7 +380,7 @@ class BlockedBackend(Backend):
             out = mapped.combine(weighted_rows(weights, read.to(weights.dtype), allowed), own)
             return checked_rows(mapped, "outputs", out, q.shape).to(q.dtype), f_blk, colsum, None
         width = mapped.values(vs[:, :, :0], own).shape[-1]
-        state = mapped.start((b, h, nq, width), q)
+        state = mapped.start((b, h, nq, width), q, **_step_for(mapped, "start", step))
         starts = range(0, nk, self.block_size)
         for first in (reversed(starts) if mapped.order == "reverse" else starts):
             keys = slice(first, min(first + self.block_size, nk))
@@ -381,8 +394,10 @@ class BlockedBackend(Backend):
             if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
                 logits = subtract_f(logits, f_blk[:, None, :, keys])
             read = mapped.values(vs[:, :, keys], own)
-            state = mapped.update(state, logits, plan.composition.allowed(ctx, mask), read, ctx, own)
-        out = checked_rows(mapped, "outputs", mapped.combine(mapped.finish(state, own), own), q.shape)
+            state = mapped.update(state, logits, plan.composition.allowed(ctx, mask), read, ctx, own,
+                                  **_step_for(mapped, "update", step))
+        out = mapped.finish(state, own, **_step_for(mapped, "finish", step))
+        out = checked_rows(mapped, "outputs", mapped.combine(out, own), q.shape)
         return out.to(q.dtype), f_blk, colsum, None
 
     # -- decoding -------------------------------------------------------------------------------------------------

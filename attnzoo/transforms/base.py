@@ -7,6 +7,7 @@ tokens, D head dim. Positions are 1-based absolute token positions (int64).
 from __future__ import annotations
 
 import enum
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
@@ -108,6 +109,27 @@ class Context:
         logits: (B, H', Nq, 1) and (B, H', 1, Nk)."""
         key = f"{kind}.{name}"
         return self.query_features[key], self.key_features[key]
+
+
+@dataclass(frozen=True)
+class MapStep:
+    """What a probability map's blocked form may read about the whole step of one block of queries, beyond the key
+    block in hand: handed as the keyword ``step`` to each of :meth:`ProbabilityTransform.start`,
+    :meth:`~ProbabilityTransform.update` and :meth:`~ProbabilityTransform.finish` that declares a parameter of that
+    name (found once per class: :attr:`ProbabilityTransform.takes_step`), so that a map whose formula needs the
+    number of keys a query sees (SSMax's ``s ln n``, ReLU attention's ``1 / n``) runs in one pass over the key
+    blocks instead of buffering them.
+
+    ``visible``: (B, H, Bq, 1) the number of keys each query may attend in this step, over all its key blocks: the
+    allowed pairs (the causal flag, the mask transforms, padding keys excluded), the count the reference's
+    ``weights`` gets as ``allowed.sum(-1)``; behind a decode cache that has evicted, the keys the cache holds that
+    the query may see, not its position. Exact integers in the dtype sums are kept in (the queries', at least
+    float32); 0 for a query with no key. ``qpos``: (B, 1, Bq, 1) the queries' absolute positions (int64).
+    ``dims``: the sizes of the call."""
+
+    visible: torch.Tensor
+    qpos: torch.Tensor
+    dims: Dims
 
 
 @dataclass(frozen=True)
@@ -529,10 +551,17 @@ class ProbabilityTransform(Transform):
 
     #: the order the blocked form takes key blocks in: "any", or "reverse" (nearest block first, by position)
     order: ClassVar[str] = "any"
+    #: the blocked-form methods ("start", "update", "finish") that declare a parameter ``step``: a backend hands
+    #: those, and only those, the :class:`MapStep` as the keyword ``step`` (set for each class when it is defined)
+    takes_step: ClassVar[frozenset[str]] = frozenset()
     #: True when :meth:`weights` is the masked softmax itself (a row with no allowed key: all 0) and the
     #: transform's own work is in :meth:`values` and :meth:`combine` (differential attention): a backend may then
     #: compute it as softmax attention over ``values(v)`` with its softmax kernels, and ``combine`` the result
     softmax_map: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.takes_step = frozenset(name for name in ("start", "update", "finish") if _declares_step(getattr(cls, name)))
 
     def weights(self, logits: torch.Tensor, allowed: torch.Tensor, ctx: Context,
                 params: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -560,7 +589,11 @@ class ProbabilityTransform(Transform):
     # -- the blocked form (optional) ------------------------------------------------------------------------------
     def start(self, out_shape: tuple[int, ...], like: torch.Tensor) -> dict[str, torch.Tensor]:
         """The state of one block of queries before any key: ``out_shape`` is (B, H, Bq, D') (D' the width of
-        :meth:`values`), ``like`` the queries (their dtype and device; keep sums in at least float32)."""
+        :meth:`values`), ``like`` the queries (their dtype and device; keep sums in at least float32).
+
+        Each of the three methods may declare one more parameter, ``step``: it then gets the step's
+        :class:`MapStep` (the number of keys each query sees over all the key blocks, the query positions) as the
+        keyword ``step``; a method without it is called as written here."""
         raise NotImplementedError
 
     def update(self, state: dict[str, torch.Tensor], logits: torch.Tensor, allowed: torch.Tensor,
@@ -578,6 +611,16 @@ class ProbabilityTransform(Transform):
     def has_blocked_form(cls) -> bool:
         """Whether the class implements :meth:`start`, :meth:`update` and :meth:`finish`."""
         return cls.start is not ProbabilityTransform.start
+
+
+def _declares_step(method) -> bool:
+    """Whether ``method`` takes a parameter named ``step`` by keyword (not through ``*args`` or ``**kwargs``)."""
+    try:
+        parameter = inspect.signature(method).parameters.get("step")
+    except (TypeError, ValueError):  # no signature to read (a builtin): called without it
+        return False
+    return parameter is not None and parameter.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                        inspect.Parameter.KEYWORD_ONLY)
 
 
 def _blocked_form_problem(cls) -> str | None:
