@@ -348,11 +348,12 @@ class BlockedBackend(Backend):
         if mapped.order == "reverse" and nk > 1 and not bool((kpos[..., 1:] >= kpos[..., :-1]).all()):
             raise ValueError(f"transform '{mapped.kind}' visits key blocks by position, and the keys are not in "
                              "position order")
-        f_blk = colsum = step = None
+        f_blk = colsum = step = whole = None
         acc = plan.one(Slot.ACCUMULATOR)
         if acc is not None or mapped.takes_step:  # the context over every visible key at once
             ctx = plan.composition.context(qpos, kpos, dims, key_mask, query_features, key_features)
             everywhere = plan.composition.allowed(ctx, key_mask)
+            whole = (ctx, everywhere)  # the one key block's, when there is one
         if mapped.takes_step:  # the step's context, for the blocked-form methods that declare ``step``
             counts = everywhere.expand(b, everywhere.shape[1], nq, nk).sum(-1, keepdim=True)
             step = MapStep(visible=counts.to(accumulator_dtype(q.dtype)).expand(b, h, nq, 1), qpos=ctx.qpos,
@@ -385,8 +386,12 @@ class BlockedBackend(Backend):
         for first in (reversed(starts) if mapped.order == "reverse" else starts):
             keys = slice(first, min(first + self.block_size, nk))
             mask = key_mask[:, keys] if key_mask is not None else None
-            ctx = plan.composition.context(qpos, kpos[..., keys], dims, mask, query_features,
-                                           {n: t[:, :, keys] for n, t in key_features.items()})
+            if whole is not None and len(starts) == 1:
+                ctx, allowed = whole
+            else:
+                ctx = plan.composition.context(qpos, kpos[..., keys], dims, mask, query_features,
+                                               {n: t[:, :, keys] for n, t in key_features.items()})
+                allowed = plan.composition.allowed(ctx, mask)
             logits = (q.reshape(b, hkv, group * nq, d) @ k[:, :, keys].transpose(-1, -2)).reshape(b, h, nq, -1)
             logits = logits * scale
             for t in plan.many(Slot.LOGITS):
@@ -394,8 +399,7 @@ class BlockedBackend(Backend):
             if f_blk is not None:  # subtract in F's (wider) dtype, round the logits once
                 logits = subtract_f(logits, f_blk[:, None, :, keys])
             read = mapped.values(vs[:, :, keys], own)
-            state = mapped.update(state, logits, plan.composition.allowed(ctx, mask), read, ctx, own,
-                                  **_step_for(mapped, "update", step))
+            state = mapped.update(state, logits, allowed, read, ctx, own, **_step_for(mapped, "update", step))
         out = mapped.finish(state, own, **_step_for(mapped, "finish", step))
         out = checked_rows(mapped, "outputs", mapped.combine(out, own), q.shape)
         return out.to(q.dtype), f_blk, colsum, None
