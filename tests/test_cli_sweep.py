@@ -84,6 +84,7 @@ ROWS = [
     (["new-plugin", "a" * 300], {}, "plugin name"),
     (["new-plugin", "abc", "--dir", "a-file"], {}, "not a directory"),
     (["new-plugin", "abc", "--dir", "dangling"], {}, "dangling symbolic link"),
+    (["new-plugin", "abc", "--kind", "nope"], {}, "invalid choice"),
     (["experiment", "graph", "--spec", "nope"], {}, "nope"),
     (["experiment", "graph", "--seed", "-1"], {}, "seeds=[-1]"),
     (["experiment", "graph", "--steps", "0"], {}, "steps=0"),
