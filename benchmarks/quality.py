@@ -647,6 +647,10 @@ def parse(argv=None):
     ap.add_argument("--name", default="quality")
     ap.add_argument("--plot", default=str(ROOT / "docs" / "images" / "quality.png"),
                     help="the plot's path ('' for none)")
+    ap.add_argument("--model", default=None,
+                    help="a checkpoint folder saved after zt.apply (e.g. attnzoo experiment finetune's model/): "
+                         "its own spec at each fraction (AttnzooCache budgets; never applied again, so trained "
+                         "tensors stay), the full cache being the same model with no budget; no kvpress")
     ap.add_argument("--kvpress-python", default=None,
                     help="an interpreter with torch, an older transformers and kvpress: run kvpress's presses live")
     ap.add_argument("--kvpress-path", action="append", default=[],
@@ -719,10 +723,18 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
-    plain, tokenizer = zt.smollm2(progress=not args.no_progress)
-    zoo, _ = zt.smollm2(progress=False)
-    folder = models.ensure(models.SMOLLM2, progress=False).folder
-    names, aliases = evicting_specs(args.specs, args.exclude)
+    if args.model:  # a checkpoint saved after zt.apply (a fine-tuned model): its own spec, no plain model
+        import transformers
+
+        plain, zoo = None, zt.from_pretrained(args.model, dtype=torch.float32).eval()
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        folder = args.model
+        names, aliases = [zoo.config.attnzoo["name"]], {}
+    else:
+        plain, tokenizer = zt.smollm2(progress=not args.no_progress)
+        zoo, _ = zt.smollm2(progress=False)
+        folder = models.ensure(models.SMOLLM2, progress=False).folder
+        names, aliases = evicting_specs(args.specs, args.exclude)
     methods = [(name if bits is None else f"{name}@{bits}") + ("" if evict == "always" else f"/{evict}")
                for name in names for bits in args.kv_bits for evict in args.evict]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
@@ -738,14 +750,18 @@ def main(argv=None) -> dict:
     seconds: dict = {}
 
     t0 = time.perf_counter()
+    # --model: the "full cache" is that model through an AttnzooCache with no budget (its spec, nothing evicted)
+    def whole():
+        return None if plain is not None else zt.AttnzooCache(zoo, budget=None)
+
     for case in cases:
-        answer, _ = run_passkey(plain, tokenizer, case, None, args.max_new_tokens)
+        answer, _ = run_passkey(plain or zoo, tokenizer, case, whole(), args.max_new_tokens)
         passkey.setdefault("full", []).append(
             {"fraction": 1.0, "context": case["context"], "depth": case["depth"], "case": case["case"],
              "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
         progress.update(1)
     for doc in docs:
-        nll, n, _ = run_ppl(plain, doc, args.ppl_prefix, None)
+        nll, n, _ = run_ppl(plain or zoo, doc, args.ppl_prefix, whole())
         ppl.setdefault("full", []).append({"fraction": 1.0, "doc": doc["doc"], "nll": nll, "tokens": n})
         progress.update(1)
     seconds["full"] = time.perf_counter() - t0
@@ -765,7 +781,7 @@ def main(argv=None) -> dict:
             for case in cases:
                 budget = budget_for(len(case["ids"]))
                 record = getattr(zoo.config, "attnzoo", None) or {}
-                if (record.get("name"), record.get("budget")) != (name, budget):
+                if not args.model and (record.get("name"), record.get("budget")) != (name, budget):
                     zt.apply(zoo, name, budget=budget)
                 cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
@@ -778,7 +794,8 @@ def main(argv=None) -> dict:
                 progress.update(1)
             for doc in docs:
                 budget = budget_for(args.ppl_prefix)
-                zt.apply(zoo, name, budget=budget)
+                if not args.model:  # a loaded model keeps its spec and trained tensors: the cache sets the budget
+                    zt.apply(zoo, name, budget=budget)
                 cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, args.ppl_prefix))
@@ -818,7 +835,8 @@ def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv,
     result = {
         "meta": {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
                  "torch": torch.__version__, "transformers": transformers.__version__,
-                 "python": platform.python_version(), "model": "SmolLM2-135M-Instruct (Q4_1 gguf, float32)",
+                 "python": platform.python_version(), "model": (f"{args.model} (--model)" if args.model
+                                                               else "SmolLM2-135M-Instruct (Q4_1 gguf, float32)"),
                  "wall_s": wall, "method_seconds": seconds, "command": command.strip(),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "complete": done},
         "config": {"contexts": args.contexts, "depths": args.depths, "cases": args.cases,

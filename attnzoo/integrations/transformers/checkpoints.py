@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -15,6 +16,7 @@ from .base import (
     CORE_MARK,
     UNSET,
     CheckpointSpecMismatchError,
+    FunctionWarning,
     IntegrationError,
     is_applied,
     is_core_key,
@@ -49,8 +51,10 @@ def from_pretrained(path_or_name, *, budget=UNSET, backend: str | None = None, *
         raise IntegrationError(f"{where}: records no attnzoo spec (the checkpoint was not saved after apply()); load "
                                f"it with transformers and call apply(model, spec)")
     record = check_record(record, where)  # the config the model was built with (``config=`` may be the caller's)
-    apply(model, record["spec"], budget=record["budget"] if budget is UNSET else budget,
-          backend=backend or record["backend"], prefer=record["prefer"])
+    with warnings.catch_warnings():  # the weights were saved with the spec (a fine-tune's, say): apply() compares
+        warnings.simplefilter("ignore", FunctionWarning)  # the spec with attention these weights never ran with
+        apply(model, record["spec"], budget=record["budget"] if budget is UNSET else budget,
+              backend=backend or record["backend"], prefer=record["prefer"])
     load_transform_params(model, path_or_name, **hub_kwargs)
     return model
 

@@ -47,3 +47,20 @@ def test_a_spec_that_changes_the_attention_warns_once_with_the_measured_change(s
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (model(ids).logits - plain(ids).logits).abs().max() > 1e-3
+
+
+def test_loading_a_checkpoint_saved_with_the_spec_does_not_warn_again(tmp_path):
+    # its weights were saved with the spec (a fine-tune's, say): apply() warned when the spec was first applied, and
+    # its measure (the spec against attention these weights never ran with) says nothing about them
+    model, caught = applied("selective")
+    assert len(caught) == 1
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        loaded = zt.from_pretrained(str(tmp_path))
+    assert not [w for w in again if w.category is zt.FunctionWarning]
+    assert loaded.config.attnzoo["name"] == "selective"
+    with warnings.catch_warnings(record=True) as fresh:  # apply() itself still warns
+        warnings.simplefilter("always")
+        zt.apply(loaded, "alibi")
+    assert [w for w in fresh if w.category is zt.FunctionWarning]
