@@ -156,12 +156,15 @@ def nll_through_cache(model, window: torch.Tensor, prefix: int, budget: int | No
     return nll
 
 
-def perplexities(model, windows: torch.Tensor, budgets, bar) -> dict:
-    """{"full": ppl, "<budget>": ppl, ...} over the held-out windows (the last quarter of each scored)."""
+def perplexities(model, windows: torch.Tensor, budgets, bar, full: bool = True) -> dict:
+    """{"full": ppl (unless ``full`` is False), "<budget>": ppl, ...} over the held-out windows (the last quarter of
+    each scored)."""
     prefix = windows.shape[1] * 3 // 4
     scored = windows.shape[0] * (windows.shape[1] - prefix)
-    out = {"full": math.exp(sum(nll_full(model, w, prefix) for w in windows) / scored)}
-    bar.update(1)
+    out = {}
+    if full:
+        out["full"] = math.exp(sum(nll_full(model, w, prefix) for w in windows) / scored)
+        bar.update(1)
     for budget in budgets:
         out[str(budget)] = math.exp(sum(nll_through_cache(model, w, prefix, budget) for w in windows) / scored)
         bar.update(1)
@@ -321,9 +324,7 @@ def run(cfg: dict, show_progress: bool = True, out: Path | None = None) -> dict:
     baselines["original"] = perplexities(base, windows, [], bar)
     for evictor in cfg["baselines"]:
         _apply(base, evictor, budgets[0])
-        baselines[evictor] = {k: v for k, v in perplexities(base, windows, budgets, common.progress(0, "", False))
-                              .items() if k != "full"}
-        bar.update(len(budgets))
+        baselines[evictor] = perplexities(base, windows, budgets, bar, full=False)  # "full": the original's
     bar.close()
     summary: dict = {"original": baselines["original"]["full"], "by_spec": {}}
     for name in cfg["specs"]:
