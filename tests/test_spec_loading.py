@@ -324,7 +324,7 @@ PINNED_HASHES = {
     "stick-breaking": "14a1dfebba0e8246fe4f5eabf30fc9da6f32777630bba9df6a5d73f7aced470e",
     "diff": "73207eda306d8592fbbb5d5aa5903c622f8eaae9c6e694157c90baa95e5a2530",
     # the prompt scorers (issue 52)
-    "snapkv": "c522dc01178269b1b091896ada0bc1ae82e4a36157dfc3844a6c21a547ad0e0a",
+    "snapkv": "732984adf4e5cc3d53005b1aabecdeaad74b65be3b4446871e88982c2a525848",
     "knorm": "f762498f0e823433a6797483ddeae7d24d2d0336e0db4d51a24b349ea988ca9a",
     "keydiff": "83c5ca189a7ba981efc8ce335f646a9e881fa46513958021fe2f615a6f07c635",
 }

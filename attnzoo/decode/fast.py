@@ -8,8 +8,9 @@
   declares, whatever its class: a pointwise selection is written out (in C for a named rule), any other takes the
   backend's one-query attention.
 - ``sink_window``: no transforms, sink + window at its budget: the same with the evictor's rule.
-- ``h2o``, ``tova``: no transforms, at their budget, evicting after attention: the new token into the spare slot,
-  attention over budget + 1 tokens, the evictor's ``update`` and ``victim``, the spare token into the victim's slot.
+- ``h2o``, ``tova``, ``snapkv``: no transforms, at their budget, evicting after attention: the new token into the
+  spare slot, attention over budget + 1 tokens, the evictor's ``update`` and ``victim``, the spare token into the
+  victim's slot.
 
 Each torch step calls the evictor's own Python rule (``score``/``protected``/``largest`` through
 ``Evictor.victim``, and ``update``) over the held slots as they are (:class:`SlotView`: out of position order, ties
@@ -147,6 +148,7 @@ class SlotView:
 
     __slots__ = ("budget", "keys", "positions", "state")
     ordered = False
+    valid = None  # the fast steps run on rows without padding (``rows_only``)
 
     def __init__(self, cache, keys, positions, state) -> None:
         self.budget, self.keys, self.positions, self.state = cache.budget, keys, positions, dict(state)

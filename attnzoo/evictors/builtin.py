@@ -1,5 +1,5 @@
 """Built-in evictors: selective (max F), H2O, TOVA, sink + window (docs/papers.md §2-3); the prompt scorers SnapKV,
-KNorm and KeyDiff (:mod:`attnzoo.evictors.scorers`, no fused step) are registered here too.
+KNorm and KeyDiff (:mod:`attnzoo.evictors.scorers`; SnapKV decodes with H2O's fused step) are registered here too.
 
 Each rule is written once, here, in Python (``score``, ``protected``, ``largest``, ``update``): the full decode
 path and the torch fast steps (attnzoo/decode/fast.py) call it. ``kernel_rule`` hands the same rule's options to

@@ -3,12 +3,13 @@ L2 norm) and KeyDiff (the key's cosine to the mean key direction) (docs/specs.md
 
 Each scores the tokens once per step, after attention (``evict_after_attention``): a prefill scores the whole prompt
 at once, as kvpress's presses do when they compress a prompt, then evicts down to the budget by those scores; each
-decoding step scores the held tokens and the new one again (SnapKV: adds the new query's pooled attention) and
+decoding step scores the held tokens and the new one again (SnapKV: adds the new query's attention) and
 evicts one. Every score that depends on more than its
 own token (SnapKV's pooling, KeyDiff's anchor) is computed in :meth:`update` and stored as a
 per-token score (``cache.state``), so removing a token changes no other token's score within the step
 (``independent_scores``: the many victims of a long prefill are chosen at once, by the scores of the whole prompt).
-None has a fused step (``kernel_rule``): the full decode path runs the rule.
+SnapKV's rule for generated tokens (``decode: accumulate``, the default) is H2O's, so its decoding steps take H2O's
+fused step (``kernel_rule``); KNorm and KeyDiff have none: the full decode path runs their rules.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 from pydantic import Field, field_validator
 
 from ..core.numerics import accumulator_dtype
-from .base import Evictor, EvictorOptions
+from .base import Evictor, EvictorOptions, KernelRule
 
 #: norms below this count as zero (as ``torch.nn.functional.normalize``)
 _EPS = 1e-12
@@ -73,6 +74,10 @@ class SnapKVOptions(EvictorOptions):
                                               "budget - 1 of each)")
     kernel: int = Field(7, ge=1, description="pooling width over neighbouring positions (odd)")
     pool: Literal["avg", "max"] = Field("avg", description="avg (SnapKV's and kvpress's default) or max pooling")
+    decode: Literal["accumulate", "pooled"] = Field(
+        "accumulate", description="a step of one query (a generated token): accumulate adds its attention to every "
+        "held token's score unpooled (H2O's rule, the fused decoding step); pooled adds it with the window left out "
+        "and pooled as a prompt's (no fused step)")
 
     @field_validator("kernel")
     @classmethod
@@ -89,13 +94,16 @@ class SnapKV(Evictor):
     goes, per key/value head, ties to the oldest. At a prefill longer than the budget this is SnapKV's selection of
     the prompt (the window: the prompt's last queries), the same kept set as kvpress's SnapKVPress.
 
-    Generated tokens (kvpress lets the cache grow; a fixed page cannot): each decoding step **adds** its query's
-    attention, pooled the same way over the tokens held at that step, to every held token's score, and the newest
-    ``window`` positions stay protected, so a token keeps what the prompt's window paid it plus what every later
-    query pays it (H2O's accumulation, pooled). A step of T tokens adds its last ``min(T, window)`` real queries (a
-    prefill in chunks therefore scores with each chunk's last queries: one prefill is SnapKV's rule). One float per
-    held token (``score``), as H2O keeps. A budget of at most ``window`` tokens shrinks the window to
-    ``budget - 1`` (the newest rows, the newest positions), so that one held token can be evicted."""
+    Generated tokens (kvpress lets the cache grow; a fixed page cannot): ``decode: accumulate`` (the default) adds a
+    step of one query's attention, summed over its key/value head's query group, to every held token's score,
+    unpooled and the window included (H2O's accumulation), so the decoding step is H2O's fused C step with the newest
+    ``window`` positions as its recent window; ``decode: pooled`` adds it as a prompt's is added, the newest
+    ``window`` positions left out and pooled over the tokens held at that step (no fused step). Either way the newest
+    ``window`` positions stay protected and a token keeps what the prompt's window paid it plus what later queries
+    pay it. A step of T > 1 tokens adds its last ``min(T, window)`` real queries, pooled (a prefill in chunks
+    therefore scores with each chunk's last queries: one prefill is SnapKV's rule). One float per held token
+    (``score``), as H2O keeps. A budget of at most ``window`` tokens shrinks the window to ``budget - 1`` (the
+    newest rows, the newest positions), so that one held token can be evicted."""
 
     independent_scores = True  # the pooled score is stored by update(); the protected window is the newest positions
     kind = "snapkv"
@@ -130,6 +138,11 @@ class SnapKV(Evictor):
         rows = probs[:, :, t - take:].detach().sum(dim=2)
         score = cache.state["score"]
         raw = rows.reshape(b, hkv, h // hkv, m).sum(dim=2).to(score.dtype)
+        if t == 1 and self.options.decode == "accumulate":  # a generated token: H2O's accumulation (its C step)
+            if cache.valid is not None:
+                raw = raw.masked_fill(~cache.valid, 0)
+            cache.state["score"] = score + raw
+            return
         raw = raw.masked_fill(self.protected(cache), 0)  # the window's own keys are kept, not scored (kvpress)
         if cache.valid is not None:
             raw = raw.masked_fill(~cache.valid, 0)
@@ -140,6 +153,11 @@ class SnapKV(Evictor):
 
     def protected(self, cache):
         return cache.positions > newest_real(cache) - self.window(cache.budget)
+
+    def kernel_rule(self, budget):
+        if self.options.decode != "accumulate":
+            return None
+        return KernelRule("scoring", (0, self.window(budget)), "score", spare=1)  # H2O's step, the window recent
 
 
 class SinkOptions(EvictorOptions):

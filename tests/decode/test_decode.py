@@ -360,7 +360,7 @@ def test_the_lean_step_under_a_sliding_window():
 
 @pytest.mark.parametrize("spec, budget", [("selective-pruned", 2), ("selective-pruned", 5), ("selective-pruned", 9),
                                           ("streaming", 5), ("streaming", 9), ("h2o", 4), ("h2o", 9), ("tova", 3),
-                                          ("tova", 8)])
+                                          ("tova", 8), ("snapkv", 3), ("snapkv", 9)])
 def test_lean_steps_replace_the_victim_in_place_and_equal_the_reference(spec, budget, lean_kind):
     """selective-pruned and streaming (sink + window) at their budget: the new token takes the evicted token's
     slot (no compaction); outputs, the tokens held and their F equal the float64 reference's step by step, ties

@@ -14,7 +14,7 @@ from attnzoo.decode.check import check_fast_step
 from attnzoo.evictors.base import KernelRule
 from attnzoo.evictors.builtin import H2O, Selective, SinkWindow
 
-SPECS = ["selective-pruned", "streaming", "h2o", "tova"]
+SPECS = ["selective-pruned", "streaming", "h2o", "tova", "snapkv"]
 
 
 @pytest.fixture

@@ -95,14 +95,15 @@ def test_snapkv_prefill_keeps_the_prompt_snapkv_names(pool, backend):
         torch.testing.assert_close(got, expect, rtol=0, atol=1e-12)
 
 
-def test_snapkv_decoding_adds_each_generated_query_pooled():
+@pytest.mark.parametrize("decode", ["pooled", "accumulate"])
+def test_snapkv_decoding_adds_each_generated_query(decode):
     """Prefill 20 tokens at budget 10 (window 4, avg kernel 3), then one generated token, all by hand: the new query
-    attends over the 10 kept and itself; its attention (summed over the group), the newest 4 positions left out, is
-    pooled by position over the held tokens (an evicted neighbour counts 0) and added to the prompt's scores; the
-    smallest unprotected score goes."""
+    attends over the 10 kept and itself; its attention (summed over the group) is added to the prompt's scores:
+    ``pooled``: the newest 4 positions left out, pooled by position over the held tokens (an evicted neighbour counts
+    0); ``accumulate``: as it is, every held token (H2O's rule); the smallest unprotected score goes."""
     window, kernel, budget, n, d = 4, 3, 10, 20, 8
     q, k, v = inputs(2, n=n + 1)
-    variant = variant_of("snapkv", window=window, kernel=kernel)
+    variant = variant_of("snapkv", window=window, kernel=kernel, decode=decode)
     cache = variant.new_cache(batch=2, budget=budget)
     variant.prefill(q[:, :, :n], k[:, :, :n], v[:, :, :n], cache)
     held = kept(cache)
@@ -120,7 +121,8 @@ def test_snapkv_decoding_adds_each_generated_query_pooled():
                 torch.testing.assert_close(out[i, head, 0], new @ v[i, j, idx], rtol=0, atol=1e-12)
                 raw += new
             protected = [p > n + 1 - window for p in positions]
-            raw = torch.where(torch.tensor(protected), torch.zeros(()), raw)
+            if decode == "pooled":
+                raw = torch.where(torch.tensor(protected), torch.zeros(()), raw)
             by_position = dict(zip(positions, raw.tolist(), strict=True))
             # the prompt's score: its last `window` queries' attention, its newest `window` keys left out, pooled
             prompt_raw = {p: float(probs[i, 2 * j:2 * j + 2, n - window:, p - 1].sum()) if p <= n - window else 0.0
@@ -129,8 +131,11 @@ def test_snapkv_decoding_adds_each_generated_query_pooled():
                       if p <= n else 0.0 for p in positions]
             for p, s in zip(positions[:-1], before[:-1], strict=True):
                 assert abs(prompt_scores[i][j][p] - s) < 1e-12
-            total = [before[s] + sum(by_position.get(p + o, 0.0) for o in range(-(kernel // 2), kernel // 2 + 1))
-                     / kernel for s, p in enumerate(positions)]
+            if decode == "pooled":
+                total = [before[s] + sum(by_position.get(p + o, 0.0) for o in range(-(kernel // 2), kernel // 2 + 1))
+                         / kernel for s, p in enumerate(positions)]
+            else:
+                total = [before[s] + by_position[p] for s, p in enumerate(positions)]
             candidates = [(total[s], positions[s]) for s in range(len(positions)) if not protected[s]]
             victim = min(candidates)[1]
             assert kept(cache)[i][j] == [p for p in positions if p != victim], (i, j)
