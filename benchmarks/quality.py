@@ -650,7 +650,9 @@ def parse(argv=None):
     ap.add_argument("--model", default=None,
                     help="a checkpoint folder saved after zt.apply (e.g. attnzoo experiment finetune's model/): "
                          "its own spec at each fraction (AttnzooCache budgets; never applied again, so trained "
-                         "tensors stay), the full cache being the same model with no budget; no kvpress")
+                         "tensors stay), the full cache being the same model with no budget; no kvpress. With "
+                         "--specs: those specs applied to it instead (refused when its spec holds trained "
+                         "tensors, e.g. ssa's temperatures); --specs alone: the full cache only")
     ap.add_argument("--kvpress-python", default=None,
                     help="an interpreter with torch, an older transformers and kvpress: run kvpress's presses live")
     ap.add_argument("--kvpress-path", action="append", default=[],
@@ -730,11 +732,19 @@ def main(argv=None) -> dict:
         tokenizer = transformers.AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         folder = args.model
         names, aliases = [zoo.config.attnzoo["name"]], {}
+        if args.specs is not None:  # --specs with --model: none (the full cache only), or specs applied to it
+            names, aliases = evicting_specs(args.specs)
+            trained = [n for n, _ in zoo.named_parameters() if ".attnzoo." in n]
+            if names and trained:
+                raise SystemExit(f"--model {args.model} --specs {' '.join(names)}: applying a spec would drop the "
+                                 f"model's trained attnzoo tensors ({trained[0]}, ...); give --specs only for a "
+                                 "model whose spec holds none (e.g. vanilla), or no --specs for its own spec")
     else:
         plain, tokenizer = zt.smollm2(progress=not args.no_progress)
         zoo, _ = zt.smollm2(progress=False)
         folder = models.ensure(models.SMOLLM2, progress=False).folder
         names, aliases = evicting_specs(args.specs, args.exclude)
+    own = bool(args.model) and args.specs is None  # the loaded model's own spec: never applied again
     methods = [(name if bits is None else f"{name}@{bits}") + ("" if evict == "always" else f"/{evict}")
                for name in names for bits in args.kv_bits for evict in args.evict]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
@@ -781,7 +791,7 @@ def main(argv=None) -> dict:
             for case in cases:
                 budget = budget_for(len(case["ids"]))
                 record = getattr(zoo.config, "attnzoo", None) or {}
-                if not args.model and (record.get("name"), record.get("budget")) != (name, budget):
+                if not own and (record.get("name"), record.get("budget")) != (name, budget):
                     zt.apply(zoo, name, budget=budget)
                 cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
@@ -794,7 +804,7 @@ def main(argv=None) -> dict:
                 progress.update(1)
             for doc in docs:
                 budget = budget_for(args.ppl_prefix)
-                if not args.model:  # a loaded model keeps its spec and trained tensors: the cache sets the budget
+                if not own:  # a loaded model keeps its spec and trained tensors: the cache sets the budget
                     zt.apply(zoo, name, budget=budget)
                 cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
                 nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
