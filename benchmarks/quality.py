@@ -295,10 +295,16 @@ def budget_of(fraction: float, length: int) -> int:
 
 
 def split_method(method: str) -> tuple[str, int | None]:
-    """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8); 'snapkv@4u' -> ('snapkv', 4): a spec, and the
-    bits its cache holds keys and values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
-    name, _, bits = method.partition("/")[0].partition("@")
+    """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8); 'snapkv@4u+pyramid' -> ('snapkv', 4): a spec, and
+    the bits its cache holds keys and values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
+    name, _, bits = method.partition("/")[0].partition("+")[0].partition("@")
     return name, (int(bits.rstrip("u")) if bits else None)
+
+
+def layer_shape(method: str) -> str:
+    """How a method spreads its budget over the layers: 'flat' (every layer the same), or 'pyramid' for a name
+    with the ``+pyramid`` suffix (``zt.layer_budgets``: more in early layers, less in late ones, the same total)."""
+    return "pyramid" if method.partition("/")[0].endswith("+pyramid") else "flat"
 
 
 def cache_options(method: str) -> dict:
@@ -306,6 +312,7 @@ def cache_options(method: str) -> dict:
     cache's default), ``spec@8u`` / ``spec@4u`` unrotated (``kv_rotate=False``); a ``/prefill`` suffix: the prompt
     compressed at prefill and every later token kept (``evict="prefill"``, kvpress's way)."""
     base, _, mode = method.partition("/")
+    base = base.partition("+")[0]
     _, bits = split_method(base)
     options = {"evict": "prefill"} if mode == "prefill" else {}
     if bits is None:
@@ -633,6 +640,11 @@ def parse(argv=None):
                     help="per spec: 'always' (the budget holds at every step, the default) and/or 'prefill' (the "
                          "prompt compressed at prefill, every later token kept, as kvpress's presses do; method "
                          "names end in /prefill)")
+    ap.add_argument("--layers", nargs="+", default=["flat"], choices=["flat", "pyramid"],
+                    help="per spec: 'flat' (the budget in every layer, the default) and/or 'pyramid' (the same "
+                         "total spread from (1 + slope) x budget at the first layer to (1 - slope) x at the last, "
+                         "zt.layer_budgets; method names get +pyramid)")
+    ap.add_argument("--pyramid-slope", type=float, default=0.5, help="the slope of --layers pyramid, in [0, 1)")
     ap.add_argument("--specs", nargs="*", default=None,
                     help="evicting specs to run (default: every registered spec with a cache evictor; none given: "
                          "the full cache only, e.g. beside kvpress)")
@@ -664,7 +676,10 @@ def parse(argv=None):
                     help="run nothing: join these results of runs on the same cases into one (--out/--name/--plot)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--kvpress-worker", default=None, help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if not 0 <= args.pyramid_slope < 1:
+        ap.error(f"--pyramid-slope must be in [0, 1), got {args.pyramid_slope}")
+    return args
 
 
 def merge(paths: list[str]) -> dict:
@@ -745,8 +760,9 @@ def main(argv=None) -> dict:
         folder = models.ensure(models.SMOLLM2, progress=False).folder
         names, aliases = evicting_specs(args.specs, args.exclude)
     own = bool(args.model) and args.specs is None  # the loaded model's own spec: never applied again
-    methods = [(name if bits is None else f"{name}@{bits}") + ("" if evict == "always" else f"/{evict}")
-               for name in names for bits in args.kv_bits for evict in args.evict]
+    methods = [(name if bits is None else f"{name}@{bits}") + ("" if shape == "flat" else f"+{shape}")
+               + ("" if evict == "always" else f"/{evict}")
+               for name in names for bits in args.kv_bits for shape in args.layers for evict in args.evict]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
     docs = ppl_docs(tokenizer, args.ppl_docs, args.ppl_prefix, args.ppl_continuation, args.seed)
     per_method = len(cases) + len(docs)
@@ -788,12 +804,16 @@ def main(argv=None) -> dict:
                     return budget_of(fraction, length)
                 return byte_budget(fraction, length, zoo.config, name, bits)
 
+            def spread(budget: int, method=method):  # one budget, or one per layer (the same total)
+                flat = layer_shape(method) == "flat"
+                return budget if flat else zt.layer_budgets(zoo, budget, slope=args.pyramid_slope)
+
             for case in cases:
                 budget = budget_for(len(case["ids"]))
                 record = getattr(zoo.config, "attnzoo", None) or {}
-                if not own and (record.get("name"), record.get("budget")) != (name, budget):
-                    zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
+                if not own and (record.get("name"), record.get("budget")) != (name, spread(budget)):
+                    zt.apply(zoo, name, budget=spread(budget))
+                cache = zt.AttnzooCache(zoo, budget=spread(budget), **cache_options(method))
                 progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
                 answer, _ = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, len(case["ids"])))
@@ -805,8 +825,8 @@ def main(argv=None) -> dict:
             for doc in docs:
                 budget = budget_for(args.ppl_prefix)
                 if not own:  # a loaded model keeps its spec and trained tensors: the cache sets the budget
-                    zt.apply(zoo, name, budget=budget)
-                cache = zt.AttnzooCache(zoo, budget=budget, **cache_options(method))
+                    zt.apply(zoo, name, budget=spread(budget))
+                cache = zt.AttnzooCache(zoo, budget=spread(budget), **cache_options(method))
                 nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, args.ppl_prefix))
                 ppl.setdefault(method, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n,

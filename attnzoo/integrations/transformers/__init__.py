@@ -42,7 +42,7 @@ from .base import (
     ProbeError,
     is_core_key,
 )
-from .cache import AttnzooCache, AttnzooLayer
+from .cache import AttnzooCache, AttnzooLayer, layer_budgets
 from .checkpoints import (
     METADATA_HASH,
     METADATA_NAME,
@@ -64,6 +64,7 @@ __all__ = [
     "METADATA_HASH",
     "METADATA_NAME", "METADATA_SPEC", "ModelError", "NativeLayer", "PARAM_MARK", "ProbeError", "apply",
     "attention_forward", "attention_mask", "check_record", "compose", "from_pretrained", "is_applied", "is_core_key",
-    "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe", "stamp_safetensors",
+    "layer_budgets", "layer_specs", "load_transform_params", "native_layers", "native_spec", "probe",
+    "stamp_safetensors",
     "is_sharded", "sequence_shard", "shard_sequence", "smollm2", "unshard_sequence",
 ]

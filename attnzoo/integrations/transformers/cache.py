@@ -40,6 +40,42 @@ def budgets_for(budget, spec, count: int) -> list[int | None]:
     return [check_budget_value(budget, "budget")] * count
 
 
+def layer_budgets(model, budget, *, shape: str = "pyramid", slope: float = 0.5) -> list:
+    """One budget per attention layer of ``model`` (after :func:`~attnzoo.integrations.transformers.apply`, or an
+    int: the number of layers), for ``apply(model, spec, budget=...)`` and ``AttnzooCache(model, budget=...)``,
+    holding what ``budget`` in every layer holds in all: ``"flat"``, ``budget`` everywhere; ``"pyramid"``
+    (PyramidKV's shape), a straight line from ``(1 + slope) x budget`` at the first layer to ``(1 - slope) x
+    budget`` at the last (a model's early layers attend broadly, its late ones to few tokens). An int budget is
+    split in whole tokens that add up to ``layers x budget`` (largest remainders); a fraction of the prompt stays a
+    fraction (the first layer's must be <= 1)."""
+    count = model if isinstance(model, int) and not isinstance(model, bool) else len(applied_modules(model))
+    if count < 1:
+        raise IntegrationError(f"layer_budgets: the number of layers must be >= 1, got {count}")
+    if shape not in ("flat", "pyramid"):
+        raise IntegrationError(f"layer_budgets: shape must be 'flat' or 'pyramid', got {shape!r}")
+    if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not 0 <= slope < 1:
+        raise IntegrationError(f"layer_budgets: slope must be a number in [0, 1), got {slope!r}")
+    problem = budget_problem(budget)
+    if problem or budget is None:
+        raise IntegrationError(f"layer_budgets: {problem or 'a budget is needed (None keeps every token)'}")
+    if shape == "flat" or count == 1:
+        return [budget] * count
+    weights = [1 + slope - 2 * slope * i / (count - 1) for i in range(count)]
+    if is_fraction(budget):
+        if budget * weights[0] > 1:
+            raise IntegrationError(f"layer_budgets: the first layer's fraction {budget * weights[0]:.3g} is over 1 "
+                                   f"(budget {budget}, slope {slope}): use a smaller slope or budget")
+        return [budget * w for w in weights]
+    exact = [budget * w for w in weights]
+    whole = [int(x) for x in exact]
+    for i in sorted(range(count), key=lambda i: whole[i] - exact[i])[:count * budget - sum(whole)]:
+        whole[i] += 1  # largest remainders first (ties to the earlier layer)
+    if min(whole) < 1:
+        raise IntegrationError(f"layer_budgets: the last layer would hold no token (budget {budget}, slope {slope}): "
+                               f"use a smaller slope or a larger budget")
+    return whole
+
+
 def validate_budget(core: Attention, budget, module) -> None:
     """Refuse at apply time a budget the layer's cache would refuse: a token count by the evictor's rule; a
     fraction of the prompt (checked by the evictor once resolved) where there is no evictor, or one that accepts
