@@ -42,14 +42,18 @@ import quality  # noqa: E402  (benchmarks/quality.py: its kvpress worker)
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--presses", nargs="+", default=["KeyDiffPress", "SnapKVPress", "ExpectedAttentionPress"])
+    ap.add_argument("--presses", nargs="*", default=["KeyDiffPress", "SnapKVPress", "ExpectedAttentionPress"])
+    ap.add_argument("--attnzoo", nargs="*", default=[],
+                    help="attnzoo methods on the original model, same windows: SPEC (B held at every step, as the "
+                         "experiment scores) or SPEC/prefill (the prefix compressed to B, every later token kept: "
+                         "AttnzooCache(evict='prefill'), kvpress's way)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[64, 128, 256], help="tokens kept of the prefix")
     ap.add_argument("--valid-windows", type=int, default=4)
     ap.add_argument("--eval-context", type=int, default=1024)
     ap.add_argument("--recorded", default=str(ROOT / "docs" / "experiments" / "finetune.json"),
                     help="the experiment's JSON: its baselines printed beside kvpress's rows ('' for none)")
     ap.add_argument("--no-check", action="store_true", help="skip the full-cache perplexity from both routes")
-    ap.add_argument("--kvpress-python", required=True)
+    ap.add_argument("--kvpress-python", default=None, help="needed for --presses and the check")
     ap.add_argument("--kvpress-path", action="append", default=[])
     ap.add_argument("--kvpress-side", action="append", default=[])
     ap.add_argument("--threads", type=int, default=None)
@@ -91,6 +95,44 @@ def worker(args, folder, docs, tokenizer, presses, fractions, prefix) -> dict:
     return live
 
 
+def nll_prefill(model, window, prefix: int, budget: int) -> float:
+    """finetune.nll_through_cache with ``AttnzooCache(evict="prefill")``: the prefix compressed to ``budget`` at
+    prefill, every later token kept."""
+    import torch
+
+    from attnzoo.integrations.transformers import AttnzooCache
+
+    cache = AttnzooCache(model, budget=budget, evict="prefill")
+    ids = window[None]
+    with torch.no_grad():
+        logits = model(ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        nll = 0.0
+        for t in range(prefix, ids.shape[1]):
+            nll -= float(torch.log_softmax(logits.float(), -1)[ids[0, t]])
+            if t + 1 < ids.shape[1]:
+                logits = model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
+    return nll
+
+
+def attnzoo_rows(method: str, windows, prefix: int, budgets) -> dict:
+    """{budget: perplexity} of an attnzoo method on the original model."""
+    from attnzoo.experiments import finetune
+
+    spec, _, mode = method.partition("/")
+    model, _ = finetune.load_model(30)
+    model.eval()
+    scored = windows.shape[0] * (windows.shape[1] - prefix)
+    out = {}
+    for budget in budgets:
+        finetune._apply(model, spec, budget)
+        if mode == "prefill":
+            nll = sum(nll_prefill(model, w, prefix, budget) for w in windows)
+        else:
+            nll = sum(finetune.nll_through_cache(model, w, prefix, budget) for w in windows)
+        out[str(budget)] = math.exp(nll / scored)
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     if args.threads:
@@ -111,6 +153,8 @@ def main(argv=None) -> dict:
     folder = models.ensure(models.SMOLLM2, progress=False).folder
     seconds: dict = {}
     check: dict = {}
+    if (args.presses or not args.no_check) and not args.kvpress_python:
+        raise SystemExit("--kvpress-python is needed for --presses and the check (or --presses --no-check)")
     if not args.no_check:
         t0 = time.perf_counter()
         model, _ = finetune.load_model(30)
@@ -136,6 +180,7 @@ def main(argv=None) -> dict:
                                 for k, per in rec["summary"]["by_spec"].items()}}
         check["recorded_original_full"] = rec["baselines"]["original"]["full"]
     results: dict = {}
+    ours: dict = {}
     versions = None
     for press in args.presses:  # one worker per press: its rows are saved as it finishes
         t0 = time.perf_counter()
@@ -150,12 +195,20 @@ def main(argv=None) -> dict:
         print(press, {b: round(results[press][str(b)], 3) for b in args.budgets}, f"{seconds[press]:.0f} s",
               flush=True)
         write(args, windows, prefix, check, recorded, results, versions, seconds, started, argv, torch,
-              transformers, cpu_model, done=press == args.presses[-1])
+              transformers, cpu_model, done=press == args.presses[-1] and not args.attnzoo)
+    for method in args.attnzoo:
+        t0 = time.perf_counter()
+        ours[method] = attnzoo_rows(method, windows, prefix, args.budgets)
+        seconds[f"attnzoo {method}"] = time.perf_counter() - t0
+        took = seconds[f"attnzoo {method}"]
+        print(method, {b: round(ours[method][str(b)], 3) for b in args.budgets}, f"{took:.0f} s", flush=True)
+        write(args, windows, prefix, check, recorded, results, versions, seconds, started, argv, torch,
+              transformers, cpu_model, done=method == args.attnzoo[-1], ours=ours)
     return results
 
 
 def write(args, windows, prefix, check, recorded, results, versions, seconds, started, argv, torch, transformers,
-          cpu_model, done) -> None:
+          cpu_model, done, ours=None) -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     n, length = windows.shape
@@ -168,7 +221,7 @@ def write(args, windows, prefix, check, recorded, results, versions, seconds, st
                  "wall_s": time.perf_counter() - started, "seconds": seconds,
                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "complete": done},
         "config": {"windows": n, "tokens": length, "prefix": prefix, "scored_per_window": length - prefix,
-                   "budgets": args.budgets, "presses": args.presses,
+                   "budgets": args.budgets, "presses": args.presses, "attnzoo": args.attnzoo,
                    "fractions_passed": {str(b): fraction_for(b, prefix) for b in args.budgets},
                    "how": "the experiment's held-out windows (attnzoo.experiments.finetune.held_out_windows); the "
                           "prefix compressed at prefill by the press to B tokens, the rest teacher-forced token by "
@@ -176,6 +229,7 @@ def write(args, windows, prefix, check, recorded, results, versions, seconds, st
         "check": check, "recorded": recorded,
         "perplexity": {p: {k: v for k, v in r.items() if k != "rows"} for p, r in results.items()},
         "rows": {p: r["rows"] for p, r in results.items()},
+        "attnzoo": ours or {},
     }
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     out.with_suffix(".md").write_text(to_markdown(result) + "\n")
@@ -185,15 +239,17 @@ def to_markdown(result: dict) -> str:
     meta, cfg, check, rec = result["meta"], result["config"], result["check"], result["recorded"]
     budgets = cfg["budgets"]
     scored = cfg["scored_per_window"]
-    lines = ["# kvpress on the fine-tune's held-out windows (issue 53)", "",
+    lines = ["# kvpress and attnzoo on the fine-tune's held-out windows (issue 53)", "",
              f"`{meta['command']}` on {meta['cpu']} ({meta['threads']} thread(s)), torch {meta['torch']}, "
-             f"transformers {meta['transformers']} (kvpress's worker: {meta['kvpress']}); float32; "
+             f"transformers {meta['transformers']}"
+             + (f" (kvpress's worker: {meta['kvpress']})" if meta["kvpress"] else "") + "; float32; "
              f"{meta['wall_s']:.0f} s in all. {'' if meta['complete'] else '**Partial run.**'}", "",
              f"{cfg['windows']} held-out windows of {cfg['tokens']} tokens (finetune.py's own); the last {scored} of "
-             f"each scored after the first {cfg['prefix']}. kvpress: the prefix compressed at prefill to B tokens, "
-             f"the rest teacher-forced with no eviction (its cache ends at B + {scored - 1} tokens). attnzoo's rows "
-             f"(from the experiment's JSON): the prefix compressed to B and B held at every step.", ""]
-    if check:
+             f"each scored after the first {cfg['prefix']}. kvpress (and attnzoo's `/prefill` rows): the prefix "
+             f"compressed at prefill to B tokens, the rest teacher-forced with no eviction (the cache ends at "
+             f"B + {scored - 1} tokens). attnzoo's other rows (\"this run\", or from the experiment's JSON): the "
+             f"prefix compressed to B and B held at every step.", ""]
+    if "attnzoo_nll_full" in check:
         lines += [f"Same tokens, checked: the original model's full-cache perplexity is "
                   f"{check.get('attnzoo_nll_full', float('nan')):.4f} by finetune.py's `nll_full` (one forward), "
                   f"{check.get('kvpress_ratio0', float('nan')):.4f} through kvpress's worker with nothing pressed "
@@ -204,6 +260,10 @@ def to_markdown(result: dict) -> str:
     for press, per in result["perplexity"].items():
         lines.append(f"| kvpress {press} (cache grows at decode) | "
                      + " | ".join(f"{per[str(b)]:.2f}" for b in budgets) + " |")
+    for method, per in result.get("attnzoo", {}).items():
+        how = "prefix compressed to B, cache grows at decode" if method.endswith("/prefill") else "B held throughout"
+        lines.append(f"| attnzoo {method} ({how}; this run) | " + " | ".join(f"{per[str(b)]:.2f}" for b in budgets)
+                     + " |")
     for evictor, per in (rec.get("baselines") or {}).items():
         if evictor == "original":
             continue
