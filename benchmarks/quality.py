@@ -806,7 +806,8 @@ def main(argv=None) -> dict:
 
             def spread(budget: int, method=method):  # one budget, or one per layer (the same total)
                 flat = layer_shape(method) == "flat"
-                return budget if flat else zt.layer_budgets(zoo, budget, slope=args.pyramid_slope)
+                layers = zoo.config.num_hidden_layers  # (before the first apply the model has no attnzoo layers)
+                return budget if flat else zt.layer_budgets(layers, budget, slope=args.pyramid_slope)
 
             for case in cases:
                 budget = budget_for(len(case["ids"]))

@@ -39,13 +39,14 @@ def test_evicting_specs_are_discovered_from_the_registry(quality):
 
 def test_the_benchmark_runs_at_a_tiny_size(quality, tmp_path):
     result = quality.main(["--contexts", "512", "--depths", "0.5", "--cases", "1", "--fractions", "0.5",
-                           "--specs", "streaming", "--kv-bits", "none", "4",
+                           "--specs", "streaming", "--kv-bits", "none", "4", "--layers", "flat", "pyramid",
                            "--ppl-docs", "1", "--ppl-prefix", "96", "--ppl-continuation",
                            "16", "--out", str(tmp_path), "--name", "q", "--plot", str(tmp_path / "q.png"),
                            "--no-progress"])
     saved = json.loads((tmp_path / "q.json").read_text())
     assert set(saved) >= {"meta", "config", "passkey", "ppl", "summary", "kvpress"}
-    assert saved["config"]["methods"] == ["full", "streaming", "streaming@4"]
+    assert saved["config"]["methods"] == ["full", "streaming", "streaming+pyramid", "streaming@4",
+                                          "streaming@4+pyramid"]
     assert saved["meta"]["cpu"] and saved["meta"]["wall_s"] > 0
     full = saved["passkey"]["full"]
     assert len(full) == 1 and full[0]["correct"], full  # the full cache answers the pass key
@@ -62,6 +63,8 @@ def test_the_benchmark_runs_at_a_tiny_size(quality, tmp_path):
     assert 0.2 < saved["held"]["streaming@4"]["0.5"] <= 0.5, saved["held"]
     budgets = {m: saved["passkey"][m][0]["budget"] for m in ("streaming", "streaming@4")}
     assert budgets["streaming@4"] > 2.5 * budgets["streaming"], budgets
+    # the pyramid holds the same bytes in all (more in early layers, fewer in late ones)
+    assert abs(saved["held"]["streaming+pyramid"]["0.5"] - saved["held"]["streaming"]["0.5"]) < 0.01, saved["held"]
     assert "not measured in this run" in (tmp_path / "q.md").read_text()
     assert (tmp_path / "q.png").stat().st_size > 10_000
     assert result["summary"] == saved["summary"]
