@@ -34,6 +34,16 @@ tokens faults vLLM's activations in afresh (its ``SiluAndMul`` output, 8 MiB), s
 machine: measured in the worker during the timed call, 1.35-1.56 s of system time for the pruned engine under
 glibc against 0.48 s under tcmalloc (docs/vllm.md, "Measured"). ``--one-process`` runs each engine in one process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine-core process spinning beside the worker.
+
+``--model smollm2`` (issue 52): the real model (SmolLM2-135M-Instruct, ``zt.smollm2()``, float32; 30 layers, 3 KV
+heads of 64) saved once per spec of ``--specs`` with that spec at ``--budget``, against vLLM's own CPU attention over
+its full cache (the cached checkpoint, no attnzoo record), the same ``kv_cache_memory_bytes`` (``--hold`` full-cache
+requests). The prompts are the passkey cases of ``benchmarks/quality.py`` (``passkey_cases`` at ``--length`` tokens,
+depths 0.1, 0.5 and 0.9 in turn, seed 0), so each engine's answers are counted too (exact match on the text up to
+the first EOS). Results named ``vllm-real-pruned.*``::
+
+    .venv-vllm/bin/python benchmarks/vllm_pruned.py --model smollm2 --specs snapkv h2o --prompts 12 --length 1500 \\
+        --new 128 --budget 188 --hold 2 --allocator glibc --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -104,14 +114,23 @@ def _counter(llm, name: str) -> int:
     return sum(int(m.value) for m in llm.get_metrics() if m.name == name)
 
 
-def _one(path: str, prompts: int, length: int, new: int, kv_bytes: int) -> dict:
-    """In a fresh process: one engine's generate call over the whole batch, with its scheduler's figures."""
+def _one(path: str, prompts: int, length: int, new: int, kv_bytes: int, asked: Path | None = None,
+         max_model_len: int | None = None) -> dict:
+    """In a fresh process: one engine's generate call over the whole batch, with its scheduler's figures. ``asked``:
+    a JSON file of the prompts' token ids (the real model's), else random ids of the tiny model's vocabulary."""
     from vllm import LLM, SamplingParams
 
     gen = torch.Generator().manual_seed(1)
-    batch = [{"prompt_token_ids": [1] + torch.randint(3, 512, (length - 1,), generator=gen).tolist()}
-             for _ in range(prompts)]
-    llm = LLM(model=path, kv_cache_memory_bytes=kv_bytes, **ENGINE)
+    if asked is not None:
+        batch = [{"prompt_token_ids": ids} for ids in json.loads(asked.read_text())]
+    else:
+        batch = [{"prompt_token_ids": [1] + torch.randint(3, 512, (length - 1,), generator=gen).tolist()}
+                 for _ in range(prompts)]
+    engine = dict(ENGINE)
+    if max_model_len is not None:  # a prompt is prefilled whole by the pruned engine: batched tokens >= the length
+        engine |= {"max_model_len": max_model_len,
+                   "max_num_batched_tokens": max(ENGINE["max_num_batched_tokens"], max_model_len)}
+    llm = LLM(model=path, kv_cache_memory_bytes=kv_bytes, **engine)
     recorder = _recorder()
     llm.llm_engine.logger_manager.stat_loggers.append(recorder)  # record() is called once per engine step
     llm.generate(batch[:2], SamplingParams(temperature=0, ignore_eos=True, max_tokens=4), use_tqdm=False)  # warm up
@@ -141,17 +160,48 @@ def _one(path: str, prompts: int, length: int, new: int, kv_bytes: int) -> dict:
                        "max_model_len": config.model_config.max_model_len}}
 
 
-def _page_bytes(budget: int, max_model_len: int) -> int:
-    """One layer's ring page of a request under ``selective-pruned`` at ``budget`` (as the backend sizes it)."""
+def _page_bytes(budget: int, max_model_len: int, spec: str = SIDES["pruned"], heads: int = HEADS,
+                kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> int:
+    """One layer's ring page of a request under ``spec`` at ``budget`` (as the backend sizes it)."""
     from attnzoo.core.numerics import accumulator_dtype
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
     from attnzoo.nn import Attention
     from attnzoo.spec import load_spec
 
-    probe = Attention(load_spec(SIDES["pruned"]), HEADS, HEAD_DIM, KV_HEADS, backend="blocked",
+    probe = Attention(load_spec(spec), heads, head_dim, kv_heads, backend="blocked",
                       dtype=torch.float32).new_cache(1, budget=budget)
-    return RingGeometry(KV_HEADS, HEAD_DIM, torch.float32, budget, tuple(probe.state_names),
+    return RingGeometry(kv_heads, head_dim, torch.float32, budget, tuple(probe.state_names),
                         accumulator_dtype(torch.float32), block_size_for(max_model_len)).page_bytes
+
+
+def _rounds(sides: dict, paths: dict, args, env: dict, kv_bytes: int, extra=()) -> tuple[dict, dict]:
+    """Each engine of ``sides`` (checkpoint ``paths[side]``) in its own process, ``args.rounds`` times interleaved:
+    (the first round's result per side, every round's wall time per side). ``extra``: more arguments of ``--one``."""
+    runs: dict[str, dict] = {}
+    walls: dict[str, list[float]] = {side: [] for side in sides}
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):  # rounds interleave the engines: a shared host's drift hits each alike
+            for side in sides:  # one engine at a time
+                result, log = Path(tmp) / f"{side}.json", Path(tmp) / f"{side}.log"
+                with log.open("w") as fh:
+                    done = subprocess.run([sys.executable, __file__, "--prompts", str(args.prompts), "--length",
+                                           str(args.length), "--new", str(args.new), *extra, "--one",
+                                           str(paths[side]), str(kv_bytes), str(result)], env=env, stdout=fh,
+                                          stderr=subprocess.STDOUT, timeout=1800)
+                if done.returncode:
+                    sys.stderr.write(log.read_text()[-4000:])
+                    raise SystemExit(f"the {side} engine failed ({done.returncode})")
+                got = json.loads(result.read_text())
+                if side in runs and got["tokens"] != runs[side]["tokens"]:
+                    raise SystemExit(f"the {side} engine generated other tokens in round {round_ + 1}")
+                runs.setdefault(side, got)
+                walls[side].append(got["wall_s"])
+                print(f"round {round_ + 1}, {side}: {got['wall_s']:.1f} s, peak running {got['peak_running']}, "
+                      f"preemptions {got['preemptions']}", file=sys.stderr, flush=True)
+    for side in sides:  # the median round's wall time; the scheduler's figures are the first round's
+        runs[side]["wall_s"] = statistics.median(walls[side])
+        runs[side]["wall_s_rounds"] = walls[side]
+    return runs, walls
 
 
 def main(argv=None) -> int:
@@ -159,7 +209,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--length", type=int, default=512, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="generated tokens per prompt")
-    parser.add_argument("--budget", type=int, default=64, help="tokens selective-pruned keeps per layer")
+    parser.add_argument("--budget", type=int, default=64, help="tokens the evicting spec keeps per layer")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hold", type=int, default=8, help="requests the full cache holds in the shared KV memory")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size on the CPU (for the sizing)")
@@ -171,10 +221,21 @@ def main(argv=None) -> int:
                         help="each engine in one process (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core or worker "
                              "process; results named vllm-pruned-one.*)")
     parser.add_argument("--out", type=Path, default=None, help="directory for vllm-pruned.json and vllm-pruned.md")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny",
+                        help="the tiny Llama (default) or the real model (results named vllm-real-pruned.*)")
+    parser.add_argument("--specs", nargs="+", default=None,
+                        help="evicting specs served at --budget (--model smollm2; default snapkv h2o)")
     parser.add_argument("--one", nargs=3, metavar=("PATH", "KV_BYTES", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--asked", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--max-model-len", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.specs is not None and args.model != "smollm2":
+        parser.error("--specs needs --model smollm2 (the tiny model's run is selective-pruned's)")
+    if min(args.prompts, args.length, args.new, args.budget, args.hold, args.rounds) < 1:
+        parser.error("--prompts, --length, --new, --budget, --hold and --rounds must be at least 1")
     if args.one:
-        result = _one(args.one[0], args.prompts, args.length, args.new, int(args.one[1]))
+        result = _one(args.one[0], args.prompts, args.length, args.new, int(args.one[1]), args.asked,
+                      args.max_model_len)
         Path(args.one[2]).write_text(json.dumps(result))
         return 0
 
@@ -197,33 +258,12 @@ def main(argv=None) -> int:
         env["LD_PRELOAD"] = ":".join(filter(None, (preload, env.get("LD_PRELOAD"))))
     if args.one_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    runs: dict[str, dict] = {}
-    walls: dict[str, list[float]] = {side: [] for side in SIDES}
+    if args.model == "smollm2":
+        return _real(args, env, preload)
     with tempfile.TemporaryDirectory() as tmp:
         for side, spec in SIDES.items():
             _save(Path(tmp) / side, spec, args.layers, args.budget)
-        for round_ in range(args.rounds):  # rounds interleave the engines: a shared host's drift hits each alike
-            for side in SIDES:  # one engine at a time
-                path, result = Path(tmp) / side, Path(tmp) / f"{side}.json"
-                log = Path(tmp) / f"{side}.log"
-                with log.open("w") as fh:
-                    done = subprocess.run([sys.executable, __file__, "--prompts", str(args.prompts), "--length",
-                                           str(args.length), "--new", str(args.new), "--one", str(path),
-                                           str(kv_bytes), str(result)], env=env, stdout=fh,
-                                          stderr=subprocess.STDOUT, timeout=900)
-                if done.returncode:
-                    sys.stderr.write(log.read_text()[-4000:])
-                    raise SystemExit(f"the {side} engine failed ({done.returncode})")
-                got = json.loads(result.read_text())
-                if side in runs and got["tokens"] != runs[side]["tokens"]:
-                    raise SystemExit(f"the {side} engine generated other tokens in round {round_ + 1}")
-                runs.setdefault(side, got)
-                walls[side].append(got["wall_s"])
-                print(f"round {round_ + 1}, {side}: {got['wall_s']:.1f} s, peak running {got['peak_running']}, "
-                      f"preemptions {got['preemptions']}", file=sys.stderr)
-    for side in SIDES:  # the median round's wall time; the scheduler's figures are the first round's
-        runs[side]["wall_s"] = statistics.median(walls[side])
-        runs[side]["wall_s_rounds"] = walls[side]
+        runs, walls = _rounds(SIDES, {side: Path(tmp) / side for side in SIDES}, args, env, kv_bytes)
 
     rows = {}
     for side, r in runs.items():
@@ -272,6 +312,124 @@ def main(argv=None) -> int:
     return 0
 
 
+REAL_SPECS = ["snapkv", "h2o"]
+DEPTHS = (0.1, 0.5, 0.9)
+
+
+def _real(args, env: dict, preload: str | None) -> int:
+    """``--model smollm2``: each spec of ``--specs`` at ``--budget`` on the real model against vLLM's own CPU
+    attention over its full cache, the same KV memory (``--hold`` full-cache requests)."""
+    import importlib.util
+
+    import transformers
+
+    from attnzoo.bench import cpu_model
+    from attnzoo.integrations import transformers as zt
+    from attnzoo.integrations.transformers import models
+
+    specs = args.specs or REAL_SPECS
+    source = _source()
+    folder = models.ensure(models.SMOLLM2, progress=False).folder
+    config = transformers.AutoConfig.from_pretrained(folder)
+    layers, heads, kv_heads = config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.head_dim
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    found = importlib.util.spec_from_file_location("quality_benchmark", Path(__file__).with_name("quality.py"))
+    quality = importlib.util.module_from_spec(found)
+    found.loader.exec_module(quality)
+    per_depth = math.ceil(args.prompts / len(DEPTHS))
+    cases = quality.passkey_cases(tokenizer, [args.length], DEPTHS, per_depth, 0)
+    cases = [cases[d * per_depth + i] for i in range(per_depth) for d in range(len(DEPTHS))][:args.prompts]
+    max_model_len = math.ceil((args.length + args.new) / 128) * 128
+    full_bytes = math.ceil((args.length + args.new) / args.block_size) * args.block_size * (
+        2 * kv_heads * head_dim * 4 * layers)
+    kv_bytes = args.hold * full_bytes
+    sides = {name: name for name in specs} | {"vllm": None}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"vllm": folder}
+        for name in specs:
+            model, _ = zt.smollm2(progress=False)
+            zt.apply(model, name, budget=args.budget)
+            paths[name] = Path(tmp) / name
+            model.save_pretrained(paths[name])
+            del model
+        asked = Path(tmp) / "prompts.json"
+        asked.write_text(json.dumps([c["ids"] for c in cases]))
+        runs, walls = _rounds(sides, paths, args, env, kv_bytes, extra=(
+            "--asked", str(asked), "--max-model-len", str(max_model_len)))
+    rows = {}
+    for side, r in runs.items():
+        answers = [_answer(tokenizer, t) for t in r["tokens"]]
+        rows[side] = {k: v for k, v in r.items() if k != "tokens"} | {
+            "generated_tok_s": r["generated"] / r["wall_s"], "answers": answers,
+            "correct": [quality.answer_matches(a, c["key"]) for a, c in zip(answers, cases, strict=True)],
+            "bytes_per_request": full_bytes if side == "vllm" else
+            _page_bytes(args.budget, max_model_len, side, heads, kv_heads, head_dim) * layers}
+    full = rows["vllm"]
+    for side in specs:
+        rows[side]["vs_full"] = {
+            "peak_running": rows[side]["peak_running"] / full["peak_running"],
+            "generated_tok_s": statistics.median(f / w for w, f in zip(walls[side], walls["vllm"], strict=True)),
+            "generated_tok_s_rounds": [f / w for w, f in zip(walls[side], walls["vllm"], strict=True)],
+            "bytes_per_request": rows[side]["bytes_per_request"] / full_bytes}
+    command = "python benchmarks/vllm_pruned.py " + " ".join(sys.argv[1:])
+    result = {"cpu": cpu_model(), "torch": torch.__version__, "vllm": _vllm_version(), "command": command,
+              "source": source,
+              "model": "SmolLM2-135M-Instruct (zt.smollm2(), float32)",
+              "config": vars(args) | {"out": None, "one": None, "asked": None, "specs": specs,
+                                      "kv_cache_memory_bytes": kv_bytes, "max_model_len": max_model_len,
+                                      "engine": ENGINE, "preload": preload},
+              "cases": [{k: c[k] for k in ("depth", "case", "key")} for c in cases], "rows": rows}
+    text = _markdown_real(result, args)
+    print(text)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "vllm-real-pruned.json").write_text(json.dumps(result, indent=1) + "\n")
+        (args.out / "vllm-real-pruned.md").write_text(text)
+    return 0
+
+
+def _answer(tokenizer, tokens: list[int]) -> str:
+    """The text up to the first EOS (what generate() stopping at EOS returns)."""
+    eos = tokenizer.eos_token_id
+    cut = tokens.index(eos) if eos in tokens else len(tokens)
+    return tokenizer.decode(tokens[:cut], skip_special_tokens=True).strip()
+
+
+def _markdown_real(result: dict, args) -> str:
+    rows, config = result["rows"], result["config"]
+    kv, n = config["kv_cache_memory_bytes"], len(result["cases"])
+    lines = ["# KV pruning served by vLLM on the real model: requests at once and tokens/s under the same KV memory",
+             "", f"`{result['command']}` on {result['cpu']} (2 cores shared with other jobs), torch "
+             f"{result['torch']}, vLLM {result['vllm']} (CPU build), float32, eager, {_allocator(result)}"
+             f"{ONE_PROCESS if args.one_process else ''}. {result['model']}: {n} requests, the passkey prompts of "
+             f"`benchmarks/quality.py` at {args.length} tokens (depths 0.1, 0.5, 0.9 in turn) + {args.new} generated "
+             f"each, greedy, EOS ignored, one `generate` call per engine, each engine in its own process. Every engine "
+             f"gets `kv_cache_memory_bytes={kv}` ({kv / 2**20:.1f} MiB): {args.hold} full-cache requests of "
+             f"{args.length + args.new} tokens rounded up to vLLM's blocks of {args.block_size}. `max_num_seqs="
+             f"{config['engine']['max_num_seqs']}`, `max_model_len={config['max_model_len']}`. The evicting specs "
+             f"keep {args.budget} tokens per layer ({args.budget / args.length:.1%} of the prompt); the full cache "
+             f"is vLLM's own CPU attention over its paged cache (the checkpoint without an attnzoo record).", "",
+             "| engine | KV bytes per request | peak running | usual running | mean running | preemptions | wall s "
+             "| generated tok/s | peak running vs full | tok/s vs full | pass key answered |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for side, r in rows.items():
+        vs = r.get("vs_full", {"peak_running": 1.0, "generated_tok_s": 1.0, "bytes_per_request": 1.0})
+        label = "vLLM's own CPU attention, full cache" if side == "vllm" else f"attnzoo `{side}`, budget {args.budget}"
+        lines.append(f"| {label} | {r['bytes_per_request']:,} ({vs['bytes_per_request']:.3f}x) | {r['peak_running']} "
+                     f"| {r['usual_running']} | {r['mean_running']:.1f} | {r['preemptions']} | {r['wall_s']:.1f} | "
+                     f"{r['generated_tok_s']:.1f} | {vs['peak_running']:.2f}x | {vs['generated_tok_s']:.2f}x | "
+                     f"{sum(r['correct'])}/{n} |")
+    met = [side for side, r in rows.items() if side != "vllm" and r["vs_full"]["peak_running"] >= 4.0]
+    lines += ["", f"Target (issue 52): >= 4x the full cache's requests in flight at equal KV memory: met by "
+              f"{', '.join(f'`{s}`' for s in met) or 'none'}. Running requests and preemptions: vLLM's own "
+              f"scheduler statistics of every engine step (a stat logger, as for the tiny model's run); rounds: "
+              f"{args.rounds}, tok/s vs full the median of each round's ratio.", "",
+              f"attnzoo at commit {result['source']['commit']}; changed under attnzoo/ at the start (a shared "
+              f"working tree): {', '.join(result['source']['attnzoo_changed']) or 'nothing'}.", ""]
+    return "\n".join(lines)
+
+
 def _longest_run(seq: list[int]) -> int:
     best = run = 0
     for i, t in enumerate(seq):
@@ -295,6 +453,17 @@ def _allocator(result) -> str:
     preload = result["config"]["preload"]
     return (f"`{preload}` preloaded in every engine (vLLM's CPU setup)" if preload else
             "glibc's malloc (`--allocator glibc`; vLLM's CPU setup preloads tcmalloc)")
+
+
+def _source() -> dict:
+    """The commit this run's attnzoo came from, and the files under attnzoo/ changed from it (a shared tree)."""
+    def git(*argv):
+        done = subprocess.run(["git", *argv], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                              text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    changed = git("status", "--porcelain", "--", "attnzoo")
+    return {"commit": git("rev-parse", "HEAD"), "attnzoo_changed": [line[3:] for line in (changed or "").splitlines()]}
 
 
 def _vllm_version() -> str:
