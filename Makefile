@@ -48,9 +48,11 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/pyvenv.cfg
 
 vllm-env: $(VLLM_STAMP)
 
-# the vLLM tests (tests/integrations/vllm/test_vllm.py; skipped in .venv, which has no vLLM)
+# the vLLM tests (tests/integrations/vllm/test_vllm*.py; skipped in .venv, which has no vLLM; test_vllm_real.py serves the
+# real model, SmolLM2, about a minute)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py \
+		tests/integrations/vllm/test_vllm_real.py
 
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)
