@@ -98,20 +98,9 @@ def worker(args, folder, docs, tokenizer, presses, fractions, prefix) -> dict:
 def nll_prefill(model, window, prefix: int, budget: int) -> float:
     """finetune.nll_through_cache with ``AttnzooCache(evict="prefill")``: the prefix compressed to ``budget`` at
     prefill, every later token kept."""
-    import torch
+    from attnzoo.experiments.finetune import nll_through_cache
 
-    from attnzoo.integrations.transformers import AttnzooCache
-
-    cache = AttnzooCache(model, budget=budget, evict="prefill")
-    ids = window[None]
-    with torch.no_grad():
-        logits = model(ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        nll = 0.0
-        for t in range(prefix, ids.shape[1]):
-            nll -= float(torch.log_softmax(logits.float(), -1)[ids[0, t]])
-            if t + 1 < ids.shape[1]:
-                logits = model(ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
-    return nll
+    return nll_through_cache(model, window, prefix, budget, evict="prefill")
 
 
 def attnzoo_rows(method: str, windows, prefix: int, budgets) -> dict:

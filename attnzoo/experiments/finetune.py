@@ -140,12 +140,13 @@ def nll_full(model, window: torch.Tensor, prefix: int) -> float:
 
 
 @torch.no_grad()
-def nll_through_cache(model, window: torch.Tensor, prefix: int, budget: int | None) -> float:
-    """Summed NLL of ``window[prefix:]``: the prefix prefilled into an ``AttnzooCache(model, budget)``, the rest fed
-    token by token through it (eviction on)."""
+def nll_through_cache(model, window: torch.Tensor, prefix: int, budget: int | None, evict: str = "always") -> float:
+    """Summed NLL of ``window[prefix:]``: the prefix prefilled into an ``AttnzooCache(model, budget, evict=evict)``,
+    the rest fed token by token through it (``always``: eviction on at every step; ``prefill``: the prefix
+    compressed, every later token kept, as kvpress's presses score)."""
     from ..integrations.transformers import AttnzooCache
 
-    cache = AttnzooCache(model, budget=budget)
+    cache = AttnzooCache(model, budget=budget, evict=evict)
     ids = window[None]
     logits = model(ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     nll = 0.0
