@@ -12,6 +12,7 @@ kept; the ratios come from the same run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -23,66 +24,17 @@ import torch
 import attnzoo
 from attnzoo.bench import cpu_model
 
-NEG = float("-inf")
+
+def _example_maps():
+    """SSMax and ReluMean from examples/map_plugins.py (the plugin maps the docs and the tests use)."""
+    spec = importlib.util.spec_from_file_location("map_plugins", Path(__file__).resolve().parents[1] / "examples"
+                                                  / "map_plugins.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.SSMax, module.ReluMean
 
 
-class SSMax(attnzoo.ProbabilityTransform):
-    """softmax(s_h ln(n) l), n the number of keys the query sees (as docs/plugins.md writes it)."""
-
-    kind = "ssmax"
-    slot = attnzoo.Slot.PROBABILITY
-    normalised = True
-
-    def parameters(self):
-        return [attnzoo.ParamSpec("s", ("H",), 0.43)]
-
-    def weights(self, logits, allowed, ctx, params):
-        allowed = allowed.expand_as(logits)
-        n = allowed.sum(-1, keepdim=True).clamp_min(1).to(logits.dtype)
-        x = torch.where(allowed, params["s"][ctx.heads] * torch.log(n) * torch.where(allowed, logits, 0.0), NEG)
-        w = torch.softmax(torch.where(allowed.any(-1, keepdim=True), x, 0.0), dim=-1)
-        return torch.where(allowed, w, 0.0)
-
-    def start(self, out_shape, like):
-        dtype, rows = torch.promote_types(like.dtype, torch.float32), (*out_shape[:-1], 1)
-        return {"m": like.new_full(rows, NEG, dtype=dtype), "l": like.new_zeros(rows, dtype=dtype),
-                "acc": like.new_zeros(out_shape, dtype=dtype)}
-
-    def update(self, state, logits, allowed, values, ctx, params, step):
-        m = state["m"]
-        scale = params["s"][ctx.heads].to(m.dtype) * torch.log(step.visible.clamp_min(1))
-        x = torch.where(allowed, scale * torch.where(allowed, logits.to(m.dtype), 0.0), NEG)
-        new = torch.maximum(m, x.amax(-1, keepdim=True)).detach()
-        shift = torch.where(torch.isinf(new), 0.0, new)
-        rescale, p = torch.exp(m - shift), torch.exp(x - shift)
-        return {"m": new, "l": state["l"] * rescale + p.sum(-1, keepdim=True),
-                "acc": state["acc"] * rescale + p @ values.to(m.dtype)}
-
-    def finish(self, state, params):
-        total = state["l"]
-        return torch.where(total > 0, state["acc"] / total.clamp_min(1e-30), 0.0)
-
-
-class ReluMean(attnzoo.ProbabilityTransform):
-    """relu(l) / (the number of keys the query sees), counted in the state (no step)."""
-
-    kind = "relu_mean"
-    slot = attnzoo.Slot.PROBABILITY
-
-    def weights(self, logits, allowed, ctx, params):
-        allowed = allowed.expand_as(logits)
-        return torch.where(allowed, torch.relu(logits), 0.0) / allowed.sum(-1, keepdim=True).clamp_min(1)
-
-    def start(self, out_shape, like):
-        return {"sum": like.new_zeros(out_shape), "count": like.new_zeros((*out_shape[:-1], 1))}
-
-    def update(self, state, logits, allowed, values, ctx, params):
-        allowed = allowed.expand_as(logits)
-        return {"sum": state["sum"] + torch.where(allowed, torch.relu(logits), 0.0) @ values,
-                "count": state["count"] + allowed.sum(-1, keepdim=True)}
-
-    def finish(self, state, params):
-        return state["sum"] / state["count"].clamp_min(1)
+SSMax, ReluMean = _example_maps()
 
 
 MAPS = ("ssmax", "relu_mean", "softpick")

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from map_plugins import SSMax  # examples/map_plugins.py: the docs' one-pass SSMax
 
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
@@ -18,46 +19,6 @@ from attnzoo.registry import new_registry
 BLOCK = 4
 BACKENDS = ["reference", "blocked4"]
 NEG = float("-inf")
-
-
-class SSMax(attnzoo.ProbabilityTransform):
-    """softmax(s_h ln(n_i) l_ij) over the keys query i sees, n_i their number: the reference form counts them, the
-    blocked form reads the count from the step (one pass, an online softmax)."""
-
-    kind = "ssmax"
-    slot = attnzoo.Slot.PROBABILITY
-    normalised = True
-
-    def parameters(self):
-        return [attnzoo.ParamSpec("s", ("H",), 0.43)]
-
-    def weights(self, logits, allowed, ctx, params):
-        allowed = allowed.expand_as(logits)
-        n = allowed.sum(-1, keepdim=True).clamp_min(1).to(logits.dtype)
-        x = params["s"][ctx.heads] * torch.log(n) * torch.where(allowed, logits, 0.0)
-        x = torch.where(allowed, x, NEG)
-        w = torch.softmax(torch.where(allowed.any(-1, keepdim=True), x, 0.0), dim=-1)
-        return torch.where(allowed, w, 0.0)
-
-    def start(self, out_shape, like):
-        dtype = torch.promote_types(like.dtype, torch.float32)
-        rows = (*out_shape[:-1], 1)
-        return {"m": torch.full(rows, NEG, dtype=dtype), "l": torch.zeros(rows, dtype=dtype),
-                "acc": torch.zeros(out_shape, dtype=dtype)}
-
-    def update(self, state, logits, allowed, values, ctx, params, step):
-        m = state["m"]
-        scale = params["s"][ctx.heads].to(m.dtype) * torch.log(step.visible.clamp_min(1))
-        x = torch.where(allowed, scale * torch.where(allowed, logits.to(m.dtype), 0.0), NEG)
-        new = torch.maximum(m, x.amax(-1, keepdim=True)).detach()
-        shift = torch.where(torch.isinf(new), 0.0, new)  # no key yet
-        rescale, p = torch.exp(m - shift), torch.exp(x - shift)
-        return {"m": new, "l": state["l"] * rescale + p.sum(-1, keepdim=True),
-                "acc": state["acc"] * rescale + p @ values.to(m.dtype)}
-
-    def finish(self, state, params):
-        total = state["l"]
-        return torch.where(total > 0, state["acc"] / total.clamp_min(1e-30), 0.0)
 
 
 class ReluMeanByStep(attnzoo.ProbabilityTransform):

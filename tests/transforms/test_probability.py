@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from map_plugins import ReluMean  # examples/map_plugins.py: ReLU attention as a plugin map
 
 import attnzoo
 from attnzoo.backends.blocked import BlockedBackend
@@ -445,30 +446,6 @@ def test_only_a_map_takes_the_key_block_loop(monkeypatch):
 
 
 # -- a plugin's probability map ---------------------------------------------------------------------------------------
-class ReluMean(ProbabilityTransform):
-    """ReLU attention (Wortsman et al. 2023): w_ij = relu(l_ij) / L_i, L_i the number of keys query i may see; the
-    blocked form sums the weighted values and counts the keys, and divides at the end."""
-
-    kind = "relu_mean"
-    slot = attnzoo.Slot.PROBABILITY
-
-    def weights(self, logits, allowed, ctx, params):
-        allowed = allowed.expand_as(logits)
-        count = allowed.sum(-1, keepdim=True).clamp_min(1)
-        return torch.where(allowed, torch.relu(logits), 0.0) / count
-
-    def start(self, out_shape, like):
-        return {"sum": like.new_zeros(out_shape), "count": like.new_zeros((*out_shape[:-1], 1))}
-
-    def update(self, state, logits, allowed, values, ctx, params):
-        allowed = allowed.expand_as(logits)
-        return {"sum": state["sum"] + torch.where(allowed, torch.relu(logits), 0.0) @ values,
-                "count": state["count"] + allowed.sum(-1, keepdim=True)}
-
-    def finish(self, state, params):
-        return state["sum"] / state["count"].clamp_min(1)
-
-
 def _plugin_registry(*classes, backends=True):
     module = types.ModuleType("maps")
     module.register_transforms = attnzoo.hookimpl(lambda register: [register(c) for c in classes])
