@@ -62,7 +62,6 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     stepped as one batch, in place where their blocks are consecutive in any order (else gathered and scattered
     back), pages still filling stepped alone; outputs every step and each page's tokens at the end. Evictors with a
     per-token state (F, H2O's and SnapKV's scores, KeyDiff's similarities) and one without (KNorm)."""
-    import types
 
     from attnzoo.core.numerics import accumulator_dtype
     from attnzoo.integrations.vllm import pages as page_ops
@@ -82,12 +81,8 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     done = [0] * len(lengths)
     for step in range(steps + 1):
         counts = lengths if step == 0 else [1] * len(lengths)
-        n = sum(counts)
+        n, starts, done, meta = _metadata(counts, done, table)
         q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
-        starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        done = [d + c for d, c in zip(done, counts, strict=True)]
-        meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
-                                     seq_lens=torch.tensor(done, dtype=torch.int32), block_table=table)
         out = torch.full((n, 64), float("nan"), dtype=dtype)
         layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
         for i, cache in enumerate(caches):
@@ -112,18 +107,24 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
 def _step(layer, geometry, kv_cache, blocks, counts, done, gen):
     """One step of the serving layer over the ring pages of ``kv_cache``: ``counts[i]`` new tokens of request ``i``
     (after ``done[i]``), its page ``blocks[i]``; returns the output and the lengths after the step."""
-    import types
-
-    n = sum(counts)
+    n, _, done, meta = _metadata(counts, done, torch.tensor(blocks, dtype=torch.int32).unsqueeze(1))
     q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=kv_cache.dtype) for h in (4, 2, 2))
-    starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    done = [d + c for d, c in zip(done, counts, strict=True)]
-    meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
-                                 seq_lens=torch.tensor(done, dtype=torch.int32),
-                                 block_table=torch.tensor(blocks, dtype=torch.int32).unsqueeze(1))
     out = torch.full((n, 64), float("nan"), dtype=kv_cache.dtype)
     layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
     return out, done
+
+
+def _metadata(counts, done, table):
+    """vLLM's attention metadata for a step of ``counts[i]`` new tokens of request ``i`` (after ``done[i]``), its
+    pages ``table``: (tokens in the step, each request's first row, the lengths after the step, the metadata)."""
+    import types
+
+    n = sum(counts)
+    starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    done = [d + c for d, c in zip(done, counts, strict=True)]
+    meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
+                                 seq_lens=torch.tensor(done, dtype=torch.int32), block_table=table)
+    return n, starts, done, meta
 
 
 @pytest.mark.parametrize("spec", ["selective-pruned", "h2o"])
@@ -183,7 +184,6 @@ def test_the_layers_of_a_forward_share_its_step():
     object, which vLLM builds once per forward and hands to every layer): two layers of other specs and budgets over
     one metadata object per step each still give their core's outputs alone, and a new metadata object is a new
     step."""
-    import types
 
     from attnzoo.core.numerics import accumulator_dtype
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
@@ -200,11 +200,7 @@ def test_the_layers_of_a_forward_share_its_step():
     gen, done, table, steps = torch.Generator().manual_seed(0), [0] * len(lengths), torch.tensor([[3], [1], [4]]), []
     for step in range(6):
         counts = lengths if step == 0 else [1] * len(lengths)
-        n = sum(counts)
-        starts = torch.tensor([0, *counts], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        done = [d + c for d, c in zip(done, counts, strict=True)]
-        meta = types.SimpleNamespace(num_actual_tokens=n, query_start_loc=starts,
-                                     seq_lens=torch.tensor(done, dtype=torch.int32), block_table=table)
+        n, starts, done, meta = _metadata(counts, done, table)
         for layer, core, geometry, kv_cache, caches in served:
             q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
             out = torch.full((n, 64), float("nan"), dtype=dtype)
