@@ -82,15 +82,7 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     for step in range(steps + 1):
         counts = lengths if step == 0 else [1] * len(lengths)
         n, starts, done, meta = _metadata(counts, done, table)
-        q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
-        out = torch.full((n, 64), float("nan"), dtype=dtype)
-        layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
-        for i, cache in enumerate(caches):
-            rows = slice(int(starts[i]), int(starts[i + 1]))
-            args = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-            want = (core.prefill if step == 0 else core.decode)(*args, cache)[0].transpose(0, 1)
-            torch.testing.assert_close(out[rows].view_as(want), want, rtol=1e-10, atol=1e-10,
-                                       msg=lambda m, i=i, s=step: f"request {i}, step {s}: {m}")
+        _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, step, gen)
     assert {s is not None for s in seen} == paths  # which path the batched steps took: in place, gathered
     pages = geometry.all_views(kv_cache)
     for i, cache in enumerate(caches):
@@ -112,6 +104,21 @@ def _step(layer, geometry, kv_cache, blocks, counts, done, gen):
     out = torch.full((n, 64), float("nan"), dtype=kv_cache.dtype)
     layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
     return out, done
+
+
+def _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, step, gen):
+    """One step of the serving layer (fresh q, k, v for every new token) against each request alone in its own
+    attnzoo cache (``caches[i]``: its core's prefill at step 0, then decode), float64 tolerances."""
+    n, dtype = meta.num_actual_tokens, kv_cache.dtype
+    q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
+    out = torch.full((n, 64), float("nan"), dtype=dtype)
+    layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+    for i, cache in enumerate(caches):
+        rows = slice(int(starts[i]), int(starts[i + 1]))
+        args = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
+        want = (core.prefill if step == 0 else core.decode)(*args, cache)[0].transpose(0, 1)
+        torch.testing.assert_close(out[rows].view_as(want), want, rtol=1e-10, atol=1e-10,
+                                   msg=lambda m, i=i, s=step: f"request {i}, step {s}: {m}")
 
 
 def _metadata(counts, done, table):
@@ -202,14 +209,7 @@ def test_the_layers_of_a_forward_share_its_step():
         counts = lengths if step == 0 else [1] * len(lengths)
         n, starts, done, meta = _metadata(counts, done, table)
         for layer, core, geometry, kv_cache, caches in served:
-            q, k, v = (torch.randn(n, h, 16, generator=gen, dtype=dtype) for h in (4, 2, 2))
-            out = torch.full((n, 64), float("nan"), dtype=dtype)
-            layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
-            for i, cache in enumerate(caches):
-                rows = slice(int(starts[i]), int(starts[i + 1]))
-                args = [t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)]
-                want = (core.prefill if step == 0 else core.decode)(*args, cache)[0].transpose(0, 1)
-                torch.testing.assert_close(out[rows].view_as(want), want, rtol=1e-10, atol=1e-10)
+            _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, step, gen)
         steps.append(step_of(meta))
         assert step_of(meta) is steps[-1] and steps[-1].lengths == done
     assert len({id(s) for s in steps}) == len(steps)
