@@ -812,9 +812,10 @@ def main(argv=None) -> dict:
             for case in cases:
                 budget = budget_for(len(case["ids"]))
                 record = getattr(zoo.config, "attnzoo", None) or {}
-                if not own and (record.get("name"), record.get("budget")) != (name, spread(budget)):
-                    zt.apply(zoo, name, budget=spread(budget))
-                cache = zt.AttnzooCache(zoo, budget=spread(budget), **cache_options(method))
+                per_layer = spread(budget)
+                if not own and (record.get("name"), record.get("budget")) != (name, per_layer):
+                    zt.apply(zoo, name, budget=per_layer)
+                cache = zt.AttnzooCache(zoo, budget=per_layer, **cache_options(method))
                 progress.set_postfix_str(f"{method} {pct(fraction)} {case['context']}")
                 answer, _ = run_passkey(zoo, tokenizer, case, cache, args.max_new_tokens)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, len(case["ids"])))
@@ -825,9 +826,10 @@ def main(argv=None) -> dict:
                 progress.update(1)
             for doc in docs:
                 budget = budget_for(args.ppl_prefix)
+                per_layer = spread(budget)
                 if not own:  # a loaded model keeps its spec and trained tensors: the cache sets the budget
-                    zt.apply(zoo, name, budget=spread(budget))
-                cache = zt.AttnzooCache(zoo, budget=spread(budget), **cache_options(method))
+                    zt.apply(zoo, name, budget=per_layer)
+                cache = zt.AttnzooCache(zoo, budget=per_layer, **cache_options(method))
                 nll, n, _ = run_ppl(zoo, doc, args.ppl_prefix, cache)
                 ratios.append(counted_bytes(zoo, cache, name, bits) / full_kv_bytes(zoo, args.ppl_prefix))
                 ppl.setdefault(method, []).append({"fraction": fraction, "doc": doc["doc"], "nll": nll, "tokens": n,
