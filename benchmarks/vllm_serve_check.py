@@ -25,6 +25,7 @@ ceiling; results to ``--out`` as ``vllm-real-passkey-<percent kept>.{json,md}``:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -79,6 +80,7 @@ def checkpoint(path: str, length: int) -> None:
                       "tokens": PROMPTS * NEW, "hf_seconds": round(hf_seconds, 1)}))
 
 
+@functools.cache
 def benchmark_module(name: str):
     """benchmarks/<name>.py, imported from its file: quality.py (its passkey cases and answer rule), vllm_pruned.py
     (the run's source and vLLM version records)."""
