@@ -320,12 +320,15 @@ def cache_options(method: str) -> dict:
     return {**options, "kv_bits": bits, **({"kv_rotate": False} if base.endswith("u") else {})}
 
 
+KV_BITS = ("8", "4", "3", "2", "8u", "4u", "3u", "2u")
+
+
 def kv_bits_choice(value: str):
-    """--kv-bits values: none, 8, 4, 8u, 4u."""
+    """--kv-bits values: none, 8, 4, 3, 2, and 8u, 4u, 3u, 2u (unrotated)."""
     if value == "none":
         return None
-    if value not in ("8", "4", "8u", "4u"):
-        raise argparse.ArgumentTypeError(f"--kv-bits takes none, 8, 4, 8u or 4u, got {value!r}")
+    if value not in KV_BITS:
+        raise argparse.ArgumentTypeError(f"--kv-bits takes none, {', '.join(KV_BITS)}, got {value!r}")
     return value
 
 
@@ -625,6 +628,10 @@ def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048], help="prompt lengths in tokens")
+    ap.add_argument("--run-contexts", type=int, nargs="+", default=None,
+                    help="of --contexts, the lengths whose cases run (default: all). The cases are drawn for every "
+                         "--contexts length, in order, so '--contexts 1024 2048 --run-contexts 2048' runs the same "
+                         "2,048-token cases as a run of both (a 2048-only --contexts draws others)")
     ap.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9], help="needle depths (0-1)")
     ap.add_argument("--cases", type=int, default=2, help="passkey cases per context x depth (the issue wants 20)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.125, 0.25, 0.5],
@@ -633,9 +640,9 @@ def parse(argv=None):
                     help="bytes (default): every method holds the fraction of a bfloat16 full cache's bytes, its "
                          "budget the tokens that fit (token_bytes()); tokens: budget = round(fraction x prompt)")
     ap.add_argument("--kv-bits", nargs="+", default=[None], type=kv_bits_choice,
-                    help="per spec, the caches to run: 'none' (keys and values unquantized), 8, 4 "
-                         "(AttnzooCache(kv_bits=...), Hadamard-rotated), 8u, 4u (unrotated, kv_rotate=False); "
-                         "e.g. --kv-bits none 8 4")
+                    help="per spec, the caches to run: 'none' (keys and values unquantized), 8, 4, 3, 2 "
+                         "(AttnzooCache(kv_bits=...), Hadamard-rotated), 8u, 4u, 3u, 2u (unrotated, "
+                         "kv_rotate=False); e.g. --kv-bits none 8 4")
     ap.add_argument("--evict", nargs="+", default=["always"], choices=["always", "prefill"],
                     help="per spec: 'always' (the budget holds at every step, the default) and/or 'prefill' (the "
                          "prompt compressed at prefill, every later token kept, as kvpress's presses do; method "
@@ -679,6 +686,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if not 0 <= args.pyramid_slope < 1:
         ap.error(f"--pyramid-slope must be in [0, 1), got {args.pyramid_slope}")
+    if args.run_contexts is not None and not set(args.run_contexts) <= set(args.contexts):
+        ap.error(f"--run-contexts must be among --contexts {args.contexts}, got {args.run_contexts}")
     return args
 
 
@@ -764,6 +773,8 @@ def main(argv=None) -> dict:
                + ("" if evict == "always" else f"/{evict}")
                for name in names for bits in args.kv_bits for shape in args.layers for evict in args.evict]
     cases = passkey_cases(tokenizer, args.contexts, args.depths, args.cases, args.seed)
+    if args.run_contexts is not None:  # drawn for every --contexts length (the same cases), run for these
+        cases = [c for c in cases if c["context"] in args.run_contexts]
     docs = ppl_docs(tokenizer, args.ppl_docs, args.ppl_prefix, args.ppl_continuation, args.seed)
     per_method = len(cases) + len(docs)
     total = per_method * (1 + len(methods) * len(args.fractions))
@@ -872,7 +883,9 @@ def report(args, argv, started, names, aliases, passkey, ppl, held, seconds, kv,
                                                                else "SmolLM2-135M-Instruct (Q4_1 gguf, float32)"),
                  "wall_s": wall, "method_seconds": seconds, "command": command.strip(),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "complete": done},
-        "config": {"contexts": args.contexts, "depths": args.depths, "cases": args.cases,
+        "config": {"contexts": args.contexts if args.run_contexts is None else
+                   [c for c in args.contexts if c in args.run_contexts], "drawn_contexts": args.contexts,
+                   "depths": args.depths, "cases": args.cases,
                    "fractions": args.fractions, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
                    "methods": ["full", *names],
                    "ppl": {"docs": args.ppl_docs, "prefix": args.ppl_prefix, "continuation": args.ppl_continuation,

@@ -1,12 +1,21 @@
-"""Keys and values held in 8 or 4 bits between decoding steps (docs/decoding.md, "Quantized keys and values").
+"""Keys and values held in 8, 4, 3 or 2 bits between decoding steps (docs/decoding.md, "Quantized keys and values").
 
 Rows (B, H_kv, M, D) are quantized **per token**: each (batch row, key/value head, token) has its own asymmetric
 scale ``s`` and zero point ``z``, both stored in float16, and its D elements become codes ``c`` in [0, 2**bits - 1]
-(rounded to nearest, ties to even) with ``x ~ z + c * s``:
+(rounded to nearest, ties to even) with ``x ~ z + c * s``. A token's codes are one little-endian bit string of
+``D * bits`` bits in (B, H_kv, M, D * bits // 8) uint8 bytes: element ``j`` holds bits ``j * bits`` to
+``j * bits + bits - 1`` of it, and byte ``k`` bits ``8k`` (its least significant bit) to ``8k + 7``
+(:func:`pack_codes`). So:
 
-- 8 bits: one uint8 code per element, (B, H_kv, M, D);
-- 4 bits: two codes per uint8 byte, (B, H_kv, M, D // 2), element 2i in the low nibble and 2i + 1 in the high one
-  (D must be even, else one line).
+- 8 bits: one code per byte, (B, H_kv, M, D);
+- 4 bits: two codes per byte, (B, H_kv, M, D // 2), element 2i in the low nibble and 2i + 1 in the high one
+  (D must be even);
+- 3 bits: eight codes in three bytes, (B, H_kv, M, 3 * D // 8): elements 8i to 8i + 7 are the 24-bit number
+  ``c0 + c1 * 2**3 + ... + c7 * 2**21`` held in bytes 3i (its low byte), 3i + 1 and 3i + 2 (D a multiple of 8);
+- 2 bits: four codes per byte, (B, H_kv, M, D // 4), element 4i + j in bits 2j and 2j + 1 of byte i (D a
+  multiple of 4).
+
+A head size the packing cannot hold whole (D * bits not a multiple of 8) is refused with one line.
 
 ``z`` is the row's minimum rounded *down* to a float16, ``s`` is ``(max - z) / (2**bits - 1)`` rounded *up* to a
 float16, so ``[z, z + (2**bits - 1) * s]`` covers the row and every element is within ``s / 2`` of its dequantized
@@ -41,19 +50,37 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["BITS", "QuantizedRows", "check_bits", "dequantize", "hadamard", "pack", "pack_nibbles", "quantize",
-           "quantized_nbytes", "rotate", "rotation_block", "unpack", "unpack_nibbles"]
+__all__ = ["BITS", "QuantizedRows", "check_bits", "check_head_dim", "code_bytes", "dequantize", "hadamard", "pack",
+           "pack_codes", "pack_nibbles", "quantize", "quantized_nbytes", "rotate", "rotation_block", "unpack",
+           "unpack_codes", "unpack_nibbles"]
 
 #: the bit widths offered
-BITS = (8, 4)
+BITS = (8, 4, 3, 2)
 _FP16_MAX = 65504.0
+#: codes a packing group holds, and its bytes: 8 bits one code a byte, 4 two, 3 eight in three bytes, 2 four a byte
+_GROUP = {8: (1, 1), 4: (2, 1), 3: (8, 3), 2: (4, 1)}
+_PACKS = {4: "two codes a byte", 3: "eight codes in three bytes", 2: "four codes a byte"}
 
 
 def check_bits(bits, name: str = "kv_bits") -> int:
-    """``bits`` if it is 8 or 4 (an int, not a bool), else a ValueError of one line naming ``name``."""
+    """``bits`` if it is 8, 4, 3 or 2 (an int, not a bool), else a ValueError of one line naming ``name``."""
     if type(bits) is not int or bits not in BITS:
-        raise ValueError(f"{name} must be 8 or 4 (or None: full precision), got {bits!r}")
+        raise ValueError(f"{name} must be 8, 4, 3 or 2 (or None: full precision), got {bits!r}")
     return bits
+
+
+def check_head_dim(head_dim: int, bits: int, name: str = "kv_bits") -> None:
+    """A ValueError of one line unless ``bits`` packs rows of ``head_dim`` codes whole (``head_dim * bits`` a
+    multiple of 8: even for 4 bits, a multiple of 8 for 3, of 4 for 2)."""
+    per, _ = _GROUP[bits]
+    if head_dim % per:
+        multiple = "even" if per == 2 else f"a multiple of {per}"
+        raise ValueError(f"{name}={bits} packs {_PACKS[bits]}: the head size must be {multiple}, got {head_dim}")
+
+
+def code_bytes(head_dim: int, bits: int) -> int:
+    """Bytes of one token's codes (one head, keys or values): ``head_dim * bits / 8``."""
+    return head_dim * bits // 8
 
 
 def rotation_block(head_dim: int) -> int:
@@ -96,7 +123,7 @@ _rotate = rotate  # quantize's and pack's argument of that name hides the functi
 
 
 class QuantizedRows(NamedTuple):
-    """Rows (B, H_kv, M, D) in ``bits``: ``codes`` uint8 (B, H_kv, M, D) for 8 bits, (B, H_kv, M, D // 2) for 4;
+    """Rows (B, H_kv, M, D) in ``bits``: ``codes`` uint8 (B, H_kv, M, D * bits // 8) (:func:`pack_codes`);
     ``scale`` and ``zero`` float16 (B, H_kv, M); ``head_dim`` D; ``rotated``: the codes hold :func:`rotate` of the
     rows (dequantizing rotates them back)."""
 
@@ -132,10 +159,10 @@ class QuantizedRows(NamedTuple):
 
 def quantized_nbytes(batch: int, heads: int, tokens: int, head_dim: int, bits: int) -> int:
     """Bytes :func:`quantize` holds for rows (batch, heads, tokens, head_dim) in ``bits``: the codes
-    (head_dim or head_dim / 2 bytes a token and head) and a float16 scale and zero point (4 bytes)."""
+    (head_dim * bits / 8 bytes a token and head) and a float16 scale and zero point (4 bytes)."""
     check_bits(bits, "bits")
-    per_token = (head_dim if bits == 8 else (head_dim + 1) // 2) + 4
-    return batch * heads * tokens * per_token
+    check_head_dim(head_dim, bits, "bits")
+    return batch * heads * tokens * (code_bytes(head_dim, bits) + 4)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -146,6 +173,38 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of :func:`pack_nibbles`: (..., D // 2) bytes as (..., D) codes."""
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes in [0, 2**bits - 1] (..., D) as the little-endian bit string of the module's docstring,
+    (..., D * bits // 8) bytes (D * bits a multiple of 8; 8 bits: ``codes`` itself)."""
+    if bits == 8:
+        return codes
+    if bits == 4:
+        return pack_nibbles(codes)
+    per, nbytes = _GROUP[bits]
+    groups = codes.reshape(*codes.shape[:-1], -1, per)
+    if bits == 2:
+        return (groups[..., 0] | (groups[..., 1] << 2) | (groups[..., 2] << 4) | (groups[..., 3] << 6))
+    shifts = torch.arange(0, 3 * per, 3, dtype=torch.int32, device=codes.device)  # 3 bits: a 24-bit number
+    word = (groups.to(torch.int32) << shifts).sum(-1)
+    out = torch.stack([(word >> (8 * i)) & 255 for i in range(nbytes)], dim=-1).to(torch.uint8)
+    return out.flatten(-2)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The inverse of :func:`pack_codes`: (..., D * bits // 8) bytes as (..., D) uint8 codes."""
+    if bits == 8:
+        return packed
+    if bits == 4:
+        return unpack_nibbles(packed)
+    if bits == 2:
+        return torch.stack([packed & 3, (packed >> 2) & 3, (packed >> 4) & 3, packed >> 6], dim=-1).flatten(-2)
+    per, nbytes = _GROUP[bits]
+    b = packed.reshape(*packed.shape[:-1], -1, nbytes).to(torch.int32)
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    shifts = torch.arange(0, 3 * per, 3, dtype=torch.int32, device=packed.device)
+    return ((word.unsqueeze(-1) >> shifts) & 7).to(torch.uint8).flatten(-2)
 
 
 def _down16(x: torch.Tensor) -> torch.Tensor:
@@ -161,15 +220,14 @@ def _up16(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(x: torch.Tensor, bits: int, rotate: bool = False) -> QuantizedRows:
-    """Rows ``x`` (B, H_kv, M, D) of a floating dtype in ``bits`` (8 or 4), one scale and zero point per (row,
+    """Rows ``x`` (B, H_kv, M, D) of a floating dtype in ``bits`` (8, 4, 3 or 2), one scale and zero point per (row,
     head, token) (the module's docstring: the rule, the bound, non-finite and too-large rows); ``rotate``: the rows
     times the Hadamard matrix are quantized (:func:`rotate`), and :func:`dequantize` rotates them back."""
     check_bits(bits, "bits")
     if x.dim() != 4 or not x.is_floating_point():
         raise ValueError(f"quantize takes floating rows (B, H_kv, M, D), got {x.dtype} of shape {tuple(x.shape)}")
     d = x.shape[-1]
-    if bits == 4 and d % 2:
-        raise ValueError(f"4-bit keys and values pack two codes a byte: the head size must be even, got {d}")
+    check_head_dim(d, bits, "bits")
     levels = (1 << bits) - 1
     with torch.no_grad():
         xf = x.detach().float()
@@ -196,15 +254,14 @@ def quantize(x: torch.Tensor, bits: int, rotate: bool = False) -> QuantizedRows:
         nan = torch.tensor(float("nan"), dtype=torch.float16, device=x.device)
         scale = torch.where(finite, scale, nan)
         zero = torch.where(finite, zero, nan)
-        if bits == 4:
-            codes = pack_nibbles(codes)
+        codes = pack_codes(codes, bits)
     return QuantizedRows(codes, scale, zero, bits, d, bool(rotate) and rotation_block(d) > 1)
 
 
 def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
     """The rows ``z + c * s`` (B, H_kv, M, D), rotated back when ``q.rotated``, computed in float32 (float64 for
     float64 rows), in ``dtype`` (or written into ``out``, a float tensor of that shape)."""
-    codes = unpack_nibbles(q.codes) if q.bits == 4 else q.codes
+    codes = unpack_codes(q.codes, q.bits)
     scale, zero = q.scale.unsqueeze(-1), q.zero.unsqueeze(-1)
     target = dtype if out is None else out.dtype
     if q.rotated:  # z + c * s in the rotated coordinates, then back (a temporary of the rows' size)
@@ -274,8 +331,8 @@ class HeldRows:
 
 def pack(cache, bits: int, rotate: bool = True) -> None:
     """Hold ``cache``'s keys and values in ``bits`` until the next step (:meth:`KVCache.pack`), rotated
-    (:func:`rotate`) unless ``rotate`` is False. Refused, before anything changes, for a head size 4 bits cannot
-    pack or a token beyond float16's scale range."""
+    (:func:`rotate`) unless ``rotate`` is False. Refused, before anything changes, for a head size ``bits`` cannot
+    pack whole (:func:`check_head_dim`) or a token beyond float16's scale range."""
     check_bits(bits, "kv_bits")
     held = cache.__dict__
     packed = held.get("_packed")
@@ -287,8 +344,7 @@ def pack(cache, bits: int, rotate: bool = True) -> None:
     if k is None or cache._m == 0:
         return
     rotate = bool(rotate) and rotation_block(k.shape[-1]) > 1
-    if k.shape[-1] % 2 and bits == 4:
-        raise ValueError(f"kv_bits=4 packs two codes a byte: the head size must be even, got {k.shape[-1]}")
+    check_head_dim(k.shape[-1], bits, "kv_bits")
     if cache._live is not None:
         raise ValueError("pack: a step is in progress (rows with gradient are attended): pack after it")
     m = cache._m  # the slots as the step left them (out of position order after a fast step: it needs no order)

@@ -59,7 +59,7 @@ class KVCache(SlotStore):
     ``next_position``: (B,) int64, the position the next real token of each row gets. ``budget=None`` never
     evicts. Between decode steps every tensor is detached from autograd (:meth:`settle`).
 
-    :meth:`pack` holds the keys and values in 8 or 4 bits until the next step (:mod:`attnzoo.decode.quant`).
+    :meth:`pack` holds the keys and values in 8, 4, 3 or 2 bits until the next step (:mod:`attnzoo.decode.quant`).
     """
 
     # the float buffers: plain attributes of the instance, absent while packed, when reading one unpacks
@@ -115,7 +115,7 @@ class KVCache(SlotStore):
         #: what the full path validated, and the fast step it chose (``spec``: the (hash, name) of the spec whose
         #: ``new_cache`` made this cache: another spec's steps are refused)
         self.step_state = StepState(*(spec or (None, None)))
-        #: the keys and values in 8 or 4 bits while packed (:meth:`pack`), else None; the codes of the last pack
+        #: the keys and values in 8, 4, 3 or 2 bits while packed (:meth:`pack`), else None; the codes of the last pack
         #: until the next (so that tokens still held keep them)
         self._packed: quant.PackedKV | None = None
         self._quant_earlier = None
@@ -301,13 +301,13 @@ class KVCache(SlotStore):
 
     def memory(self) -> dict:
         """A report: tokens held per row and head, budget, tokens evicted, bytes held and allocated, and the bits
-        the keys and values are held in (``kv_bits``: 8 or 4 while packed, None in full precision)."""
+        the keys and values are held in (``kv_bits``: 8, 4, 3 or 2 while packed, None in full precision)."""
         return {"tokens": self._m, "budget": self.budget, "evicted": self.evicted, "expired": self.expired,
                 "bytes": self.nbytes, "allocated_bytes": self.capacity_bytes, "kv_bits": self.packed_bits}
 
     # -- quantized between steps (attnzoo.decode.quant) ------------------------------------------------------------
     def pack(self, bits: int, rotate: bool = True) -> None:
-        """Hold the keys and values in ``bits`` (8 or 4) with a float16 scale and zero point per token and head,
+        """Hold the keys and values in ``bits`` (8, 4, 3 or 2) with a float16 scale and zero point per token and head,
         until they are next read: the float buffers are released (:attr:`nbytes` counts the codes), and the next
         step, or anything else that reads the buffers, dequantizes them back first (:meth:`unpack`). Call it after
         each step: that step's new tokens were attended in full precision and are quantized now; tokens packed
@@ -323,7 +323,7 @@ class KVCache(SlotStore):
 
     @property
     def packed_bits(self) -> int | None:
-        """8 or 4 while the keys and values are packed (:meth:`pack`), else None."""
+        """8, 4, 3 or 2 while the keys and values are packed (:meth:`pack`), else None."""
         return None if self._packed is None else self._packed.bits
 
     def over_budget(self) -> bool:

@@ -1,4 +1,5 @@
-"""Keys and values held in 8 or 4 bits between decoding steps (attnzoo/decode/quant.py, ``KVCache.pack``; issue 52).
+"""Keys and values held in 8, 4, 3 or 2 bits between decoding steps (attnzoo/decode/quant.py, ``KVCache.pack``;
+issue 52).
 
 Every comparison of floats is to a tolerance: the quantizer's bound (half a scale per element), or a loose one where
 the whole decode is compared with full precision."""
@@ -61,9 +62,82 @@ def test_nibbles_by_hand():
     assert quant.unpack_nibbles(packed).tolist() == codes.tolist()
 
 
+def test_2_bits_by_hand_and_the_packing():
+    # zero 0, scale 3 / 3 = 1 (float16 numbers); 0.4 -> 0, 2.6 -> 3, 1.5 -> 2 (a tie: to even), 0.2 -> 0
+    x = torch.tensor([0.0, 1.0, 3.0, 2.0, 0.4, 2.6, 1.5, 0.2]).view(1, 1, 1, 8)
+    q = quant.quantize(x, 2)
+    assert float(q.zero) == 0.0 and float(q.scale) == 1.0
+    codes = [0, 1, 3, 2, 0, 3, 2, 0]
+    assert q.codes.shape == (1, 1, 1, 2) and q.codes.dtype == torch.uint8
+    # element 4i + j in bits 2j and 2j + 1 of byte i: byte 0 = 00 01 11 10 read from bit 0 up
+    assert q.codes.view(-1).tolist() == [0b10_11_01_00, 0b00_10_11_00]
+    assert q.codes.view(-1).tolist() == [0 | 1 << 2 | 3 << 4 | 2 << 6, 0 | 3 << 2 | 2 << 4 | 0 << 6]
+    assert quant.unpack_codes(q.codes, 2).view(-1).tolist() == codes
+    assert quant.dequantize(q).view(-1).tolist() == pytest.approx([float(c) for c in codes], abs=1e-7)
+    within_half_scale(x, q)
+
+
+def test_3_bits_by_hand_and_the_packing():
+    # zero 0, scale 7 / 7 = 1; 5.2 -> 5, 1.6 -> 2, 1.4 -> 1, 3.3 -> 3, 3.5 -> 4 (a tie: to even)
+    x = torch.tensor([5.2, 0.0, 7.0, 1.6, 1.4, 6.0, 3.3, 3.5]).view(1, 1, 1, 8)
+    q = quant.quantize(x, 3)
+    assert float(q.zero) == 0.0 and float(q.scale) == 1.0
+    codes = [5, 0, 7, 2, 1, 6, 3, 4]
+    assert q.codes.shape == (1, 1, 1, 3)
+    # one 24-bit string, element j at bits 3j to 3j + 2 (least significant first), byte k its bits 8k to 8k + 7:
+    #   bits  0- 7: 5 = 101, 0 = 000, and the low two bits of 7 (11)  -> read from bit 7 down: 11 000 101
+    #   bits  8-15: the third bit of 7 (1), 2 = 010, 1 = 001, the low bit of 6 (0)  -> 0 001 010 1
+    #   bits 16-23: the two high bits of 6 (11), 3 = 011, 4 = 100  -> 100 011 11
+    assert q.codes.view(-1).tolist() == [0b11_000_101, 0b0_001_010_1, 0b100_011_11]
+    assert q.codes.view(-1).tolist() == [197, 21, 143]
+    assert quant.unpack_codes(q.codes, 3).view(-1).tolist() == codes
+    assert quant.dequantize(q).view(-1).tolist() == pytest.approx([float(c) for c in codes], abs=1e-7)
+    within_half_scale(x, q)
+
+
+@pytest.mark.parametrize("bits", quant.BITS)
+def test_packed_codes_round_trip_and_every_code_is_its_bits(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 2, 5, 16), generator=g, dtype=torch.uint8)
+    packed = quant.pack_codes(codes, bits)
+    assert packed.shape == (3, 2, 5, 16 * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(quant.unpack_codes(packed, bits), codes)
+    # the little-endian bit string, read back one bit at a time
+    stream = [(byte >> i) & 1 for byte in packed[1, 1, 2].tolist() for i in range(8)]
+    for j, c in enumerate(codes[1, 1, 2].tolist()):
+        assert sum(stream[j * bits + i] << i for i in range(bits)) == c
+
+
+@pytest.mark.parametrize(("bits", "d", "words"), [(4, 5, "even"), (3, 12, "a multiple of 8"),
+                                                   (2, 6, "a multiple of 4")])
+def test_a_head_size_the_packing_cannot_hold_whole_is_refused(bits, d, words):
+    with pytest.raises(ValueError, match=f"head size must be {words}, got {d}") as info:
+        quant.quantize(torch.randn(1, 1, 2, d), bits)
+    assert "\n" not in str(info.value)
+    quant.quantize(torch.randn(1, 1, 2, 8), bits)  # a multiple of 8: every width
+
+
+@pytest.mark.parametrize("bits", [3, 2])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_token_is_nan_and_only_that_token_at_3_and_2_bits(bits, bad):
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 4, 8)
+    x[0, 1, 2, 3] = bad
+    for rotate in (False, True):
+        q = quant.quantize(x, bits, rotate)
+        back = quant.dequantize(q)
+        assert bool(back[0, 1, 2].isnan().all()) and bool(q.scale[0, 1, 2].isnan())
+        others = torch.ones(1, 2, 4, dtype=torch.bool)
+        others[0, 1, 2] = False
+        assert bool(back[others].isfinite().all()) and bool(q.scale[others].isfinite().all())
+        within_half_scale(x[others].view(1, 1, 7, 8), quant.QuantizedRows(
+            q.codes[others].view(1, 1, 7, -1), q.scale[others].view(1, 1, 7), q.zero[others].view(1, 1, 7), bits, 8,
+            q.rotated))
+
+
 def test_the_zero_point_rounds_down_and_the_scale_up_so_the_range_is_covered():
-    x = torch.tensor([0.1, 0.7, 0.3, 0.1]).view(1, 1, 1, 4)  # 0.1 and 0.6 / 255 are no float16 numbers
-    for bits in (8, 4):
+    x = torch.tensor([0.1, 0.7, 0.3, 0.1, 0.1, 0.2, 0.6, 0.5]).view(1, 1, 1, 8)  # 0.1, 0.6 / 255: not float16
+    for bits in quant.BITS:
         q = quant.quantize(x, bits)
         z, s = float(q.zero), float(q.scale)
         assert z <= 0.1 and z > 0.1 - 1e-4
@@ -71,7 +145,7 @@ def test_the_zero_point_rounds_down_and_the_scale_up_so_the_range_is_covered():
         within_half_scale(x, q)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_round_trip_within_half_a_scale(bits, dtype):
     torch.manual_seed(0)
@@ -90,8 +164,8 @@ def test_round_trip_within_half_a_scale(bits, dtype):
 
 
 def test_refusals_are_one_line():
-    for bad in (3, 16, True, 8.0, "8", None):
-        with pytest.raises(ValueError, match="kv_bits must be 8 or 4") as info:
+    for bad in (1, 5, 16, True, 8.0, "8", None):
+        with pytest.raises(ValueError, match="kv_bits must be 8, 4, 3 or 2") as info:
             quant.check_bits(bad)
         assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="head size must be even") as info:
@@ -151,7 +225,7 @@ def test_rotation_is_orthonormal_and_its_own_inverse(d):
     torch.testing.assert_close(y @ quant.rotate(q), x @ q, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", quant.BITS)
 def test_rotated_codes_round_trip_within_half_a_scale_in_rotated_coordinates(bits):
     g = torch.Generator().manual_seed(bits)
     x = torch.randn(2, 3, 9, 64, generator=g)
@@ -169,7 +243,7 @@ def test_rotation_shrinks_the_error_of_keys_with_outlier_channels():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 256, 64, generator=g)
     x[..., [3, 40]] *= 30.0
-    for bits in (8, 4):
+    for bits in quant.BITS:
         plain = (quant.dequantize(quant.quantize(x, bits)) - x).pow(2).mean()
         rotated = (quant.dequantize(quant.quantize(x, bits, rotate=True)) - x).pow(2).mean()
         assert float(rotated) < 0.25 * float(plain), (bits, float(rotated), float(plain))
@@ -200,7 +274,11 @@ def test_a_cache_packs_rotated_unless_told_otherwise():
 def test_quantized_nbytes():
     assert quant.quantized_nbytes(2, 3, 5, 64, 8) == 2 * 3 * 5 * (64 + 4)
     assert quant.quantized_nbytes(2, 3, 5, 64, 4) == 2 * 3 * 5 * (32 + 4)
-    for bits in (8, 4):
+    assert quant.quantized_nbytes(2, 3, 5, 64, 3) == 2 * 3 * 5 * (24 + 4)
+    assert quant.quantized_nbytes(2, 3, 5, 64, 2) == 2 * 3 * 5 * (16 + 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quant.quantized_nbytes(1, 1, 1, 12, 3)
+    for bits in quant.BITS:
         assert quant.quantize(torch.randn(2, 3, 5, 64), bits).nbytes == quant.quantized_nbytes(2, 3, 5, 64, bits)
 
 
@@ -230,7 +308,7 @@ def decode_run(spec, bits, *, steps=8, batch=2, budget=10, dtype=torch.float32, 
     return torch.cat(outs, dim=2), cache
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", quant.BITS)
 @pytest.mark.parametrize("spec", EVICTORS)
 def test_every_evictor_decodes_packed(spec, bits):
     def packed(cache):
@@ -241,7 +319,7 @@ def test_every_evictor_decodes_packed(spec, bits):
     full, _ = decode_run(spec, None)
     assert out.shape == full.shape and bool(out.isfinite().all())
     assert cache.memory()["kv_bits"] == bits and cache.num_tokens == 10
-    if spec in ("streaming", "h2o", "tova", "selective-pruned"):  # evictors that do not read keys keep the same set
+    if spec in ("streaming", "h2o", "tova", "selective-pruned") and bits in (8, 4):  # the same set kept: close
         tol = 0.05 if bits == 8 else 0.5
         assert float((out - full).abs().max()) < tol
 
@@ -256,11 +334,14 @@ def test_the_fast_steps_decode_packed_as_the_full_path(spec):
     assert cache.lean_step_kind is not None
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", quant.BITS)
 def test_nbytes_counts_what_is_held(bits):
     _, cache = decode_run("h2o", bits, batch=3, budget=12)
     b, hkv, m, d = 3, 2, 12, 16
-    codes = d if bits == 8 else d // 2
+    codes = {8: 16, 4: 8, 3: 6, 2: 4}[bits]  # bytes of a token's codes at D = 16
+    for q in (cache._packed.keys, cache._packed.values):
+        assert q.codes.shape == (b, hkv, m, codes) and q.codes.dtype == torch.uint8
+        assert q.scale.shape == q.zero.shape == (b, hkv, m) and q.scale.dtype == q.zero.dtype == torch.float16
     state = sum(t.numel() * t.element_size() for t in cache.state.values())
     assert state == b * hkv * m * 4 * len(cache.state)  # float32 scores
     expected = 2 * b * hkv * m * (codes + 2 + 2) + b * hkv * m * 8 + state  # K, V (codes, scale, zero), positions
@@ -268,6 +349,32 @@ def test_nbytes_counts_what_is_held(bits):
     assert cache.capacity_bytes >= cache.nbytes
     cache.unpack()
     assert cache.nbytes == 2 * b * hkv * m * d * 4 + b * hkv * m * 8 + state
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("spec", ["vanilla", "h2o"])
+def test_a_packed_step_attends_over_the_dequantized_rows(spec, bits):
+    # what a packed cache attends is its dequantized rows and the step's own token in full precision: softmax(q k^T
+    # / sqrt(D)) v written out by hand over them (float64, no budget reached: nothing evicted)
+    g = torch.Generator().manual_seed(bits)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    layer = attnzoo.nn.Attention(spec, num_heads=4, head_dim=16, num_kv_heads=2).double()
+    cache = layer.new_cache(batch=2, budget=None if spec == "vanilla" else 32)
+    layer.prefill(rand(2, 4, 12, 16), rand(2, 2, 12, 16), rand(2, 2, 12, 16), cache)
+    for _ in range(3):
+        cache.pack(bits)
+        held_k, held_v = cache.keys, cache.values  # dequantized; the cache stays packed
+        assert cache.packed_bits == bits
+        q, k, v = rand(2, 4, 1, 16), rand(2, 2, 1, 16), rand(2, 2, 1, 16)
+        out = layer.decode(q, k, v, cache)
+        keys = torch.cat([held_k, k], 2).repeat_interleave(2, dim=1)  # two query heads a key/value head
+        values = torch.cat([held_v, v], 2).repeat_interleave(2, dim=1)
+        expected = torch.softmax(q @ keys.transpose(-1, -2) / 4.0, dim=-1) @ values
+        torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9)
+    assert cache.num_tokens == 15
 
 
 def test_the_float_buffers_are_released_between_steps():
@@ -298,7 +405,8 @@ def codes_recorder():
     return record
 
 
-@pytest.mark.parametrize(("spec", "bits"), [("h2o", 4), ("snapkv", 8), ("selective-pruned", 8)])
+@pytest.mark.parametrize(("spec", "bits"), [("h2o", 4), ("snapkv", 8), ("selective-pruned", 8), ("h2o", 2),
+                                            ("snapkv", 3)])
 def test_held_tokens_keep_their_codes_from_step_to_step(spec, bits):
     decode_run(spec, bits, steps=12, check=codes_recorder())
 
@@ -380,7 +488,9 @@ def test_pack_refusals_leave_the_cache_as_it_was():
     layer.prefill(torch.randn(1, 2, 3, 5), torch.randn(1, 1, 3, 5), torch.randn(1, 1, 3, 5), cache)
     with pytest.raises(ValueError, match="head size must be even"):
         cache.pack(4)
-    with pytest.raises(ValueError, match="kv_bits must be 8 or 4"):
+    with pytest.raises(ValueError, match="kv_bits must be 8, 4, 3 or 2"):
+        cache.pack(16)
+    with pytest.raises(ValueError, match="kv_bits=2 packs four codes a byte: the head size must be a multiple of 4"):
         cache.pack(2)
     assert cache.packed_bits is None and cache.keys.shape == (1, 1, 3, 5)
     cache.pack(8)

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decode.create import check_fraction, prompt_budget
-from ...decode.quant import check_bits
+from ...decode.quant import check_bits, check_head_dim
 from ...decode.rewind import mark, rewind, rewind_refusal
 from ...evictors.base import budget_problem, is_fraction
 from ...nn import Attention
@@ -336,7 +336,7 @@ class AttnzooCache(Cache):
     decoding stays refused). A ``budget`` that is a float in (0, 1] is that fraction of each request's prompt,
     resolved per layer at its first step (:meth:`AttnzooLayer.resolve_budget`) and fixed while decoding.
     :meth:`memory` reports tokens and bytes per layer.
-    ``kv_bits`` (8 or 4; None: full precision) holds every layer's keys and values in that many bits between steps
+    ``kv_bits`` (8, 4, 3 or 2; None: full precision) holds every layer's keys and values in that many bits between steps
     (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
     attends its new tokens in full precision, and packs them with the rest after it; ``kv_rotate`` (default True)
     quantizes each token in Hadamard-rotated coordinates (outlier channels no longer set its scale; False: the
@@ -365,9 +365,11 @@ class AttnzooCache(Cache):
         for module, b in zip(modules, budgets, strict=True):
             core = getattr(module, CORE_NAME)
             validate_budget(core, b, module)
-            if kv_bits == 4 and core.head_dim % 2:
-                raise IntegrationError(f"{where(module)}: kv_bits=4 packs two codes a byte: the head size must be "
-                                       f"even, got {core.head_dim}")
+            if kv_bits is not None:
+                try:
+                    check_head_dim(core.head_dim, kv_bits, "kv_bits")
+                except ValueError as exc:
+                    raise IntegrationError(f"{where(module)}: {exc}") from None
             layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate, evict))
         super().__init__(layers=layers)
         self.kv_bits = kv_bits

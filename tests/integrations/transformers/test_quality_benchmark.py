@@ -83,3 +83,23 @@ def test_bytes_per_token_by_hand(quality):
     assert quality.token_bytes(config, "streaming", 4) == 3 * (2 * (32 + 4) + 8)
     # 12.5% of a 1,024-token bfloat16 cache (98,304 bytes a layer) in 444-byte tokens: 221
     assert quality.byte_budget(0.125, 1024, config, "snapkv", 8) == 98_304 // 444
+
+
+def test_two_and_three_bit_rows_and_the_contexts_run(quality):
+    """--kv-bits takes 3 and 2 (and 3u, 2u): 64 elements in 24 or 16 bytes of codes, the same float16 scale and zero
+    point; --run-contexts must be among --contexts (the cases are drawn for all of them)."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(num_key_value_heads=3, head_dim=64)
+    assert quality.token_bytes(config, "snapkv", 3) == 3 * (2 * (24 + 4) + 8 + 4)
+    assert quality.token_bytes(config, "snapkv", 2) == 3 * (2 * (16 + 4) + 8 + 4)
+    # 12.5% of a 2,048-token bfloat16 cache (196,608 bytes a layer) in 156-byte tokens: 1,260
+    assert quality.byte_budget(0.125, 2048, config, "snapkv", 2) == 196_608 // 156 == 1260
+    assert [quality.kv_bits_choice(v) for v in ("none", "2", "3u")] == [None, "2", "3u"]
+    assert quality.cache_options("snapkv@2u") == {"kv_bits": 2, "kv_rotate": False}
+    assert quality.cache_options("snapkv@3") == {"kv_bits": 3}
+    args = quality.parse(["--contexts", "1024", "2048", "--run-contexts", "2048", "--kv-bits", "4", "3", "2"])
+    assert args.run_contexts == [2048] and args.kv_bits == ["4", "3", "2"]
+    for bad in (["--kv-bits", "1"], ["--kv-bits", "5u"], ["--run-contexts", "4096"]):
+        with pytest.raises(SystemExit):
+            quality.parse(bad)

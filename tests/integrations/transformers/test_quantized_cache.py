@@ -1,5 +1,5 @@
-"""``AttnzooCache(model, budget=..., kv_bits=8 or 4)``: every layer's keys and values held in 8 or 4 bits between
-steps (attnzoo/decode/quant.py; issue 52), on a tiny Llama built from a config. Logits are compared to a
+"""``AttnzooCache(model, budget=..., kv_bits=8, 4, 3 or 2)``: every layer's keys and values held in that many bits
+between steps (attnzoo/decode/quant.py; issue 52), on a tiny Llama built from a config. Logits are compared to a
 tolerance, never bit for bit."""
 
 import pytest
@@ -32,13 +32,25 @@ def prompt(length=12, seed=1):
     return ids
 
 
-@pytest.mark.parametrize("bad", [3, 16, True, 8.0, "8"])
-def test_kv_bits_other_than_8_4_or_none_is_refused_in_one_line(bad):
+@pytest.mark.parametrize("bad", [1, 5, 16, True, 8.0, "8"])
+def test_kv_bits_other_than_8_4_3_2_or_none_is_refused_in_one_line(bad):
     model = tiny()
     with pytest.raises(IntegrationError, match="kv_bits") as info:
         zt.AttnzooCache(model, kv_bits=bad)
     assert "\n" not in str(info.value)
     assert zt.AttnzooCache(model, kv_bits=None).kv_bits is None
+
+
+def test_a_head_size_kv_bits_cannot_pack_whole_is_refused_in_one_line():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD, bos_token_id=BOS)
+    model = zt.apply(LlamaForCausalLM(config).eval(), "h2o", budget=None)  # head size 12
+    with pytest.raises(IntegrationError, match="kv_bits=3 packs eight codes in three bytes: the head size must be a "
+                                               "multiple of 8, got 12") as info:
+        zt.AttnzooCache(model, kv_bits=3)
+    assert "\n" not in str(info.value)
+    assert zt.AttnzooCache(model, kv_bits=2).kv_bits == 2
 
 
 def test_kv_rotate_is_on_by_default_and_can_be_turned_off():
@@ -86,7 +98,7 @@ def test_8_bit_decoding_stays_close_to_full_precision():
     assert all(layer.kv.packed_bits == 8 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_generate_with_kv_bits_runs_and_holds_fewer_bytes(bits):
     model = tiny("h2o", budget=8)
     ids = prompt(12)
@@ -98,9 +110,9 @@ def test_generate_with_kv_bits_runs_and_holds_fewer_bytes(bits):
     reports = cache.memory()
     assert all(r["kv_bits"] == bits and r["tokens"] == 8 for r in reports)
     assert all(r["kv_bits"] is None for r in full.memory())
-    # per layer, 2 heads of 8 tokens, head size 16: codes (16 or 8 bytes) and a float16 scale and zero point, for
-    # keys and values; an int64 position and H2O's float32 score
-    per_token = 2 * ((16 if bits == 8 else 8) + 4) + 8 + 4
+    # per layer, 2 heads of 8 tokens, head size 16: codes (16 * bits / 8 bytes) and a float16 scale and zero point,
+    # for keys and values; an int64 position and H2O's float32 score
+    per_token = 2 * ({8: 16, 4: 8, 3: 6, 2: 4}[bits] + 4) + 8 + 4
     assert cache.nbytes == sum(r["bytes"] for r in reports) == 2 * 2 * 8 * per_token
     assert full.nbytes == 2 * 2 * 8 * (2 * 16 * 4 + 8 + 4)
 
