@@ -108,7 +108,7 @@ class AttnzooLayer(CacheLayerMixin):
         self.index = index
         self.core = core
         self.budget = budget
-        #: 8 or 4: the layer's keys and values are held in that many bits between steps (KVCache.pack); None: full
+        #: 8, 4, 3 or 2: the layer's keys and values are held in that many bits between steps (KVCache.pack); None: full
         self.kv_bits = kv_bits
         #: quantized in Hadamard-rotated coordinates (KVCache.pack's ``rotate``)
         self.kv_rotate = kv_rotate
