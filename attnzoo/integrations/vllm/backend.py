@@ -41,6 +41,7 @@ def _backend_classes():
             self.model_dir = str(config.model_config.model)
             self.model_type = str(getattr(config.model_config.hf_config, "model_type", "model"))
             self.dtype = config.model_config.dtype
+            self.max_rows = config.scheduler_config.max_num_seqs  # the most requests of a step
             self.native = dict(scale=scale, sliding_window=sliding_window, softcap=logits_soft_cap,
                                has_sinks=sinks is not None)
             where = f"{self.model_dir}: attnzoo spec '{self.record['name']}'"

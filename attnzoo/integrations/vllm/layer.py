@@ -23,9 +23,11 @@ class Layer:
     """One vLLM attention layer's attnzoo core (the composed spec, its parameters loaded) and the attention over the
     paged cache: vLLM's pages (:meth:`attend`) or an evicting spec's ring pages (:meth:`attend_pruned`)."""
 
-    def __init__(self, core: Attention, budget: int | None, where: str) -> None:
+    def __init__(self, core: Attention, budget: int | None, where: str, max_rows: int | None = None) -> None:
         """Serve ``core`` (its parameters loaded: :func:`load_layer`), an evicting spec's pages holding ``budget``
-        tokens; ``where`` names the layer in errors."""
+        tokens; ``where`` names the layer in errors; ``max_rows``: the most requests of a step (vLLM's
+        ``max_num_seqs``; None: the cache's blocks), the capacity of the pages a batched step gathers
+        (:func:`.pages.gathered`)."""
         core.requires_grad_(False)
         self.core, self.plan = core, core.variant.plan
         self.blocked = BlockedBackend()
@@ -33,6 +35,7 @@ class Layer:
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
         self.budget = budget  # an evicting spec's, for its page
         self.where = where
+        self.max_rows = max_rows
         #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
         #: no window horizon, so each row's step evicts exactly one token
         self.batchable = self.budget is not None and core.new_cache(1, budget=self.budget).horizon is None
@@ -175,9 +178,10 @@ class Layer:
         positions. Pages in consecutive blocks (in any order: the rows then go in block order; vLLM hands out free
         blocks in order, so requests admitted together usually are) are that cache's buffers, strided views of the
         pages: the step reads and writes them in place.
-        Otherwise each page section is gathered (one ``index_select``, the spare slot included) and the held slots
-        scattered back as the step left them (in slot order: a page stays ``scrambled`` while the lean steps leave
-        it so); so is whatever an in-place step moved out of the pages."""
+        Otherwise each page section is gathered (one ``index_select`` into the process's buffer of that section,
+        :func:`.pages.gathered`, the spare slot included) and the held slots scattered back as the step left them
+        (in slot order: a page stays ``scrambled`` while the lean steps leave it so); so is whatever an in-place
+        step moved out of the pages."""
         from . import ring
 
         m, rows = self.budget, blocks.shape[0]
@@ -189,7 +193,10 @@ class Layer:
         headers = pages["hdr"].index_select(0, blocks)
         cache = self.core.new_cache(rows, budget=m)
         names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
-        home = {name: pages[name].narrow(0, first, rows) if in_place else pages[name].index_select(0, blocks)
+        every = pages["hdr"].shape[0]  # the cache's blocks: no step holds more requests
+        capacity = min(self.max_rows or every, every)
+        home = {name: pages[name].narrow(0, first, rows) if in_place else pg.gathered(name, pages[name], blocks,
+                                                                                     capacity)
                 for name in names}
         cache.attach(home["keys"], home["values"], home["positions"],
                      {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, ring.NEXT],
@@ -261,4 +268,4 @@ def load_layer(impl, layer_name: str) -> Layer:
                                        f"checkpoint, the spec needs {tuple(wanted[name].shape)}")
             wanted[name].copy_(value)
     recorded = budgets(impl.record)
-    return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where)
+    return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where, getattr(impl, "max_rows", None))

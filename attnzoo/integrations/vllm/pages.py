@@ -65,6 +65,29 @@ def store(pages, blocks: torch.Tensor, cache) -> None:
         home.index_copy_(0, blocks, got.to(home.dtype).expand(blocks.shape[0], *home.shape[1:]))
 
 
+#: the gathered sections of the full pages' batched steps whose pages are not consecutive (``Layer._decode_full``):
+#: one buffer per section shape for the whole process, shared by its layers (a forward steps them one after
+#: another; a step's gathered pages are scattered back before the next layer's), its capacity the most requests a
+#: step can hold (vLLM's ``max_num_seqs``, at most the cache's blocks), set at the first gathered step. A step's
+#: cache holds views of it, and so does the step state each layer keeps per batch size (a fused step keeps its
+#: buffers); a fresh gathered tensor per step kept one copy of the pages per batch size and layer alive (issue 55:
+#: the pruned server's memory grew round after round).
+_GATHERED: dict[tuple, torch.Tensor] = {}
+
+
+def gathered(name: str, section: torch.Tensor, blocks: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The pages ``blocks`` of ``section`` (pages first), copied into the first rows of this process's buffer for
+    that section (:data:`_GATHERED`; ``capacity`` rows, or ``blocks``' count if more)."""
+    rows = blocks.shape[0]
+    key = (name, section.dtype, tuple(section.shape[1:]))
+    buffer = _GATHERED.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        buffer = _GATHERED[key] = section.new_empty((max(rows, capacity), *section.shape[1:]))
+    out = buffer.narrow(0, 0, rows)
+    torch.index_select(section, 0, blocks, out=out)
+    return out
+
+
 def moved(cache, page) -> bool:
     """Whether a buffer of ``cache`` (attached to ``page``) is no longer the page's."""
     for name, buf in cache.buffers().items():

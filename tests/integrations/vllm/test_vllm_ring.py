@@ -213,3 +213,68 @@ def test_the_layers_of_a_forward_share_its_step():
         steps.append(step_of(meta))
         assert step_of(meta) is steps[-1] and steps[-1].lengths == done
     assert len({id(s) for s in steps}) == len(steps)
+
+
+def _held_bytes(root, exclude) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root`` through containers and instances (not through
+    modules, classes or functions' globals), the storage of ``exclude`` left out."""
+    import functools
+    import types
+
+    seen, storages, stack = set(), {}, [root]
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, functools.partial):
+            stack.extend(obj.args)
+            stack.extend(obj.keywords.values())
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for cls in type(obj).__mro__:
+                for name in getattr(cls, "__slots__", ()):
+                    if hasattr(obj, name):
+                        stack.append(getattr(obj, name))
+    storages.pop(exclude.untyped_storage().data_ptr(), None)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("spec", ["h2o", "selective-pruned"])
+def test_gathered_steps_keep_no_copy_of_the_pages_per_batch_size(spec):
+    """The full pages' batched step over pages that are not consecutive gathers them into one buffer the process
+    keeps (its capacity set once), so what a layer keeps between steps does not grow with the batch sizes it has
+    stepped (issue 55: the step state each layer keeps per batch size held the fused step's buffers, a fresh
+    gathered copy of the pages per batch size, and the server's memory grew round after round)."""
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.vllm import pages as page_ops
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+
+    dtype, budget, blocks = torch.float32, 8, [1, 3, 5, 7, 9, 11, 13, 15]  # never consecutive: always gathered
+    layer, core = _serving_layer(spec, budget, dtype)
+    names = tuple(core.new_cache(1, budget=budget).state_names)
+    geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+    kv_cache = torch.zeros(16, geometry.page_bytes // 4 + 2, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    done = {}
+    for b in blocks:  # each request's prompt, longer than the budget: its page full
+        _step(layer, geometry, kv_cache, [b], [20], [0], gen)
+        done[b] = 20
+    held = []
+    for rows in range(2, 9):
+        mine = blocks[:rows]
+        for _ in range(3):  # the first step validates, the later ones take the fast step
+            assert page_ops.consecutive(torch.tensor(mine)) is None
+            _, after = _step(layer, geometry, kv_cache, mine, [1] * rows, [done[b] for b in mine], gen)
+            done.update(zip(mine, after, strict=True))
+        held.append(_held_bytes(layer, kv_cache))
+    assert max(held) - held[0] < geometry.page_bytes, held  # before: one gathered copy more per batch size
