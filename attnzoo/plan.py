@@ -13,10 +13,9 @@ from typing import Any
 import torch
 
 from .core.composition import Composition
-from .decode.step import DecodeStep, admit
 from .transforms.base import Dims, ParamSpec, Slot, TokenInput, Transform
 
-__all__ = ["DecodeStep", "Plan"]
+__all__ = ["Plan"]
 
 
 @dataclass
@@ -44,15 +43,6 @@ class Plan:
             by_slot.setdefault(t.slot, []).append(t)
         evictor_cls = registry.evictors[spec.cache.evictor] if spec.cache is not None else None
         return cls(spec, transforms, spec.attention.causal, spec.attention.scale, by_slot, evictor_cls)
-
-    def admit(self, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
-              key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
-        """The decoding sequence every backend shares (:func:`attnzoo.decode.step.admit`): the new tokens'
-        positions, their rows through the query, key and value slots (once per token), their per-token features
-        (cumulative ones continuing the cache's running sums), then the append to ``cache`` (and eviction first
-        when its evictor says so). ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see
-        :meth:`~attnzoo.core.composition.Composition.row_scale`."""
-        return admit(self, cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=widen)
 
     def one(self, slot: Slot) -> Transform | None:
         items = self.by_slot.get(slot, [])

@@ -95,16 +95,17 @@ class TemperatureOnKeys(ReferenceBackend):
 class PaddingQueriesScored(ReferenceBackend):
     """Counts every new token of a step as a query of its row: the padding queries' attention rows go to the
     evictor and their selections stay in F (attnzoo's own settle did so until issue 51: each padding query of a
-    left-padded prompt sees only its row's first real token, and added its attention to that token's H2O score)."""
+    left-padded prompt sees only its row's first real token, and added its attention to that token's H2O score).
+
+    Since issue 54 a backend only attends (the step settles), so the bug is planted where it was: the cache is told
+    "no query is padding" for the attention and for the settle after it (the patch stays on the cache: the next
+    step's attention sets it again)."""
 
     name = "broken_padding_queries_scored"
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        cache.query_mask = lambda: None  # for this step: "no query is padding"
-        try:
-            return super().extend(plan, q, k, v, cache, params, evict_first=evict_first, key_mask=key_mask)
-        finally:
-            del cache.query_mask
+    def attend_held(self, plan, step, cache, params, *, want_probs=False):
+        cache.query_mask = lambda: None
+        return super().attend_held(plan, step, cache, params, want_probs=want_probs)
 
 
 class BosUnprotected(SelectiveMask):

@@ -6,6 +6,6 @@ layers of docs/architecture.md); this is its public path for plugin authors (doc
 
 from __future__ import annotations
 
-from ..core.contract import EAGER_DTYPES, Backend, Grouped, Mode, batch_mode, eager_dtype_reasons
+from ..core.contract import EAGER_DTYPES, Backend, Grouped, HeldAttention, Mode, batch_mode, eager_dtype_reasons
 
-__all__ = ["EAGER_DTYPES", "Backend", "Grouped", "Mode", "batch_mode", "eager_dtype_reasons"]
+__all__ = ["EAGER_DTYPES", "Backend", "Grouped", "HeldAttention", "Mode", "batch_mode", "eager_dtype_reasons"]

@@ -47,9 +47,9 @@ from ..core.composition import checked_logits, checked_rows
 from ..core.numerics import accumulator_dtype, all_finite, f_from_s, subtract_f, weighted_rows
 from ..decode import fast
 from ..decode.fast import plain_one
-from ..decode.step import evictor_query_rows
+from ..decode.step import QueryRows
 from ..transforms.base import Context, Dims, MapStep, Slot, declared_map, declared_pointwise
-from .base import Backend, Mode, eager_dtype_reasons
+from .base import Backend, HeldAttention, Mode, eager_dtype_reasons
 from .selective_kernel import PREFILL_BLOCK, SelectiveCausal, selective_prefill
 from .sigmoid_blocks import SigmoidCausal
 from .softmax_maps import joined, other_map, softmax_map_combine, softmax_map_rows, value_slices
@@ -458,22 +458,20 @@ class BlockedBackend(Backend):
         H2O and TOVA at their budget (in C on the CPU in float32/float64, :mod:`attnzoo.decode.fused`)."""
         return fast.offer(plan, cache, params, self.decode_one)
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
+    def attend_held(self, plan, step, cache, params, *, want_probs=False):
+        qs, qpos, query_features = step
         key_features = cache.key_features()
         ks, vs, mask = cache.keys, cache.values, cache.key_mask()
-        want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
         per_head = cache.evictor is not None and cache.evictor.per_head
         kpos = cache.positions if per_head else cache.positions[:, :1]  # the same in every head otherwise
-        count = q.shape[2]
+        count = qs.shape[2]
         mapped = plan.one(Slot.PROBABILITY) is not None  # another map than the softmax: the blocks below
         acc = plan.one(Slot.ACCUMULATOR)
-        # an evictor that reads only the step's last rows (``probability_rows``): the output by the path a spec
-        # without it takes, then those rows' probabilities alone (an accumulator's F ties a row's probabilities to
-        # the step's earlier queries: the whole step's then)
-        rows = evictor_query_rows(cache, count) if want_probs and acc is None and not mapped else None
-        if rows is not None:
-            want_probs = False
+        # an evictor that reads only the step's last rows (``probability_rows``, the step's ``want_probs``): the
+        # output by the path a spec without it takes, then those rows' probabilities alone (the step asks for
+        # every row's under an accumulator, whose F ties a row's probabilities to the step's earlier queries)
+        rows = want_probs if isinstance(want_probs, QueryRows) and acc is None and not mapped else None
+        want_probs = want_probs is not False and rows is None
         bare = (mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
                 and not plan.many(Slot.LOGITS) and plan.one(Slot.NORMALISER) is None and not mapped)
         # a NaN or infinite value takes the blocks: the prompt's kernels weigh masked pairs' values by 0
@@ -482,15 +480,15 @@ class BlockedBackend(Backend):
         probs = None
         if prompt and acc is None:
             # a prompt into an empty cache, nothing but row scales: one causal SDPA call, as in the batch form
-            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(q.shape[-1]),
-                                                 enable_gqa=q.shape[1] != ks.shape[1])
+            out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=plan.logit_scale(qs.shape[-1]),
+                                                 enable_gqa=qs.shape[1] != ks.shape[1])
             carry = None
         elif (prompt and qs.dtype in _FUSED_DTYPES and vs.shape[-1] == qs.shape[-1]
               and (pointwise := fusable_pointwise(acc)) is not None
               and not _wants_grad(qs, ks, vs, params) and all_finite(ks)):
             # a prompt into an empty cache under a pointwise selection, no gradient wanted: the selective kernel's
             # forward by small query blocks, and the carry its keys start decoding with
-            out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(q.shape[-1]), acc.heads()[0], pointwise,
+            out, carry = selective_prefill(qs, ks, vs, plan.logit_scale(qs.shape[-1]), acc.heads()[0], pointwise,
                                            int(qpos[0, 0]), min(self.block_size, PREFILL_BLOCK))
         elif (count == 1 and mask is None and not want_probs and plan.causal and not plan.many(Slot.MASK)
               and not mapped):
@@ -498,7 +496,7 @@ class BlockedBackend(Backend):
             out, carry = self.decode_one(plan, qs, ks, vs, qpos, kpos, params, cache.accumulated(),
                                          query_features, key_features)
         else:
-            ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, q.shape[1], params)
+            ks, vs, kpos = softmax_map_rows(plan, ks, vs, kpos, qs.shape[1], params)
             out, _, carry, probs = self.blocks(plan, qs, ks, vs, qpos, kpos, params, mask, cache.accumulated(),
                                                want_probs=want_probs, use_sdpa=kpos.shape[1] == 1,
                                                features=query_features, key_features=key_features,
@@ -509,8 +507,7 @@ class BlockedBackend(Backend):
                                                      qpos.gather(1, rows.index.to(qpos.device)), kpos, params, mask,
                                                      {n: rows.queries(t) for n, t in query_features.items()},
                                                      key_features))
-        cache.settle(carry, probs)
-        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        return HeldAttention(out, carry, probs)
 
     def row_probabilities(self, plan, qs, ks, vs, qpos, kpos, params, mask, query_features, key_features):
         """The softmax probabilities (B, H, R, M) of some of a step's queries (an evictor's rows:

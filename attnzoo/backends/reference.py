@@ -11,7 +11,7 @@ import torch
 
 from ..core.composition import checked_logits, checked_rows
 from ..transforms.base import Dims, Slot
-from .base import Backend, Mode, eager_dtype_reasons
+from .base import Backend, HeldAttention, Mode, eager_dtype_reasons
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor, sink: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,13 +77,14 @@ class ReferenceBackend(Backend):
         """The running F of every cached token (B, M), or None without an accumulator."""
         return cache.accumulated()
 
-    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, transformed_kv=False,
+    def attend(self, plan, q, k, v, qpos, kpos, params, key_mask=None, carry=None, held=False,
                features=None, query_mask=None):
         """The whole composition for queries at ``qpos`` against keys at ``kpos``.
 
         q (B, H, Nq, D); k, v (B, H_kv, Nk, D); qpos (B, Nq); kpos (B, 1 or H_kv, Nk); key_mask (B, Nk) or None;
         carry (B, Nk): the accumulator's F from queries before this call (decoding, chunks), or None;
-        ``transformed_kv``: k and v already went through the key/value slots (a decode cache stores them so);
+        ``held``: a decoding step's rows (``attend_held``): q, k and v already went through the query, key and
+        value slots (the step admitted them, the cache stores them so) and the output slot is the step's;
         ``features``: (the queries', the keys') per-token features {name: (B, H, N)} when the queries are not the
         keys (decoding; the batch form computes them here); ``query_mask`` (B, Nq) or None: False for a padding
         query, which selects nothing (its selection would reach the real queries after it through F).
@@ -95,9 +96,9 @@ class ReferenceBackend(Backend):
         hkv = k.shape[1]
         dims = Dims(num_heads=h, head_dim=d, num_kv_heads=hkv)
 
-        qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
-        ks = k if transformed_kv else plan.composition.row_scale(Slot.KEY, k, kpos, params)
-        vs = v if transformed_kv else plan.composition.row_scale(Slot.VALUE, v, kpos, params)
+        qs = q if held else plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), params)
+        ks = k if held else plan.composition.row_scale(Slot.KEY, k, kpos, params)
+        vs = v if held else plan.composition.row_scale(Slot.VALUE, v, kpos, params)
         # the batch form: queries and keys are the same tokens
         if features is None and plan.composition.feature_transforms():
             features = (plan.composition.token_features(qs, ks, vs, qpos, key_mask, params),) * 2
@@ -135,7 +136,8 @@ class ReferenceBackend(Backend):
             out = mapped.combine(weigh(probs, read.to(probs.dtype), allowed), own)
             out = checked_rows(mapped, "outputs", out, qs.shape)
             out = out.to(qs.dtype)
-        out = plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
+        if not held:
+            out = plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params)
         return out, probs, selection, accumulated
 
     def forward(self, plan, q, k, v, params, positions, key_mask, return_accumulated=False):
@@ -145,22 +147,22 @@ class ReferenceBackend(Backend):
             return out, (accumulated[:, 0] if accumulated is not None else None)
         return out
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        step = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask)
-        qpos = self.query_positions(cache, q.shape[2], q.shape[0])
-        out, probs, selection, _ = self.attend(plan, q, cache.keys, cache.values, qpos, cache.positions, params,
-                                               key_mask=cache.key_mask(), carry=self.carry(cache),
-                                               transformed_kv=True, features=(step.features, cache.key_features()),
+    def attend_held(self, plan, step, cache, params, *, want_probs=False):
+        count, batch = step.queries.shape[2], step.queries.shape[0]
+        qpos = self.query_positions(cache, count, batch)
+        out, probs, selection, _ = self.attend(plan, step.queries, cache.keys, cache.values, qpos, cache.positions,
+                                               params, key_mask=cache.key_mask(), carry=self.carry(cache),
+                                               held=True, features=(step.features, cache.key_features()),
                                                **_selecting(plan, cache.query_mask()))
         # the new queries' selections are summed in the cache's (at least float32) dtype, never in the input's
         total = None
         if selection is not None:
             carry = cache.accumulated()
             total = carry + selection.to(carry.dtype).sum(dim=2)[:, 0]
-        # the oracle hands every row's probabilities; settle gives the evictor its real rows, of which it reads the
-        # last ``probability_rows`` (a fast backend computes only those: tests/decode/test_prefill_rows.py)
-        cache.settle(total, probs)
-        return out
+        # the oracle hands every row's probabilities, whatever ``want_probs`` asks: the step gives the evictor its
+        # real rows, of which it reads the last ``probability_rows`` (a fast backend computes only those:
+        # tests/decode/test_prefill_rows.py)
+        return HeldAttention(out, total, probs if want_probs is not False else None)
 
 
 def _selecting(plan, query_mask) -> dict:

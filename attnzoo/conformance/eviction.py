@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import ACCUMULATED_STATE, KVCache
+from ..decode.step import evict_to_budget
 
 
 def rule_victim(score: torch.Tensor, protected: torch.Tensor, positions: torch.Tensor, largest: bool
@@ -261,7 +262,7 @@ def check_bulk_eviction(evictor_factory, cache: KVCache, budget: int, where: str
         evictor.independent_scores = bulk
         twin = _copy(cache, evictor)
         twin.budget = smaller
-        twin.evict_to_budget()
+        evict_to_budget(twin)
         kept.append(twin.positions)
     differ = _first_difference(kept[0], kept[1])
     if differ is not None:

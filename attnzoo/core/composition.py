@@ -3,7 +3,7 @@
 the accumulator's selection, the sink, the masks' key bounds and the logit scale.
 
 A ``Plan`` holds one (``plan.composition.row_scale(...)``); this module holds the numerics, ``attnzoo/plan.py`` the spec
-resolved against the registry (and ``Plan.admit``, the decoding sequence owned by :mod:`attnzoo.decode.step`),
+resolved against the registry (the decoding sequence is :mod:`attnzoo.decode.step`'s),
 ``attnzoo/inputs.py`` the checks of a call's inputs. Part of :mod:`attnzoo.core`: it imports only the transforms'
 types.
 """

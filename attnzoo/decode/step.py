@@ -1,12 +1,18 @@
 """The decode step (docs/decoding.md, "Who owns what"): everything ``Variant.decode`` and ``Variant.prefill`` do to
-a cache, in one place.
+a cache, in one place, calling one way (down, never back)::
+
+    extend ── the fast step (Backend.decode_step's offer, attnzoo.decode.fast) while it holds
+       └── full_step: every check, then held_step:
+             admit ──> backend.attend_held ──> settle ──> output slot ──> drop_expired
 
 :func:`extend` is the step: the fast step a backend offered for this cache (:mod:`attnzoo.decode.fast`) while the
 checks the full path made still hold (:class:`~attnzoo.decode.state.StepState`), else :func:`full_step`: every
-check, then the backend's ``extend``, which calls :func:`admit` (the new tokens' rows through the row maps, their
-features, the append, eviction first for an evictor that works before attention) and ``cache.settle``
-(:func:`settle`: the running F stored, the evictor's scores updated, eviction to the budget), then
-:func:`drop_expired` (window expiry); then the backend is asked for a fast step (``Backend.decode_step``).
+check, then :func:`held_step`: :func:`admit` (the new tokens' positions, their rows through the row maps, their
+features, the append, eviction first for an evictor that works before attention), the backend's one decoding
+method ``Backend.attend_held`` (attention over the held cache: the output, the new running F and, when asked, the
+probabilities, as a ``HeldAttention``), :func:`settle` (the running F stored, the evictor's scores updated,
+eviction to the budget), the output slot, then :func:`drop_expired` (window expiry); then the backend is asked for
+a fast step (``Backend.decode_step``). A backend reads the cache and returns; it calls nothing here.
 
 Eviction calls the evictor's Python rule (``Evictor.victim``, or for many victims at once its ``score``,
 ``protected`` and ``largest`` through :func:`attnzoo.evictors.base.eviction_order`); the cache's storage
@@ -28,7 +34,7 @@ from .state import StepState
 
 
 class DecodeStep(NamedTuple):
-    """What :func:`admit` (``Plan.admit``) hands a decoding backend: the new queries after the query slot
+    """What :func:`admit` hands a decoding backend (``Backend.attend_held``): the new queries after the query slot
     (B, H, T, D), their positions (B, T) and their per-token features ``{"<kind>.<name>": (B, H, T)}`` (the keys'
     are in ``cache.key_features()``)."""
 
@@ -63,13 +69,14 @@ def extend(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=
 
 
 def full_step(variant, q, k, v, cache, params, key_mask, evict_first: bool, inputs=None):
-    """Every check of a step (the cache's spec, geometry, batch and parameters, the inputs), the backend's
-    ``extend``, then window expiry. Returns (out, the parameters and inputs grouped per transform)."""
+    """Every check of a step (the cache's spec, geometry, batch and parameters, the inputs), then
+    :func:`held_step` on the chosen backend. Returns (out, the parameters and inputs grouped per transform)."""
     if not isinstance(getattr(cache, "step_state", None), StepState):  # a KVCache (storage imports this module)
         raise ValueError(f"cache must come from variant.new_cache(), got {type(cache).__name__}")
     state = cache.step_state
     state.check_spec(variant.spec)
-    variant._case_first(q, Mode.DECODE)
+    if isinstance(q, torch.Tensor):  # a dtype no backend takes: UnsupportedError with each one's reason, first
+        variant.backend_for(q.device, q.dtype, Mode.DECODE)
     dims = check_qkv(q, k, v)
     state.check_geometry(dims)
     if q.shape[0] != cache.batch:
@@ -82,9 +89,43 @@ def full_step(variant, q, k, v, cache, params, key_mask, evict_first: bool, inpu
         params = variant.initial_params_for(dims, q)
     grouped = plan.add_inputs(plan.split_params(params, dims, q), inputs, q.shape[0], q.shape[1], q.shape[2], q)
     backend = variant.backend_for(q.device, q.dtype, Mode.DECODE)
-    out = backend.extend(plan, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask)
+    return held_step(plan, backend, q, k, v, cache, grouped, evict_first=evict_first, key_mask=mask), grouped
+
+
+def held_step(plan, backend, q, k, v, cache, params, *, evict_first: bool, key_mask=None) -> torch.Tensor:
+    """One step after its checks, in one direction: :func:`admit` the new tokens, ``backend.attend_held`` over
+    the cache (once), :func:`settle`, the output slot, :func:`drop_expired`. ``params`` grouped per transform
+    (inputs included); q (B, H, T, D), k, v (B, H_kv, T, D) raw. Returns the output (B, H, T, D).
+
+    The backend's class attributes say how: ``decodes_with_gradients`` False refuses a step whose q, k or v
+    requires grad before anything changes in the cache; ``admit_widen`` hands the row maps float32 rows for
+    half-precision inputs (the query, key, value and output slots alike)."""
+    if (not backend.decodes_with_gradients and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        raise ValueError(f"the {backend.name} backend decodes without gradients: run decoding under "
+                         "torch.no_grad()")
+    widen = backend.admit_widen
+    step = admit(plan, cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask, widen=widen)
+    held = backend.attend_held(plan, step, cache, params, want_probs=wanted_probabilities(plan, cache, q.shape[2]))
+    settle(cache, held.accumulated, held.probs)
+    out = plan.composition.row_scale(Slot.OUTPUT, held.out, step.positions.unsqueeze(1), params, widen=widen)
     drop_expired(cache)
-    return out, grouped
+    return out
+
+
+def wanted_probabilities(plan, cache, count: int) -> bool | QueryRows:
+    """What ``attend_held``'s ``want_probs`` asks of a step of ``count`` queries: False (the cache's evictor reads
+    no probabilities, or there is none), the rows it reads (:func:`evictor_query_rows`: it declares
+    ``probability_rows``, fewer than ``count``; with no accumulator and no probability map, whose rows depend on
+    the step's other queries), else True (every row's)."""
+    evictor = cache.evictor
+    if evictor is None or not evictor.needs_probabilities:
+        return False
+    if plan.one(Slot.ACCUMULATOR) is None and plan.one(Slot.PROBABILITY) is None:
+        rows = evictor_query_rows(cache, count)
+        if rows is not None:
+            return rows
+    return True
 
 
 def _signature(q, k, v) -> tuple:
@@ -99,10 +140,10 @@ def _fingerprint(params) -> tuple:
     return tuple(sorted((key, id(t), t._version) for key, t in params.items() if isinstance(t, torch.Tensor)))
 
 
-# -- the parts a backend's extend calls -----------------------------------------------------------------------------
+# -- the parts of a step ----------------------------------------------------------------------------------------------
 def admit(plan, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params, *, evict_first: bool,
           key_mask: torch.Tensor | None = None, widen: bool = False) -> DecodeStep:
-    """The decoding sequence every backend shares (``Plan.admit``): the new tokens' positions, their rows through
+    """What a step does before attending, for every backend: the new tokens' positions, their rows through
     the query, key and value slots (once per token), their per-token features (cumulative ones continuing the
     cache's running sums), the append to ``cache``, then eviction for an evictor that works before attention.
     ``q`` (B, H, T, D) and ``k``, ``v`` (B, H_kv, T, D) are raw; ``widen``: see ``Composition.row_scale``."""
@@ -129,16 +170,18 @@ def admit(plan, cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params
 
 
 class EvictorRows(NamedTuple):
-    """Probabilities a backend hands ``cache.settle`` in place of a (B, H, T, M) tensor when the evictor declares
-    ``probability_rows`` (:func:`evictor_query_rows`): ``probs`` (B, H, R, M), already what the evictor reads (the
-    last R rows of :func:`real_query_rows`' packing of the step's T rows), so :func:`settle` packs nothing."""
+    """Probabilities a backend returns (``HeldAttention.probs``) in place of a (B, H, T, M) tensor when the
+    evictor declares ``probability_rows`` (:func:`evictor_query_rows`): ``probs`` (B, H, R, M), already what the
+    evictor reads (the last R rows of :func:`real_query_rows`' packing of the step's T rows), so :func:`settle`
+    packs nothing."""
 
     probs: torch.Tensor
 
 
 class QueryRows(NamedTuple):
     """The step's query rows whose probabilities an evictor that declares ``probability_rows`` reads
-    (:func:`evictor_query_rows`): ``index`` (B, R), each row's query indices (into the step's T queries), and
+    (:func:`evictor_query_rows`; ``attend_held``'s ``want_probs``): ``index`` (B, R), each row's query indices
+    (into the step's T queries), and
     ``real`` (B, R) bool or None (every one real); the evictor's row j of batch row b is the probabilities of query
     ``index[b, j]`` where ``real[b, j]``, else a zero row. :meth:`pack` makes them from the probabilities of those
     queries."""
@@ -169,8 +212,9 @@ def evictor_query_rows(cache, count: int) -> QueryRows | None:
     packed first, so the rows are each batch row's last R real queries, with padding queries (zero rows) in front
     where it has fewer than R; they may lie anywhere among the T, padding inside them included.
 
-    A backend then computes only those queries' probabilities (the same mask and logits transforms as the whole
-    step's) and hands ``cache.settle`` ``rows.pack(probs)``: the evictor gets exactly what the whole step's
+    The step hands them to ``attend_held`` (``want_probs``, :func:`wanted_probabilities`); a backend may then
+    compute only those queries' probabilities (the same mask and logits transforms as the whole step's) and return
+    ``rows.pack(probs)``: the evictor gets exactly what the whole step's
     probabilities give it, and no T x M tensor is made. The queries' probabilities must not depend on the other
     queries of the step (an accumulator's F does: a backend keeps the whole step's probabilities there)."""
     evictor = cache.evictor
@@ -186,7 +230,7 @@ def evictor_query_rows(cache, count: int) -> QueryRows | None:
 
 
 def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | EvictorRows | None) -> None:
-    """After attending (``cache.settle``): store the new running F (B, M), update the evictor's scores from the new
+    """After attending (``HeldAttention``): store the new running F (B, M), update the evictor's scores from the new
     queries' attention ``probs`` (B, H, T, M), evict down to the budget, and detach everything held.
 
     F is stored, and ``probs`` handed to the evictor, detached and in :func:`accumulator_dtype` of the keys (at
@@ -201,8 +245,8 @@ def settle(cache, accumulated: torch.Tensor | None, probs: torch.Tensor | Evicto
     cache.end_step()
     evictor = cache.evictor
     if evictor is not None and evictor.needs_probabilities and probs is None:
-        raise ValueError(f"evictor '{evictor.kind}' needs the attention probabilities, and the backend passed "
-                         "none to settle()")
+        raise ValueError(f"evictor '{evictor.kind}' needs the attention probabilities, and the backend returned "
+                         "none from attend_held()")
     real = cache.query_mask() if accumulated is not None or evictor is not None else None
     idle = None
     if real is not None:

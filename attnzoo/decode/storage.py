@@ -57,7 +57,7 @@ class KVCache(SlotStore):
     ``valid``: (B, H_kv, M) bool, False for padding, or None when every token is real; ``state[name]``:
     (B, H_kv, M) per-token scores kept by the accumulator and the evictor, in ``accumulator_dtype(keys.dtype)``;
     ``next_position``: (B,) int64, the position the next real token of each row gets. ``budget=None`` never
-    evicts. Between decode steps every tensor is detached from autograd (:meth:`settle`).
+    evicts. Between decode steps every tensor is detached from autograd (:func:`attnzoo.decode.step.settle`).
 
     :meth:`pack` holds the keys and values in 8, 4, 3 or 2 bits until the next step (:mod:`attnzoo.decode.quant`).
     """
@@ -357,7 +357,7 @@ class KVCache(SlotStore):
         of the cumulative ones (:attr:`feature_totals`). Returns their positions (B, T). New per-token scores are 0
         (in ``accumulator_dtype(key.dtype)``).
 
-        Rows that carry gradient are attended as given during this step (:meth:`settle` drops them); the
+        Rows that carry gradient are attended as given during this step (:meth:`end_step` drops them); the
         buffers only ever hold detached copies."""
         b, hkv, count, d = key.shape
         if b != self.batch:
@@ -552,25 +552,35 @@ class KVCache(SlotStore):
         """The step's rows and features with gradient are no longer attended: only the detached buffers stay."""
         self._live = self._feat_live = None
 
-    # the decode step's parts a backend's ``extend`` calls (docs/plugins.md), owned by attnzoo.decode.step
-    def settle(self, accumulated: torch.Tensor | None, probs: torch.Tensor | None) -> None:
-        """After attending: :func:`attnzoo.decode.step.settle` (the running F stored, the evictor's scores
-        updated from ``probs`` (B, H, T, M), eviction down to the budget, everything held detached)."""
-        from . import step
+    # -- what the fast steps read (attnzoo.decode.fast, .fused): the slots as they are, nothing put in order --------
+    def slot_buffers(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, int,
+                                    torch.Tensor | int]:
+        """The raw buffers a fast step reads and writes: keys, values (B, H_kv, capacity, D) and positions
+        (B, H_kv, capacity), whose first ``held`` slots hold tokens in slot order (out of position order after a
+        fast step: :attr:`scrambled`), ``held``, and the next position as held: an int (every row alike) or the
+        cache's own (B,) int64 tensor, which the fused steps move on in place. One call, read at every step."""
+        return self._k, self._v, self._pos, self._m, self._next
 
-        step.settle(self, accumulated, probs)
+    @property
+    def held_scores(self) -> dict[str, torch.Tensor]:
+        """The per-token scores of the held slots by name, as the slots hold them (:attr:`state` without putting
+        the slots back in position order): views of :attr:`score_buffers` once :meth:`dense_scores` ran."""
+        return self._state
 
-    def evict_to_budget(self) -> None:
-        """Evict until the budget holds, by the evictor's rule (:func:`attnzoo.decode.step.evict_to_budget`)."""
-        from . import step
+    @property
+    def score_buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers the per-token scores live in by name, spare slots included (the spare slot's score is the
+        step's to write: H2O, TOVA)."""
+        return self._state_buf
 
-        step.evict_to_budget(self)
+    @property
+    def padded(self) -> bool:
+        """Whether any held token is padding (:attr:`valid` is not None), read without catching ``valid`` up."""
+        return self._valid is not None
 
-    def drop_expired(self) -> None:
-        """Drop the tokens no later query can see (:func:`attnzoo.decode.step.drop_expired`)."""
-        from . import step
-
-        step.drop_expired(self)
+    def make_room(self, need: int) -> None:
+        """Room in the buffers for ``need`` tokens (doubling them when they have less)."""
+        self._grow(need)
 
 
 def _attach_count(name: str, value, low: int) -> int:

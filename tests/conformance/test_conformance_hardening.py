@@ -29,16 +29,16 @@ DTYPES = (torch.float64, torch.float32)
 # -- decoding past eviction -----------------------------------------------------------------------------------------
 class TooLargeAfterEviction(BlockedBackend):
     """The blocked backend, with decode outputs 10% too large once its cache has evicted (prefill outputs right).
-    No fast step (``decode_step``): every step goes through :meth:`extend`."""
+    No fast step (``decode_step``): every step goes through :meth:`attend_held`."""
 
     decode_step = None
 
     def __init__(self):
         super().__init__(name="late_scale")
 
-    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        out = super().extend(plan, q, k, v, cache, params, evict_first=evict_first, key_mask=key_mask)
-        return out * 1.1 if cache.evicted and q.shape[2] == 1 else out
+    def attend_held(self, plan, step, cache, params, *, want_probs=False):
+        held = super().attend_held(plan, step, cache, params, want_probs=want_probs)
+        return held._replace(out=held.out * 1.1) if cache.evicted and step.queries.shape[2] == 1 else held
 
 
 class ScoresTheWrongTokens(BlockedBackend):

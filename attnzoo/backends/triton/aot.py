@@ -136,6 +136,7 @@ def capture(backend, plan, arch: int, dtype: torch.dtype, head_dim: int, registr
     """The launches the triton backend makes on a GPU of compute capability ``arch`` for ``dtype`` and
     ``head_dim``: batch forward and backward (with and without a key mask), prefill and a decode step."""
     from ...decode.create import new_cache
+    from ...decode.step import held_step
     from ...transforms.base import Dims
 
     launches: list[Launch] = []
@@ -168,9 +169,9 @@ def capture(backend, plan, arch: int, dtype: torch.dtype, head_dim: int, registr
             with torch.no_grad():
                 cache = new_cache(plan, b)
                 case[0] = "prefill"
-                backend.extend(plan, *tensors(n), cache, grouped(n, False), evict_first=False)
+                held_step(plan, backend, *tensors(n), cache, grouped(n, False), evict_first=False)
                 case[0] = "decode"
-                backend.extend(plan, *tensors(1), cache, grouped(1, False), evict_first=False)
+                held_step(plan, backend, *tensors(1), cache, grouped(1, False), evict_first=False)
     return launches
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ...core.numerics import accumulator_dtype, all_finite, f_from_s, mark_reached
 from ...transforms.base import Dims, Slot
-from ..base import Backend, Mode
+from ..base import Backend, HeldAttention, Mode
 from ..softmax_maps import joined, softmax_map_combine, softmax_map_rows, value_slices
 from . import codegen
 from .build import SOURCES, build, interpreting, kernel_module_name, load_kernels, triton_version
@@ -301,6 +301,10 @@ class TritonBackend(Backend):
         return -1 if interpreting() else 8
 
     modes = frozenset(Mode)
+    #: the decode step hands the row maps float32 rows for half-precision inputs, as the batch form does
+    admit_widen = True
+    #: the decode kernels have no backward: the decode step refuses a step with gradients before the cache changes
+    decodes_with_gradients = False
 
     def supports(self, plan, device, dtype, mode):
         if triton_version() is None:
@@ -469,15 +473,13 @@ class TritonBackend(Backend):
         return out, _accumulated_matrix(plan, qs, ks, positions, key_mask, params)
 
     # -- decoding -------------------------------------------------------------------------------------------------
-    def extend(self, plan, q, k, v, cache, params, *, evict_first, key_mask=None):
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise ValueError("the triton backend decodes without gradients: run decoding under torch.no_grad()")
-        qs, qpos, query_features = plan.admit(cache, q, k, v, params, evict_first=evict_first, key_mask=key_mask,
-                                              widen=True)
+    def attend_held(self, plan, step, cache, params, *, want_probs=False):
+        qs, qpos, query_features = step
+        q = qs  # the launch settings read its shape, dtype and device: the query slot keeps them
         count = q.shape[2]
         qs = qs.contiguous()
         ks, vs, mask = cache.keys.contiguous(), cache.values.contiguous(), cache.key_mask()
-        want_probs = cache.evictor is not None and cache.evictor.needs_probabilities
+        want_probs = want_probs is not False  # every row's (the step packs what the evictor reads)
         mapped = plan.one(Slot.PROBABILITY)
         if want_probs and mapped is not None:  # spec validation refuses this pair; never hand weights as probabilities
             raise ValueError(f"transform '{mapped.kind}' (probability) has no attention probabilities to hand to an "
@@ -507,8 +509,7 @@ class TritonBackend(Backend):
         # F and the evictor's probabilities stay in float32: the cache keeps running sums in at least float32
         # (numerics contract), rounding them to a half-precision q every step would lose the small increments
         probs = torch.exp(logits - lse[..., None]) if want_probs else None
-        cache.settle(total, probs)
-        return plan.composition.row_scale(Slot.OUTPUT, out, qpos.unsqueeze(1), params, widen=True)
+        return HeldAttention(out, total, probs)
 
 
 def _allowed_blocks(plan, positions, dims, key_mask, features, block: int = 256):
