@@ -42,22 +42,24 @@ _WRITTEN_OUT = (torch.float32, torch.float64)
 def ready_plain(cache) -> bool:
     """Rows only and no evictor. Padding is masked by ``padding_bias``; under a window (the cache then holds only
     tokens the next query sees) there is none, and every row is at the same position."""
-    return (cache.rows_only(padding=cache.horizon is None) and not cache._state and cache.evictor is None
-            and (cache.horizon is None or isinstance(cache._next, int)))
+    return (cache.rows_only(padding=cache.horizon is None) and not cache.held_scores and cache.evictor is None
+            and (cache.horizon is None or isinstance(cache.slot_buffers()[4], int)))
 
 
 def ready_selective(cache) -> bool:
     """Rows and F only, at the budget."""
-    return (cache.rows_only() and cache._m == cache.budget and cache.horizon is None and len(cache._state) == 1
-            and ACCUMULATED_STATE in cache._state and cache.dense_scores(0))
+    scores = cache.held_scores
+    return (cache.rows_only() and cache.num_tokens == cache.budget and cache.horizon is None and len(scores) == 1
+            and ACCUMULATED_STATE in scores and cache.dense_scores(0))
 
 
 def ready_scoring(cache) -> bool:
     """An evictor that scores after attention (H2O, TOVA): rows and the evictor's scores only, at the budget, with
     the spare slot the buffers keep for budget + 1. A score the full path left outside its buffer (an update() that
     assigned a new tensor, an eviction that gathered) is adopted into it here, once."""
-    return (cache.rows_only() and cache._m == cache.budget and cache.horizon is None
-            and cache._k.shape[2] > cache._m and set(cache._state) == set(cache.evictor.state_names)
+    keys, _, _, held, _ = cache.slot_buffers()
+    return (cache.rows_only() and held == cache.budget and cache.horizon is None
+            and keys.shape[2] > held and set(cache.held_scores) == set(cache.evictor.state_names)
             and cache.dense_scores(1))
 
 
@@ -65,12 +67,12 @@ def ready_selective_any(cache) -> bool:
     """:func:`ready_selective`, and no held F below 0: the step picks the victim among the held tokens before the
     new one (F = 0) joins them, which is the full path's victim only while some eligible F is >= 0 (an accumulator
     whose S is >= 0, as the contract asks, always; one that breaks it takes the full path)."""
-    return ready_selective(cache) and not bool((cache._state[ACCUMULATED_STATE] < 0).any())
+    return ready_selective(cache) and not bool((cache.held_scores[ACCUMULATED_STATE] < 0).any())
 
 
 def ready_replacing(cache) -> bool:
     """An evictor without scores of its own (sink + window): rows only, at the budget."""
-    return cache.rows_only() and cache._m == cache.budget and cache.horizon is None and not cache._state
+    return cache.rows_only() and cache.num_tokens == cache.budget and cache.horizon is None and not cache.held_scores
 
 
 # -- the offer --------------------------------------------------------------------------------------------------------
@@ -89,8 +91,9 @@ def offer(plan, cache, params, decode_one) -> FastStep | None:
     if not plan.causal or plan.one(Slot.PROBABILITY) is not None:
         return None  # every step below computes the softmax: another probability map takes the full path
     kinds = [t.kind for t in plan.transforms]
-    dtype = cache._k.dtype
-    scale = plan.logit_scale(cache._k.shape[-1])
+    keys = cache.slot_buffers()[0]
+    dtype = keys.dtype
+    scale = plan.logit_scale(keys.shape[-1])
     evictor = cache.evictor
     if evictor is None and all(kind in SPAN_MASKS for kind in kinds) and (not kinds or cache.horizon is not None):
         run = functools.partial(plain_step, scale, bool(kinds))
@@ -221,7 +224,7 @@ def selective_step_any(decode_one, plan, params, q, k, v, cache):
     held = state[ACCUMULATED_STATE]
     cache.replace_slot(cache.evictor.victim(SlotView(cache, ks, pos, state))[:, 0], k, v)  # into the views
     ks, vs, _, _ = cache.held_slots()
-    nxt = cache._next
+    nxt = cache.slot_buffers()[4]
     qpos = pos.new_full((q.shape[0], 1), nxt - 1) if isinstance(nxt, int) else (nxt - 1).view(-1, 1)
     out, carry = decode_one(plan, q, ks, vs, qpos, pos[:, :1], params, held[:, 0])
     held.copy_(carry.unsqueeze(1).expand_as(held))
@@ -264,6 +267,6 @@ def plain_one(q, ks, vs, scale: float, bias=None):
 def attend_held(q, cache, scale: float):
     """The plain step's attention: one query (B, H, 1, D) over every token the cache holds, a left-padded batch's
     padding masked (``KVCache.padding_bias``)."""
-    m = cache._m
-    bias = None if cache._valid is None else cache.padding_bias(accumulator_dtype(q.dtype))
-    return plain_one(q, cache._k[:, :, :m], cache._v[:, :, :m], scale, bias)
+    keys, values, _, m, _ = cache.slot_buffers()
+    bias = cache.padding_bias(accumulator_dtype(q.dtype)) if cache.padded else None
+    return plain_one(q, keys[:, :, :m], values[:, :, :m], scale, bias)

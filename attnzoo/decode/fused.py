@@ -65,14 +65,14 @@ class FusedStep(FastStep):
     def _scores(self, cache):
         if self.state is None:
             return None
-        return cache._state_buf.get(self.state) if self.spare else cache._state.get(self.state)
+        return (cache.score_buffers if self.spare else cache.held_scores).get(self.state)
 
     def _lay_out(self, cache, need: int | None = None) -> bool:
         """Check the cache's buffers as they are now and fix the op's arguments for them; False if the op cannot
         take them. ``need``: the slots the buffers must have (default: the tokens held and the step's spare slot)."""
-        keys, values, pos, scores = cache._k, cache._v, cache._pos, self._scores(cache)
+        keys, values, pos, m, _ = cache.slot_buffers()
+        scores = self._scores(cache)
         b, hkv, _, d = keys.shape
-        m = cache._m
         need = m + self.spare if need is None else need
         dtype = keys.dtype
         rows = [keys, values]
@@ -106,9 +106,10 @@ class FusedStep(FastStep):
         return True
 
     def __call__(self, q, k, v, cache):
-        held, keys, values, pos, scores = self.held, cache._k, cache._v, cache._pos, self._scores(cache)
+        held, scores = self.held, self._scores(cache)
+        keys, values, pos, m, nxt = cache.slot_buffers()
         if not (held and held[0] is keys and held[1] is values and held[2] is pos and held[3] is scores
-                and held[4] == cache._m and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(),
+                and held[4] == m and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(),
                                                         0 if scores is None else scores.data_ptr())
                 ) and not self._lay_out(cache):
             self.held = ()
@@ -117,7 +118,6 @@ class FusedStep(FastStep):
         if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
                 or not q.is_cpu or not k.is_cpu or not v.is_cpu):
             return FastStep.__call__(self, q, k, v, cache)
-        nxt = cache._next
         if isinstance(nxt, int):
             scalar, rows = nxt, None
         elif nxt is self.nexts or self._rows_fit(nxt, keys.shape[0]):
@@ -152,10 +152,11 @@ class FusedAppend(FusedStep):
         self.capacity = 0
 
     def __call__(self, q, k, v, cache):
-        m = cache._m
-        if m + 1 > cache._k.shape[2]:
-            cache._grow(m + 1)
-        held, keys, values, pos = self.held, cache._k, cache._v, cache._pos
+        keys, values, pos, m, nxt = cache.slot_buffers()
+        if m + 1 > keys.shape[2]:
+            cache.make_room(m + 1)
+            keys, values, pos, m, nxt = cache.slot_buffers()
+        held = self.held
         if (not (held and held[0] is keys and held[1] is values and held[2] is pos
                  and held[6] == (keys.data_ptr(), values.data_ptr(), pos.data_ptr(), 0)) or m >= self.capacity):
             if not self._lay_out(cache, need=m + 1):
@@ -164,7 +165,6 @@ class FusedAppend(FusedStep):
             self.capacity = min(t.shape[2] for t in self.held[:3])
         if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
             return FastStep.__call__(self, q, k, v, cache)
-        nxt = cache._next
         if isinstance(nxt, int):
             scalar, rows = nxt, None
         elif nxt is self.nexts or self._rows_fit(nxt, keys.shape[0]):
@@ -197,7 +197,8 @@ def _addresses(keys, values, pos, scores) -> tuple[int, int, int, int]:
 def _op(kind: str, cache):
     """The op of ``kind``, or None when the fused steps are unavailable (:func:`.fused_build.status`) or the cache
     is not on the CPU in float32/float64."""
-    if cache._k is None or cache._k.device.type != "cpu" or cache._k.dtype not in _SUFFIX:
+    keys = cache.slot_buffers()[0]
+    if keys is None or keys.device.type != "cpu" or keys.dtype not in _SUFFIX:
         return None
     ops = fused_build.library()
     return None if ops is None else ops.op(kind)
