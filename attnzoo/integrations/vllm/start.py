@@ -77,18 +77,26 @@ def _serve_pruned(vllm_config, record: dict, where: str) -> None:
         raise ServeDeclined(f"{where}: {exc}") from None
     scheduler, cache = vllm_config.scheduler_config, vllm_config.cache_config
     changed = []
-    if scheduler.enable_chunked_prefill:
-        scheduler.enable_chunked_prefill = False
-        changed.append("chunked prefill off (a prompt is attended whole, then evicted to the budget)")
     if cache.enable_prefix_caching:
         cache.enable_prefix_caching = False
         changed.append("prefix caching off (a pruned cache depends on the whole history)")
-    if scheduler.max_num_batched_tokens < model_config.max_model_len:
-        scheduler.max_num_batched_tokens = model_config.max_model_len
-        changed.append(f"max_num_batched_tokens {model_config.max_model_len} (a whole prompt in one step)")
     _LOG.warning("attnzoo: %s: each layer keeps at most %s tokens per request in one page%s%s", where, budget,
                  " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
                  if None in budgets(record) else "", "; " + "; ".join(changed) if changed else "")
+    chunked = scheduler.enable_chunked_prefill
+    raised = scheduler.max_num_batched_tokens < model_config.max_model_len
+    scheduler.enable_chunked_prefill = False
+    scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model_config.max_model_len)
+    if chunked or raised:
+        _LOG.warning("attnzoo: %s", whole_prompt_line(where, model_config.max_model_len))
+
+
+def whole_prompt_line(where: str, max_model_len: int) -> str:
+    """The one line said at the start of an evicting spec's engine: its prompts are not prefilled in chunks
+    (docs/vllm.md, "KV pruning")."""
+    return (f"{where}: chunked prefill is not served for an evicting spec: every prompt is prefilled whole in one "
+            f"step, then evicted to the budget (max_num_batched_tokens raised to max_model_len {max_model_len}: a "
+            f"step's activations grow with its prompt, up to {max_model_len} tokens, whatever the budget)")
 
 
 #: why a model with chunked local attention layers is declined

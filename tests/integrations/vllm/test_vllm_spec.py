@@ -90,14 +90,30 @@ def _config(record, tp=1, pp=1, speculative=None, transfer=None, hybrid=False, *
         kv_transfer_config=transfer)
 
 
-def test_an_evicting_checkpoint_turns_off_what_would_change_its_history():
-    """A pruned checkpoint: a prompt is attended whole (no chunks), no prefix-cache hits; said once at start."""
+def test_an_evicting_checkpoint_turns_off_what_would_change_its_history(caplog):
+    """A pruned checkpoint: a prompt is attended whole (no chunks), no prefix-cache hits; said once at start, the
+    whole-prompt step in a line of its own."""
+    import logging
+
     from attnzoo.integrations.vllm.start import check_config
 
     config = _config(_record("h2o"))
-    check_config(config, on_cpu=True)
+    with caplog.at_level(logging.WARNING, logger="attnzoo.integrations.vllm.start"):
+        check_config(config, on_cpu=True)
     assert not config.scheduler_config.enable_chunked_prefill and not config.cache_config.enable_prefix_caching
     assert config.scheduler_config.max_num_batched_tokens == 1024
+    lines = [r.getMessage() for r in caplog.records if "chunked prefill" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("attnzoo: /ckpt: attnzoo spec 'h2o': chunked prefill is not served for an evicting "
+                               "spec: every prompt is prefilled whole in one step, then evicted to the budget")
+    assert "max_model_len 1024" in lines[0]
+    caplog.clear()
+    off = _config(_record("h2o"))
+    off.scheduler_config.enable_chunked_prefill, off.scheduler_config.max_num_batched_tokens = False, 2048
+    with caplog.at_level(logging.WARNING, logger="attnzoo.integrations.vllm.start"):
+        check_config(off, on_cpu=True)  # asked for whole prompts already: nothing to say about chunks
+    assert not [r for r in caplog.records if "chunked prefill" in r.getMessage()]
+    assert off.scheduler_config.max_num_batched_tokens == 2048
     plain = _config(_record("ssa"))
     check_config(plain, on_cpu=True)  # a spec without a cache: vLLM's settings as they were
     assert plain.scheduler_config.enable_chunked_prefill and plain.cache_config.enable_prefix_caching
