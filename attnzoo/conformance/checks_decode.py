@@ -382,7 +382,7 @@ FAST_PREFILL = 3
 
 def offers_fast_steps(backend) -> bool:
     """Whether ``backend`` offers fast decoding steps at all: its class defines ``Backend.decode_step`` (the
-    contract's default, and a ``decode_step = None``, offer none: every step takes ``extend``)."""
+    contract's default, and a ``decode_step = None``, offer none: every step takes the full path)."""
     offer = getattr(type(backend), "decode_step", None)
     return offer is not None and offer is not Backend.decode_step
 
