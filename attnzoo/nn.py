@@ -195,9 +195,9 @@ def recording_accumulated(model: torch.nn.Module) -> Iterator[AccumulatedRecord]
     record = AccumulatedRecord()
     layers = list(attention_layers(model))
     for layer in layers:
-        layer._recording = record.tensors
+        layer._recording = record.tensors  # noqa: SLF001 -- Attention's own field, set by its own module
     try:
         yield record
     finally:
         for layer in layers:
-            layer._recording = None
+            layer._recording = None  # noqa: SLF001

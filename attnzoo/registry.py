@@ -232,7 +232,7 @@ def _collect(reg: Registry, category: str, plugin: str, function: Callable) -> N
     staged: dict[str, Any] = {}
 
     def register(item: Any) -> None:
-        name = reg._validate(category, item, plugin, staged)
+        name = reg._validate(category, item, plugin, staged)  # noqa: SLF001 -- the Registry's own module
         staged[name] = item
 
     info = reg.plugins[plugin]
@@ -263,7 +263,7 @@ def _collect(reg: Registry, category: str, plugin: str, function: Callable) -> N
     for name in staged:
         reg.origin[(category, name)] = plugin
     info.registered.setdefault(category, []).extend(staged)
-    reg._spec_model = None
+    reg._spec_model = None  # noqa: SLF001 -- the Registry's own module: the spec model is rebuilt on next use
 
 
 _HOOK_NAMES = sorted(n for n in dir(hookspecs) if n.startswith("register_"))

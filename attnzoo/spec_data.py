@@ -120,7 +120,7 @@ class SpecBase(StrictModel):
         """pydantic's copy; one with ``update`` hashes afresh (the copied hash would be the original's)."""
         copied = super().model_copy(update=update, deep=deep)
         if update:
-            copied._hash = None
+            copied._hash = None  # noqa: SLF001 -- this class's own field on its copy
         return copied
 
     def slots(self) -> dict[str, list[Any]]:
@@ -142,8 +142,8 @@ def build_spec_model(transforms: dict[str, type], evictors: dict[str, type]) -> 
         transforms=(list[t_type], []) if t_type is not None else (list[Any], Field([], max_length=0)),
         cache=(Optional[e_type], None) if e_type is not None else (None, None),
     )
-    model._transform_classes = dict(transforms)
-    model._evictor_classes = dict(evictors)
+    model._transform_classes = dict(transforms)  # noqa: SLF001 -- SpecBase's class tables, set by its module
+    model._evictor_classes = dict(evictors)  # noqa: SLF001
     return model
 
 
@@ -303,7 +303,7 @@ def validate_spec_data(data: dict[str, Any], source: str, registry) -> SpecBase:
         if failed:
             error = SpecError(source, f"{error.reason}; {failed}", error.path)
         raise error from None
-    spec._source = source
+    spec._source = source  # noqa: SLF001 -- SpecBase's own field, set by its module's loader
     return spec
 
 
@@ -384,7 +384,7 @@ def _keys_at(loc: tuple, model: type | None) -> list[str] | None:
                     return None
                 items.pop(0)
             tag = items.pop(0) if items else None
-            classes = model._transform_classes if item == "transforms" else model._evictor_classes
+            classes = model._transform_classes if item == "transforms" else model._evictor_classes  # noqa: SLF001
             node = classes[tag].options_model() if tag in classes else None
             continue
         node = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

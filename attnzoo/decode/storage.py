@@ -214,6 +214,12 @@ class KVCache(SlotStore):
             return torch.full((self.batch,), self._next, dtype=torch.int64, device=device)
         return self._next.clone()  # the cache moves its own on in place (the fused decoding steps)
 
+    @property
+    def uniform_next_position(self) -> int | None:
+        """The position the next real token of every row takes, when every row takes the same one (an int), else
+        None: a cheap check for a host's one-token step (no tensor made)."""
+        return self._next if isinstance(self._next, int) else None
+
     @next_position.setter
     def next_position(self, value) -> None:
         """An int (every row) or a (B,) tensor; set before the first token to start at an offset."""

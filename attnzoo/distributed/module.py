@@ -122,7 +122,7 @@ class _Fingerprint:
             wanted = [t.requires_grad for t in (q, k, v, *tensors, *(t for _, t in given))]
             bits = sum(1 << i for i, w in enumerate(wanted) if w) if torch.is_grad_enabled() else 0
             values.update(
-                tokens=n, spec=cp._spec_hash, name=int.from_bytes(name[:8], "little") & (2**63 - 1),
+                tokens=n, spec=cp.spec_hash, name=int.from_bytes(name[:8], "little") & (2**63 - 1),
                 backend=_hash63(cp.backend), device=_DEVICES.get(q.device.type, 3), dtype=_DTYPES.get(q.dtype, 5),
                 batch=b, heads=h, kv_heads=k.shape[1], head_dim=d, balanced=int(bool(cp.balanced)),
                 method=_METHOD_CODES[cp.method], gather_limit=_int63(cp.gather_limit) if cp.method == "auto" else 0,
@@ -221,7 +221,7 @@ class ContextParallel:
             raise ValueError(f"piece_size must be a positive int or None, got {piece_size!r}")
         self.piece_size = piece_size
         #: the spec's identity in the fingerprint every call all-gathers (60 bits of the sha256 of its canonical form)
-        self._spec_hash = int(self.variant.spec.hash[:15], 16)
+        self.spec_hash = int(self.variant.spec.hash[:15], 16)  # the spec in a 63-bit int (the fingerprint)
         self.group, self.balanced, self.method = group, balanced, method
         self.block_size, self.gather_limit = block_size, gather_limit
         self.last_method: str | None = None
@@ -378,8 +378,9 @@ class ShardedAttention(Attention):
         new.variant, new.num_heads, new.head_dim, new.num_kv_heads = (layer.variant, layer.num_heads,
                                                                       layer.head_dim, layer.num_kv_heads)
         new.transform_params, new.token_projections = layer.transform_params, layer.token_projections
-        new._bound = dict(layer.bound_parameters)  # parameters the host model owns (gpt-oss's sinks)
-        new._recording = None
+        # this class's own fields on the instance it builds (no __init__ ran)
+        new._bound = dict(layer.bound_parameters)  # noqa: SLF001 -- parameters the host model owns (gpt-oss's sinks)
+        new._recording = None  # noqa: SLF001
         new.parallel = ContextParallel(layer.variant, group, **options)
         return new
 

@@ -199,7 +199,7 @@ class AttnzooLayer(CacheLayerMixin):
         shared (never written)."""
         new = copy.copy(self)
         new.kv = None if self.kv is None else self.kv.copy()
-        new._pending = None
+        new._pending = None  # noqa: SLF001 -- the copy of this class's own instance
         return new
 
     def _remember(self, new_tokens: int) -> None:
@@ -376,7 +376,9 @@ class AttnzooCache(Cache):
         self.kv_rotate = kv_rotate
         self.evict = evict
 
-    def _layer_for(self, module) -> AttnzooLayer:
+    def layer_for(self, module) -> AttnzooLayer:
+        """The cache layer of attention ``module`` (its ``layer_idx``), refused in one line when this cache was made
+        for another model or before ``apply()`` ran again."""
         index = module.layer_idx
         layer = self.layers[index] if 0 <= index < len(self.layers) else None
         if layer is None or layer.core is not getattr(module, CORE_NAME, None):

@@ -152,7 +152,7 @@ def probe(model) -> list[tuple[torch.nn.Module, LayerCall]]:
                                f"transformers integration supports decoder-only self-attention only")
     AttentionInterface.register(PROBE_IMPLEMENTATION, _probe_forward)
     AttentionMaskInterface.register(PROBE_IMPLEMENTATION, _probe_mask)
-    previous, training = config._attn_implementation, model.training
+    previous, training = config._attn_implementation, model.training  # noqa: SLF001 -- transformers' own
     reference = next(model.parameters(), None)
     device = reference.device if reference is not None else torch.device("cpu")
     calls: list = []
@@ -398,7 +398,7 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         raise IntegrationError(f"{here} has no attnzoo core: the model's attn_implementation is "
                                f"'{ATTN_IMPLEMENTATION}' but attnzoo.integrations.transformers.apply() did not run "
                                f"on it")
-    if module._forward_hooks:
+    if module._forward_hooks:  # noqa: SLF001 -- torch.nn.Module's hooks (a kvpress press registers one)
         _refuse_presses(module, here)
     if dropout:
         raise IntegrationError(f"{here}: attention dropout {dropout} was asked for (training mode); attnzoo has no "
@@ -419,12 +419,13 @@ def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         if kwargs.get("output_attentions"):
             raise IntegrationError(f"{here}: output_attentions with a cache: attnzoo materialises attention weights "
                                    f"in the batch form only (a forward without a cache, use_cache=False)")
-        layer = cache._layer_for(module)
+        layer = cache.layer_for(module)
         mask = _new_token_mask(attention_mask, b, n, here, exact=False)
         kv = layer.kv
-        if (n == 1 and b == 1 and mask is None and kv is not None and isinstance(kv._next, int)
+        upcoming = kv.uniform_next_position if kv is not None else None
+        if (n == 1 and b == 1 and mask is None and upcoming is not None
                 and isinstance(position_ids, torch.Tensor) and position_ids.numel() == 1
-                and int(position_ids) + 1 == kv._next):
+                and int(position_ids) + 1 == upcoming):
             given = None  # one token of one row where the cache expects it: nothing more to check
         else:
             given = _given_positions(position_ids, b, n, here)
@@ -456,7 +457,7 @@ def _refuse_presses(module, here: str) -> None:
     keys and values of transformers' cache layer; after ``apply()`` attnzoo's cache holds them (transformers' holds
     none), so the press would compress nothing, or fail on a layer without keys: refuse it here, before the layer
     runs, in one line."""
-    for hook in module._forward_hooks.values():
+    for hook in module._forward_hooks.values():  # noqa: SLF001 -- torch.nn.Module's hooks
         owner = getattr(hook, "__self__", None)
         origin = type(owner).__module__ if owner is not None else getattr(hook, "__module__", None) or ""
         package = origin.split(".")[0]
