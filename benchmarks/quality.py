@@ -460,8 +460,9 @@ def to_markdown(result: dict) -> str:
         f"{', '.join(pct(d) for d in cfg['depths'])}, so {cfg['cases'] * len(cfg['depths'])} per context; the "
         f"question last, inside the prompt that is compressed at prefill; greedy, {cfg['max_new_tokens']} new tokens "
         f"at most; exact match of the number. Columns: {cfg.get('bytes', '')} Budgets per layer and KV head; "
-        f"`spec@8` / `spec@4`: keys and values held in 8 / 4 bits, quantized in Hadamard-rotated coordinates (the "
-        f"cache's default); `spec@8u` / `spec@4u`: unrotated (`kv_rotate=False`).",
+        f"`spec@8` / `spec@4` / `spec@3` / `spec@2`: keys and values held in that many bits, quantized in "
+        f"Hadamard-rotated coordinates (the cache's default); `spec@8u`, `spec@4u`, ...: unrotated "
+        f"(`kv_rotate=False`).",
         "",
     ]
     methods = list(summary["passkey"])
