@@ -106,7 +106,7 @@ def rewind(cache, at: Mark) -> None:
     problem = rewind_refusal(cache, at)
     if problem:
         raise ValueError(f"cannot rewind the cache: {problem}")
-    _ = cache._k  # keys and values held in 8 or 4 bits between steps are unpacked (attnzoo.decode.quant)
+    _ = cache._k  # keys and values held in 8, 4, 3 or 2 bits between steps are unpacked (attnzoo.decode.quant)
     quant.forget_from(cache, at.next_position)  # the positions after the mark are given out again
     _ = cache.state  # settles the slots' order
     valid = cache.valid  # caught up with the plain lean step's appends

@@ -224,7 +224,7 @@ class SlotStore:
         self._scrambled = False
         m = self._m
         order = self._pos[:, :, :m].argsort(dim=-1)
-        if self._packed is not None:  # keys and values in 8 or 4 bits (attnzoo.decode.quant): their codes move
+        if self._packed is not None:  # keys and values in 8, 4, 3 or 2 bits (attnzoo.decode.quant): their codes move
             self._packed = self._packed.gather_tokens(order)
         else:
             rows = order.unsqueeze(-1).expand(-1, -1, -1, self._k.shape[3])
