@@ -3,15 +3,19 @@ its outputs (``finite-differences``: a learnable parameter that no gradient reac
 backends agree on), and a probability map's weights as the map returns them (``weights``: the dtype, exact zeros at
 the pairs that are not allowed, rows that sum to 1 where the map declares it). Both read the transforms through the
 reference backend, so they are the same for every backend under test (computed once per run) and hold the truth
-itself to account. Built on :mod:`.checks`.
+itself to account; and a probability map's blocked form (``map-blocks``: ``start``, ``update`` and ``finish`` over
+key blocks of 4) against its weights, which the blocked backend takes only past one key block of its own size.
+Built on :mod:`.checks`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..dispatch import Variant
+from ..errors import UnsupportedError
 from ..transforms.base import Slot
-from .checks import Shape, Target, Unsupported, memo, random_case
+from .checks import Shape, Target, Unsupported, compare, memo, random_case
 from .vectors import run_batch
 
 #: the inputs of the finite-difference check: small (every perturbation is one forward pass), GQA, two rows
@@ -191,5 +195,55 @@ def check_weights(target: Target) -> None:
     if "probability" not in target.spec.slots():
         raise Unsupported("spec has no probability map")
     problem = memo(target, ("weights", target.dtype), lambda: weights_problem_of(target) or "")
+    if problem:
+        raise AssertionError(problem)
+
+
+#: the blocked form's check: key and query blocks of MAP_BLOCK, so that every row merges several key blocks; GQA, a
+#: masked row, positions with gaps
+MAP_BLOCK = 4
+MAP_BLOCKS_SHAPE = Shape("map-blocks-n21", 2, 4, 2, 21, 8, masked_rows=True, offset=True)
+
+
+class _SmallBlocks(Variant):
+    """The spec on the blocked backend with blocks of :data:`MAP_BLOCK` keys and queries (the registered one keeps
+    its own size: 256, so a map's blocked form runs only past 256 visible keys)."""
+
+    def backend_for(self, device, dtype, mode):
+        from ..backends.blocked import BlockedBackend
+
+        registered = super().backend_for(device, dtype, mode)  # the registered blocked backend's verdict first
+        return BlockedBackend(MAP_BLOCK, f"{registered.name} (blocks of {MAP_BLOCK})")
+
+
+def map_blocks_problem(target: Target) -> str | None:
+    """The blocked backend's outputs and gradients with blocks of :data:`MAP_BLOCK`, in the target's dtype, against
+    the float64 reference's (the tolerance of the differential checks); None when they agree."""
+    inputs = random_case(target, MAP_BLOCKS_SHAPE)
+    truth = run_batch(target.reference(), inputs, torch.float64, True)
+    low = run_batch(target.reference(), inputs, target.dtype, True) if target.dtype != torch.float64 else None
+    try:
+        got = run_batch(_SmallBlocks(target.spec, "blocked", target.registry), inputs, target.dtype, True)
+    except UnsupportedError as exc:  # the blocked backend declines the spec: nothing of the blocked form to check
+        raise Unsupported(f"the blocked backend declines the spec: {exc}") from None
+    try:
+        compare(target, f"map-blocks {MAP_BLOCKS_SHAPE.id} (blocks of {MAP_BLOCK} keys)", got, truth, low, inputs)
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def check_map_blocks(target: Target) -> None:
+    """A probability map's blocked form (``start``, ``update``, ``finish``, ``combine``: what the blocked backend
+    runs once a query block sees more keys than its block size) over key and query blocks of :data:`MAP_BLOCK`,
+    outputs and gradients against the float64 reference on fresh inputs (GQA, a masked row, positions with gaps).
+    Computed once per spec and dtype, whatever the backend under test: the registered blocked backend takes the
+    map's ``weights`` (its reference form) while the visible keys fit one block of its own size (256), so the
+    differential checks at small sizes do not reach the blocked form."""
+    if "probability" not in target.spec.slots():
+        raise Unsupported("spec has no probability map")
+    if "blocked" not in target.registry.backends:
+        raise Unsupported("no blocked backend registered")
+    problem = memo(target, ("map-blocks", target.dtype), lambda: map_blocks_problem(target) or "")
     if problem:
         raise AssertionError(problem)

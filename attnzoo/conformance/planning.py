@@ -86,7 +86,8 @@ ALL_CHECKS = "all-checks"
 INTERPRETER_SECONDS = {"vectors": 0.3, "accumulated": 0.5, "decode": 3.5, "causality": 0.1, "batch-invariance": 0.15,
                        "evictor": 0.9, "evicted-decode": 2.5, "padded-decode": 2.3, "fast-step": 0.0,
                        "determinism": 0.3, "packed/outputs": 0.7, "packed/gradients": 2.7, "packed/prefill": 3.7,
-                       "finite-differences": 0.0, "weights": 0.0}  # these two run on the reference alone
+                       "finite-differences": 0.0, "weights": 0.0,  # these run on the reference alone,
+                       "map-blocks": 0.0}  # and this one on the blocked backend (CPU), once per spec
 #: the interpreter's start (its first kernels), paid once per run
 INTERPRETER_START_SECONDS = 1.5
 
@@ -143,6 +144,7 @@ def planned(target: checks.Target, profile: str) -> list[Planned]:
         out.append(Planned("finite-differences", ("gradients",), checks_transform.check_finite_differences, ()))
     if not half and "probability" in target.spec.slots():  # only a spec with a probability map has weights
         out.append(Planned("weights", ("probability",), checks_transform.check_weights, ()))
+        out.append(Planned("map-blocks", ("probability",), checks_transform.check_map_blocks, ()))
     out.append(Planned("accumulated", ("accumulator",), checks.check_accumulated, ()))
     out.append(Planned("decode", ("decode", "offset-positions"), checks_decode.check_decode, ()))
     if half:

@@ -206,6 +206,71 @@ def test_the_shipped_maps_pass_the_weights_check():
     assert results and all(r.status == "pass" for r in results), runner.failure_lines(results)
 
 
+# -- a probability map's blocked form ---------------------------------------------------------------------------
+class MeanRelu(attnzoo.ProbabilityTransform):
+    """ReLU attention over the keys a query sees (w = relu(l) / n), with a blocked form: sums and counts."""
+
+    kind = "mean_relu"
+    slot = attnzoo.Slot.PROBABILITY
+
+    def weights(self, logits, allowed, ctx, params):
+        allowed = allowed.expand_as(logits)
+        return torch.where(allowed, torch.relu(logits), 0.0) / allowed.sum(-1, keepdim=True).clamp_min(1)
+
+    def start(self, out_shape, like):
+        return {"sum": like.new_zeros(out_shape), "count": like.new_zeros((*out_shape[:-1], 1))}
+
+    def update(self, state, logits, allowed, values, ctx, params):
+        allowed = allowed.expand_as(logits)
+        return {"sum": state["sum"] + torch.where(allowed, torch.relu(logits), 0.0) @ values,
+                "count": state["count"] + allowed.sum(-1, keepdim=True)}
+
+    def finish(self, state, params):
+        return state["sum"] / state["count"].clamp_min(1)
+
+
+class MeanReluLastBlock(MeanRelu):
+    """The planted bug: update() keeps only the last key block's sums (= in place of +=); right for one key block."""
+
+    kind = "mean_relu_last_block"
+
+    def update(self, state, logits, allowed, values, ctx, params):
+        allowed = allowed.expand_as(logits)
+        return {"sum": torch.where(allowed, torch.relu(logits), 0.0) @ values,
+                "count": allowed.sum(-1, keepdim=True)}
+
+
+@pytest.mark.parametrize("kind", ["mean_relu", "mean_relu_last_block"])
+def test_a_maps_blocked_form_is_checked_over_several_key_blocks(tmp_path, kind):
+    """The blocked backend runs a map's weights while the visible keys fit one block of its size (256): the
+    differential checks at the quick sizes never merge two key blocks, map-blocks does (blocks of 4)."""
+    reg = registry_with(tmp_path, f"name: mine\ntransforms: [{{kind: {kind}}}]\n",
+                        transforms=[MeanRelu, MeanReluLastBlock])
+    results = run(reg, "map-blocks", backend="blocked")
+    if kind == "mean_relu":
+        assert [r.status for r in results] == ["pass", "pass"], runner.failure_lines(results)
+        return
+    assert [r.status for r in results] == ["fail", "fail"], results
+    assert all("map-blocks map-blocks-n21 (blocks of 4 keys): out" in r.message for r in results), results
+    # the quick profile's differential shapes alone pass it: the bug needs two key blocks
+    outputs = run(reg, "outputs/masked-rows-n33", (torch.float64,), backend="blocked")
+    assert [r.status for r in outputs] == ["pass"], runner.failure_lines(outputs)
+
+
+def test_a_map_without_a_blocked_form_is_not_checked_by_map_blocks(tmp_path):
+    reg = registry_with(tmp_path, "name: mine\ntransforms: [{kind: sigmoid_map}]\n", transforms=[SigmoidMap])
+    results = run(reg, "map-blocks", (torch.float64,))
+    assert [r.status for r in results] == ["unsupported"] and "blocked backend declines" in results[0].message, \
+        results
+
+
+def test_the_shipped_maps_pass_the_map_blocks_check():
+    results = runner.run_suite(runner.build_cases(attnzoo.get_registry(), ["sigmoid", "softpick", "stick-breaking",
+                                                                          "diff"], ["reference"], DTYPES,
+                                                  shapes=["map-blocks"]))
+    assert results and all(r.status == "pass" for r in results), runner.failure_lines(results)
+
+
 # -- evictors: tied keys, score shapes, independent scores ----------------------------------------------------------
 class SinkOptions(attnzoo.EvictorOptions):
     sink: int = Field(1, ge=0)

@@ -211,11 +211,13 @@ def test_only_the_methods_that_declare_step_get_it():
 def test_finish_reads_the_visible_counts(registry):
     """ReLU attention averaged over the keys a query sees, the count read in ``finish`` from the step: equal to the
     formula, and the step holds each query block's counts and positions (keys skipped before a window counted
-    out, a padding key too)."""
+    out, a padding key too). The first query block sees one key block (4 keys), and so does the last (position 9:
+    keys before its window skipped): the backend takes the map's weights there, and finish runs for the middle
+    block (queries at positions 5 to 8, keys 3 to 8)."""
     ReluMeanByStep.seen.clear()
     q, k, v = inputs(b=2, h=2, hkv=1, n=9, d=4, seed=7)
     mask = torch.ones(2, 9, dtype=torch.bool)
-    mask[1, 0] = False
+    mask[1, 5] = False
     spec = spec_of("relu_mean_step", {"kind": "sliding_window", "window": 3})
     got = attnzoo.compile(spec, backend="blocked4", registry=registry)(q, k, v, key_mask=mask)
     positions = torch.arange(1, 10).expand(2, 9)
@@ -224,9 +226,10 @@ def test_finish_reads_the_visible_counts(registry):
     want = (torch.relu(logits) * allowed / allowed.sum(-1, keepdim=True).clamp_min(1)) @ v.repeat_interleave(2, 1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     counts = torch.cat([step.visible for step in ReluMeanByStep.seen], dim=2)  # the query blocks in order
-    assert counts.shape == (2, 2, 9, 1) and counts.dtype == torch.float64
-    assert counts[:, 0, :, 0].tolist() == [[1, 2, 3, 3, 3, 3, 3, 3, 3], [0, 1, 2, 3, 3, 3, 3, 3, 3]]
-    assert torch.cat([step.qpos for step in ReluMeanByStep.seen], dim=2)[:, 0, :, 0].tolist() == positions.tolist()
+    assert counts.shape == (2, 2, 4, 1) and counts.dtype == torch.float64
+    assert counts[:, 0, :, 0].tolist() == [[3, 3, 3, 3], [3, 2, 2, 2]]
+    assert torch.cat([step.qpos for step in ReluMeanByStep.seen], dim=2)[:, 0, :, 0].tolist() == \
+        positions[:, 4:8].tolist()
 
 
 def test_conformance_passes_the_one_pass_ssmax(registry):
