@@ -19,11 +19,13 @@ smollm2`` (SmolLM2-135M-Instruct, ``zt.smollm2()``, float32, 30 layers). Every s
 (``--allocator tcmalloc``, the default: what vLLM's CPU setup and docs/vllm.md recommend) or glibc's malloc
 (``--allocator glibc``).
 
-``--long N``: after the rounds (``--rounds 0``: instead of them), one prompt of N tokens alone, 1 token generated,
-and each process's peak resident memory during it (``VmHWM``, reset first by writing ``5`` to
-``/proc/<pid>/clear_refs``): a pruned checkpoint prefills it whole in one step (attnzoo raises
-``max_num_batched_tokens`` to ``max_model_len``, docs/vllm.md "KV pruning"), the plain one in chunks of ``--chunk``
-tokens (its ``--max-num-batched-tokens``; vLLM's default when 0).
+``--long N``: after the rounds (``--rounds 0``: instead of them), one prompt of N tokens alone, ``--long-new``
+tokens generated (1 by default; their ids kept in the results), and each process's peak resident memory during it
+(``VmHWM``, reset first by writing ``5`` to ``/proc/<pid>/clear_refs``): the plain checkpoint prefills it in chunks
+of ``--chunk`` tokens (its ``--max-num-batched-tokens``; vLLM's default when 0), so does a pruned checkpoint whose
+evictor allows it (its prompt staged until the last chunk, docs/vllm.md "Chunked prefill of a pruned checkpoint"),
+while with ``--whole`` (``--no-enable-chunked-prefill``) or an evictor that does not (H2O, selective) attnzoo raises
+``max_num_batched_tokens`` to ``max_model_len`` and prefills it whole in one step.
 
 The KV memory is ``--hold`` full-cache requests for both sides. At ``--hold 2`` the pruned server (SmolLM2, budget
 64: 3,070,080 bytes of pages per request) has room for 19 requests' pages (vLLM keeps one block as its null block),
@@ -141,6 +143,8 @@ def serve_rounds(path: str, args, env: dict, kv_bytes: int, max_model_len: int, 
             "--max-num-seqs", str(max(args.requests, 8))]
     if args.chunk:
         argv += ["--max-num-batched-tokens", str(args.chunk)]
+    if args.whole:
+        argv += ["--no-enable-chunked-prefill"]
     url = f"http://127.0.0.1:{port}"
     with log.open("w") as fh:
         server = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
@@ -187,11 +191,12 @@ def serve_rounds(path: str, args, env: dict, kv_bytes: int, max_model_len: int, 
                 before = tree_rss(server.pid)
                 tree_peaks(server.pid, reset=True)
                 t0 = time.perf_counter()
-                ask(_prompt(vocab, args.long, 99, 0), 1)
+                tokens = ask(_prompt(vocab, args.long, 99, 0), args.long_new)
                 wall = time.perf_counter() - t0
                 peaks = tree_peaks(server.pid)
                 worker = next((k for k in peaks if "Worker" in k), max(peaks, key=peaks.get))
-                long = {"prompt_tokens": args.long, "wall_s": wall, "rss_before": before, "peak": peaks,
+                long = {"prompt_tokens": args.long, "new_tokens": args.long_new, "tokens": tokens, "wall_s": wall,
+                        "rss_before": before, "peak": peaks,
                         "worker": worker, "worker_peak_over_before": peaks[worker] - before.get(worker, 0)}
                 print(f"  a prompt of {args.long} tokens: worker peak {peaks[worker] / 2**20:,.0f} MiB, "
                       f"{long['worker_peak_over_before'] / 2**20:+,.0f} MiB over its resident size before, "
@@ -224,13 +229,21 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk", type=int, default=0,
                         help="the servers' --max-num-batched-tokens (0: vLLM's default; attnzoo raises it to "
                              "max_model_len for a pruned checkpoint, whose prompts are prefilled whole)")
+    parser.add_argument("--long-new", type=int, default=1,
+                        help="tokens generated after the --long prompt (their ids are kept in the results: past 1, "
+                             "a pruned checkpoint's decode steps run over the evicted prompt)")
+    parser.add_argument("--whole", action="store_true",
+                        help="the servers run with --no-enable-chunked-prefill (a pruned checkpoint: its prompts "
+                             "prefilled whole in one step, as attnzoo served every evictor before its chunked "
+                             "prefill; leave --chunk out: vLLM refuses a max_num_batched_tokens below max_model_len "
+                             "without chunks)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--name", default=None, help="the results' file name (default vllm-rss[-tiny][-glibc])")
     args = parser.parse_args(argv)
     if min(args.requests, args.length, args.new, args.budget, args.hold) < 1 or args.rounds < 0:
         parser.error("--requests, --length, --new, --budget and --hold must be at least 1, --rounds at least 0")
-    if args.long < 0 or args.chunk < 0 or (args.rounds == 0 and not args.long):
-        parser.error("--long and --chunk must be at least 0, and --rounds 0 needs --long")
+    if args.long < 0 or args.chunk < 0 or args.long_new < 1 or (args.rounds == 0 and not args.long):
+        parser.error("--long and --chunk must be at least 0, --long-new at least 1, and --rounds 0 needs --long")
     if args.name is not None and (not args.name or Path(args.name).name != args.name or args.name.startswith(".")):
         parser.error(f"--name {args.name!r}: a file name (no folder, not hidden)")
 
@@ -305,13 +318,17 @@ def _markdown(result: dict, args) -> str:
              else "the tiny Llama of vllm_throughput.py (4 layers)")
     sides = result["sides"]
     chunk = (f"`--max-num-batched-tokens {args.chunk}`" if args.chunk else "vLLM's default `max_num_batched_tokens`")
+    whole = (", `--no-enable-chunked-prefill` (a pruned checkpoint's `max_num_batched_tokens` raised to "
+             "`max_model_len`: its prompts are prefilled whole)" if args.whole else
+             " (a pruned checkpoint's prompts in chunks too where its evictor allows it; otherwise its "
+             "`max_num_batched_tokens` is raised to `max_model_len`, its prompts prefilled whole)")
     lines = ["# Resident memory of vLLM's OpenAI server over rounds of requests", "",
              f"`{result['command']}` on {result['cpu']} (2 cores shared with other jobs), torch {result['torch']}, "
              f"vLLM {result['vllm']} (CPU build), allocator: {result['allocator']}. {model}; "
              f"{args.rounds} rounds of {args.requests} concurrent completion requests, {args.length} prompt tokens "
              f"(new random ids each request) + {args.new} generated, greedy; `--kv-cache-memory-bytes "
-             f"{result['kv_cache_memory_bytes']}` for both, `max_model_len` {result['max_model_len']}, {chunk} "
-             f"(a pruned checkpoint's is raised to `max_model_len`: its prompts are prefilled whole). Pruned: "
+             f"{result['kv_cache_memory_bytes']}` for both, `max_model_len` {result['max_model_len']}, {chunk}"
+             f"{whole}. Pruned: "
              f"`{args.spec}` at budget {args.budget}. RSS: the server's process tree (server, engine core, worker) "
              f"summed, after each round. attnzoo at commit {result['source']['commit']}; changed under attnzoo/ at "
              f"the start: {', '.join(result['source']['attnzoo_changed']) or 'nothing'}.", ""]
@@ -333,7 +350,8 @@ def _markdown(result: dict, args) -> str:
         long = r.get("long")
         if long:
             peak, over = long["peak"][long["worker"]], long["worker_peak_over_before"]
-            lines.append(f"- {side}, one prompt of {long['prompt_tokens']} tokens alone (1 generated, "
+            lines.append(f"- {side}, one prompt of {long['prompt_tokens']} tokens alone "
+                         f"({long.get('new_tokens', 1)} generated: {long.get('tokens')}, "
                          f"{long['wall_s']:.1f} s): the worker's peak resident memory {peak / 2**20:,.0f} MiB, "
                          f"{over / 2**20:+,.0f} MiB over its resident size before (VmHWM, reset before the request)")
     lines.append("")

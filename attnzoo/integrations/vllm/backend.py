@@ -22,7 +22,21 @@ from .start import CHUNKED_REASON, chunk_size, page_budget
 def _backend_classes():
     from vllm.config import get_current_vllm_config
     from vllm.v1.attention.backend import AttentionType
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend,
+        CPUAttentionBackendImpl,
+        CPUAttentionMetadataBuilder,
+    )
+
+    class AttnzooCPUMetadataBuilder(CPUAttentionMetadataBuilder):
+        """vLLM's CPU metadata, with which requests still prefill (``CommonAttentionMetadata.is_prefilling``, as
+        ``attnzoo_prefilling``): an evicting spec's chunked prefill evicts a prompt at its first step that is not
+        (``layer.Layer._chunks``)."""
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+            meta.attnzoo_prefilling = common_attn_metadata.is_prefilling
+            return meta
 
     class AttnzooCPUImpl(CPUAttentionBackendImpl):
         """vLLM's CPU attention impl; with an attnzoo record, its forward runs the layer's spec (module doc)."""
@@ -42,6 +56,8 @@ def _backend_classes():
             self.model_type = str(getattr(config.model_config.hf_config, "model_type", "model"))
             self.dtype = config.model_config.dtype
             self.max_rows = config.scheduler_config.max_num_seqs  # the most requests of a step
+            #: an evicting spec's prompts in chunks (left on at start only where the evictor allows it)
+            self.chunked = bool(config.scheduler_config.enable_chunked_prefill)
             self.native = dict(scale=scale, sliding_window=sliding_window, softcap=logits_soft_cap,
                                has_sinks=sinks is not None)
             where = f"{self.model_dir}: attnzoo spec '{self.record['name']}'"
@@ -94,6 +110,10 @@ def _backend_classes():
         @staticmethod
         def get_impl_cls():
             return AttnzooCPUImpl
+
+        @staticmethod
+        def get_builder_cls():
+            return AttnzooCPUMetadataBuilder
 
         @classmethod
         def customize_spec(cls, spec):

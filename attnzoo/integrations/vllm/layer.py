@@ -23,11 +23,13 @@ class Layer:
     """One vLLM attention layer's attnzoo core (the composed spec, its parameters loaded) and the attention over the
     paged cache: vLLM's pages (:meth:`attend`) or an evicting spec's ring pages (:meth:`attend_pruned`)."""
 
-    def __init__(self, core: Attention, budget: int | None, where: str, max_rows: int | None = None) -> None:
+    def __init__(self, core: Attention, budget: int | None, where: str, max_rows: int | None = None,
+                 chunked: bool = False) -> None:
         """Serve ``core`` (its parameters loaded: :func:`load_layer`), an evicting spec's pages holding ``budget``
         tokens; ``where`` names the layer in errors; ``max_rows``: the most requests of a step (vLLM's
         ``max_num_seqs``; None: the cache's blocks), the capacity of the pages a batched step gathers
-        (:func:`.pages.gathered`)."""
+        (:func:`.pages.gathered`); ``chunked``: an evicting spec's prompts are staged until their last chunk
+        (:meth:`_stage`; vLLM's chunked prefill on, for an evictor that allows it: ``start.chunk_refusal``)."""
         core.requires_grad_(False)
         self.core, self.plan = core, core.variant.plan
         self.blocked = BlockedBackend()
@@ -43,6 +45,13 @@ class Layer:
         self.states: dict[int, object] = {}
         #: ((data pointer, shape, dtype) of the cache tensor, its pages' typed views): see _pages
         self.page_views: tuple | None = None
+        self.chunked = chunked
+        #: a prompt's staging until its last chunk, by its page (block): (its keys, values (L, H_kv, D) as vLLM
+        #: computed them, its last ``rows`` queries (R, H, D), L)
+        self.staged: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
+        evictor = core.new_cache(1, budget=budget).evictor if budget is not None else None
+        #: the prompt's last query rows the evictor reads at its prefill (``probability_rows``), staged with it
+        self.rows = int(evictor.probability_rows or 0) if evictor is not None and evictor.needs_probabilities else 0
 
     def attend(self, query, kv_cache, meta, output) -> None:
         """A spec without eviction, over vLLM's pages: the decoding requests as one batch (:meth:`_decode`), each
@@ -77,6 +86,8 @@ class Layer:
         starts_t, counts_t, lengths_t, blocks_t = step.starts_t, step.counts_t, step.lengths_t, step.blocks_t
         starts, lengths, blocks = step.starts, step.lengths, step.blocks
         out = output[:n].view(n, self.heads, self.head_dim)
+        if self.chunked:
+            counts_t = self._chunks(geometry, pages, query, key, value, step, counts_t, out)
         full = self._full_pages(pages, counts_t, lengths_t, blocks_t)
         if full.numel() > 1:  # one request alone takes the step below
             self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
@@ -96,6 +107,76 @@ class Layer:
         for count, rows in prompts.items():
             self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
                           blocks_t.index_select(0, torch.tensor(rows)), out)
+
+    def _chunks(self, geometry, pages, query, key, value, step, counts_t, out) -> torch.Tensor:
+        """Chunked prefill (``self.chunked``): each prefilling request's chunk (vLLM's ``is_prefilling``: its
+        computed tokens below its prompt's before the step; :attr:`.step.Step.prefilling`) staged and attended
+        (:meth:`_stage`); a request whose prompt is staged and which no longer prefills (its first decode step) has
+        its prompt evicted into its page first (:meth:`_finish`), then steps as any decoding request. Returns
+        ``counts_t`` with the staged chunks' requests at 0 (nothing left for them in this step)."""
+        prefilling = step.prefilling
+        if prefilling is None:
+            raise IntegrationError(f"{self.where}: vLLM's metadata says not which requests still prefill "
+                                   f"(is_prefilling): chunked prefill of an evicting spec needs it")
+        staged = []
+        for i, count in enumerate(step.counts):
+            if count and prefilling[i]:
+                self._stage(geometry, pages, query, key, value, step.starts[i], count, step.lengths[i],
+                            step.blocks[i], out)
+                staged.append(i)
+            elif count and step.blocks[i] in self.staged:
+                self._finish(geometry, pages, step.blocks[i], step.lengths[i] - count, query)
+        return counts_t.index_fill(0, torch.tensor(staged, dtype=torch.int64), 0) if staged else counts_t
+
+    def _stage(self, geometry, pages, query, key, value, start, count, length, block, out) -> None:
+        """One chunk of a prompt (``count`` tokens ending at ``length``, page ``block``), its keys and values staged
+        with the prompt's, the last ``rows`` queries kept for the evictor's prefill scoring. A prompt's first chunk
+        (nothing computed before) runs the whole-prompt step (:meth:`_prefill`: its outputs, and its page as the
+        whole prompt's when no other chunk follows, the ordinary case of a prompt that fits one step); a later
+        chunk's queries attend over the staged prompt so far (causal: as the whole prompt's rows do), and its page
+        holds no request's state until :meth:`_finish`."""
+        from . import ring
+
+        done = length - count
+        k, v = (t[start:start + count].view(count, -1, self.head_dim) for t in (key, value))
+        q = query[start:start + count].view(count, -1, self.head_dim)
+        if done == 0:
+            self.staged[block] = (k.clone(), v.clone(), q[count - min(self.rows, count):].clone(), length)
+            self._prefill(geometry, pages, query, key, value, [start], count, torch.tensor([block]), out)
+            return
+        held = self.staged.get(block)
+        if held is None or held[3] != done:
+            raise IntegrationError(f"{self.where}: a chunk of {count} tokens after {done} on page {block}, whose "
+                                   f"staging holds {held[3] if held else 'nothing'}")
+        pages["hdr"][block, ring.NEXT] = 0  # no decode step may take the page before the prompt is evicted
+        keys, values = torch.cat((held[0], k)), torch.cat((held[1], v))
+        rows = torch.cat((held[2], q))[-self.rows:] if self.rows else held[2]
+        self.staged[block] = (keys, values, rows, length)
+        kpos = torch.arange(1, length + 1, device=q.device).unsqueeze(0)
+        o = self._attend(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                         values.transpose(0, 1).unsqueeze(0), kpos[:, done:], kpos)
+        out[start:start + count] = o[0].transpose(0, 1)
+
+    def _finish(self, geometry, pages, block, length, query) -> None:
+        """The staged prompt of page ``block`` (``length`` tokens) evicted into its page, unless it came in one
+        chunk (the page holds it already: :meth:`_stage`): the core's prefill with eviction over the staged keys
+        and values, as the whole prompt's step (:meth:`_prefill`), with the staged last ``rows`` queries in their
+        rows and zeros in the others (the evictor reads no other row's probabilities, and the outputs are not
+        used: each chunk's were written by :meth:`_stage`)."""
+        from . import ring
+
+        keys, values, rows, staged = self.staged.pop(block)
+        if staged != length:
+            raise IntegrationError(f"{self.where}: page {block}'s staged prompt holds {staged} tokens, its request "
+                                   f"{length}")
+        if int(pages["hdr"][block, ring.NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
+            return
+        q = keys.new_zeros(length, self.heads, self.head_dim)
+        if rows.shape[0]:
+            q[length - rows.shape[0]:] = rows
+        scratch = query.new_empty(length, self.heads, self.head_dim)
+        self._prefill(geometry, pages, q.view(length, -1), keys.reshape(length, -1), values.reshape(length, -1), [0],
+                      length, torch.tensor([block]), scratch)
 
     def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
         """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
@@ -268,4 +349,5 @@ def load_layer(impl, layer_name: str) -> Layer:
                                        f"checkpoint, the spec needs {tuple(wanted[name].shape)}")
             wanted[name].copy_(value)
     recorded = budgets(impl.record)
-    return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where, getattr(impl, "max_rows", None))
+    return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where, getattr(impl, "max_rows", None),
+                 getattr(impl, "chunked", False))

@@ -84,19 +84,64 @@ def _serve_pruned(vllm_config, record: dict, where: str) -> None:
                  " (a null budget: nothing evicted, every token of max_model_len kept with its scores)"
                  if None in budgets(record) else "", "; " + "; ".join(changed) if changed else "")
     chunked = scheduler.enable_chunked_prefill
+    refusal = chunk_refusal(load_spec(record["spec"]))
+    if chunked and refusal is None:
+        _LOG.warning("attnzoo: %s", chunked_line(where, scheduler.max_num_batched_tokens,
+                                                 model_config.max_model_len))
+        return
     raised = scheduler.max_num_batched_tokens < model_config.max_model_len
     scheduler.enable_chunked_prefill = False
     scheduler.max_num_batched_tokens = max(scheduler.max_num_batched_tokens, model_config.max_model_len)
     if chunked or raised:
-        _LOG.warning("attnzoo: %s", whole_prompt_line(where, model_config.max_model_len))
+        _LOG.warning("attnzoo: %s", whole_prompt_line(where, model_config.max_model_len, refusal))
 
 
-def whole_prompt_line(where: str, max_model_len: int) -> str:
-    """The one line said at the start of an evicting spec's engine: its prompts are not prefilled in chunks
-    (docs/vllm.md, "KV pruning")."""
-    return (f"{where}: chunked prefill is not served for an evicting spec: every prompt is prefilled whole in one "
-            f"step, then evicted to the budget (max_num_batched_tokens raised to max_model_len {max_model_len}: a "
-            f"step's activations grow with its prompt, up to {max_model_len} tokens, whatever the budget)")
+#: the evictors whose prompts are prefilled in chunks, and those prefilled whole (docs/vllm.md, "Chunked prefill")
+CHUNKED_EVICTORS = ("sink_window (streaming)", "tova", "snapkv", "knorm", "keydiff")
+WHOLE_EVICTORS = ("h2o", "selective (selective-pruned)")
+
+
+def chunk_refusal(spec) -> str | None:
+    """Why an evicting spec's prompts cannot be prefilled in chunks exactly, or None: its prefill's scoring reads
+    every query's attention (an accumulator F or a probability map summed over the prompt's queries: selective
+    attention; an evictor without ``probability_rows``: H2O) or per-token features of the queries. The others
+    (sink_window, TOVA, SnapKV, KNorm, KeyDiff) score the whole prompt from its keys and at most its last
+    ``probability_rows`` queries, staged until the last chunk (``layer.Layer._stage``)."""
+    from ...nn import Attention
+    from ...transforms.base import Slot
+
+    try:
+        core = Attention(spec, 2, 8, 1, backend="blocked")
+        evictor = core.new_cache(1, budget=64).evictor
+    except Exception as exc:  # noqa: BLE001 - any spec the probe cannot build stays on the whole-prompt step
+        return f"its core could not be probed ({exc})"
+    plan = core.variant.plan
+    if plan.one(Slot.ACCUMULATOR) is not None or plan.one(Slot.PROBABILITY) is not None:
+        return "its prefill accumulates every query's attention (selective attention's F)"
+    if plan.composition.feature_transforms():
+        return "its per-token features read every query of the prompt"
+    if evictor is not None and evictor.needs_probabilities and evictor.probability_rows is None:
+        return f"evictor '{evictor.kind}' scores the prompt by every query's attention"
+    return None
+
+
+def chunked_line(where: str, chunk: int, max_model_len: int) -> str:
+    """The one line said at the start of an evicting spec's engine whose prompts are prefilled in chunks."""
+    return (f"{where}: chunked prefill served exactly (chunks of up to {chunk} tokens): a prompt's keys and values "
+            f"are staged outside its page until its last chunk (2 * H_kv * D * dtype bytes per token and layer, up "
+            f"to max_model_len {max_model_len} tokens), each chunk attending over the staged prompt, then evicted to "
+            f"the budget as the whole prompt is (chunked: {', '.join(CHUNKED_EVICTORS)}; prefilled whole: "
+            f"{', '.join(WHOLE_EVICTORS)})")
+
+
+def whole_prompt_line(where: str, max_model_len: int, refusal: str | None = None) -> str:
+    """The one line said at the start of an evicting spec's engine whose prompts are not prefilled in chunks
+    (docs/vllm.md, "KV pruning"): ``refusal`` why (:func:`chunk_refusal`), or None (turned off by the user)."""
+    why = (f" ({refusal}; chunked prefill is served for {', '.join(CHUNKED_EVICTORS)}, not for "
+           f"{', '.join(WHOLE_EVICTORS)})" if refusal else "")
+    return (f"{where}: chunked prefill is not served for this evicting spec{why}: every prompt is prefilled whole in "
+            f"one step, then evicted to the budget (max_num_batched_tokens raised to max_model_len {max_model_len}: "
+            f"a step's activations grow with its prompt, up to {max_model_len} tokens, whatever the budget)")
 
 
 #: why a model with chunked local attention layers is declined

@@ -29,6 +29,12 @@ class Step:
         self.lengths: list[int] = self.lengths_t.tolist()
         self.blocks_t = meta.block_table[:, 0].to(torch.int64)
         self.blocks: list[int] = self.blocks_t.tolist()
+        self.counts: list[int] = self.counts_t.tolist()
+        #: whether each request still prefills (vLLM's ``is_prefilling``: its computed tokens below its prompt's
+        #: before the step, handed on by ``backend``'s metadata builder), or None where the metadata has none
+        prefilling = getattr(meta, "attnzoo_prefilling", None)
+        self.prefilling: list[bool] | None = (None if prefilling is None
+                                              else prefilling[:len(self.lengths)].tolist())
         #: the requests with one new token (decoding): the full-cache path's batch (``Layer.attend``)
         self.decoding = [i for i in range(len(self.lengths)) if self.starts[i + 1] - self.starts[i] == 1]
         self._distinct = False

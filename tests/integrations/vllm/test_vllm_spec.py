@@ -91,8 +91,9 @@ def _config(record, tp=1, pp=1, speculative=None, transfer=None, hybrid=False, *
 
 
 def test_an_evicting_checkpoint_turns_off_what_would_change_its_history(caplog):
-    """A pruned checkpoint: a prompt is attended whole (no chunks), no prefix-cache hits; said once at start, the
-    whole-prompt step in a line of its own."""
+    """A pruned checkpoint whose evictor scores the prompt by every query (H2O): a prompt is attended whole (no
+    chunks), no prefix-cache hits; said once at start, the whole-prompt step in a line of its own (the evictors
+    prefilled in chunks: ``test_vllm_chunks.py``)."""
     import logging
 
     from attnzoo.integrations.vllm.start import check_config
@@ -104,8 +105,11 @@ def test_an_evicting_checkpoint_turns_off_what_would_change_its_history(caplog):
     assert config.scheduler_config.max_num_batched_tokens == 1024
     lines = [r.getMessage() for r in caplog.records if "chunked prefill" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert lines[0].startswith("attnzoo: /ckpt: attnzoo spec 'h2o': chunked prefill is not served for an evicting "
-                               "spec: every prompt is prefilled whole in one step, then evicted to the budget")
+    assert lines[0].startswith("attnzoo: /ckpt: attnzoo spec 'h2o': chunked prefill is not served for this evicting "
+                               "spec (evictor 'h2o' scores the prompt by every query's attention; chunked prefill "
+                               "is served for sink_window (streaming), tova, snapkv, knorm, keydiff, not for h2o, "
+                               "selective (selective-pruned)): every prompt is prefilled whole in one step, then "
+                               "evicted to the budget")
     assert "max_model_len 1024" in lines[0]
     caplog.clear()
     off = _config(_record("h2o"))
