@@ -1,8 +1,9 @@
 """What attnzoo's vLLM plugin changes in vLLM, in each process vLLM starts (docs/vllm.md, "What attnzoo patches in
 vLLM"): attnzoo's backend registered as vLLM's CPU attention (``backend.py``), the ring page's KV-cache spec
-(``ring.py``), the checkpoint's guarded architecture names, and the two vLLM methods it wraps: the default model
-loader's weight iterator (attnzoo's tensors are the backend's to read) and the platform's configuration check (a
-declined spec refused at engine start)."""
+(``ring.py``), the checkpoint's guarded architecture names, and the three vLLM methods it wraps: the default model
+loader's weight iterator (attnzoo's tensors are the backend's to read), the platform's configuration check (a
+declined spec refused at engine start) and the model runner's ``_update_states`` (a finished request's staged
+prompt dropped)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def install() -> None:
     get_all_weights.__wrapped__ = original
     DefaultModelLoader.get_all_weights = get_all_weights
     _check_at_start()
+    _forget_finished_requests()
     _INSTALLED = True
 
 
@@ -82,6 +84,51 @@ def _check_at_start() -> None:
             raise
 
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def finished_blocks(runner, scheduler_output) -> set[int]:
+    """The first page (block) of every KV-cache group of the requests ``scheduler_output`` says finished or were
+    preempted, as the model runner still holds them (``runner.requests[req_id].block_ids``)."""
+    ended = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    blocks = set()
+    for req_id in ended:
+        state = runner.requests.get(req_id)
+        for ids in getattr(state, "block_ids", None) or ():
+            if ids:
+                blocks.add(int(ids[0]))
+    return blocks
+
+
+def _forget_finished_requests() -> None:
+    """Wrap the model runner's ``_update_states`` (the worker's first call of a step, with the scheduler's finished
+    and preempted requests): an evicting spec's staged prompts (chunked prefill, ``layer.Layer._stage``) of those
+    requests' pages are dropped before the original runs (it forgets the requests). Without it a request that ends
+    with its prompt kept its staging until a new prompt started on its page."""
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError as exc:
+        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {exc.name} (written for vLLM "
+                               f"{_tested()})") from None
+    original = getattr(GPUModelRunner, "_update_states", None)
+    if original is None:
+        raise IntegrationError(f"attnzoo's vLLM plugin: GPUModelRunner._update_states is gone from this vLLM "
+                               f"(written for vLLM {_tested()})")
+    GPUModelRunner._update_states = wrap_update_states(original)  # noqa: SLF001 -- vLLM's own, no public form (docs/vllm.md)
+
+
+def wrap_update_states(original):
+    """``original`` (the model runner's ``_update_states``), first dropping the staged prompts of the pages of the
+    requests that finished or were preempted (:func:`finished_blocks`, ``layer.drop_staged``)."""
+    from .layer import drop_staged
+
+    def _update_states(self, scheduler_output):
+        blocks = finished_blocks(self, scheduler_output)
+        if blocks:
+            drop_staged(blocks)
+        return original(self, scheduler_output)
+
+    _update_states.__wrapped__ = original
+    return _update_states
 
 
 def _tested() -> str:

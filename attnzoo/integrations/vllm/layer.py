@@ -7,6 +7,8 @@ from vLLM's metadata once per forward (``step.py``); the pages' bytes are read a
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ...backends.blocked import BlockedBackend
@@ -17,6 +19,19 @@ from . import pages as pg
 from .spec import layer_index, layer_parameters, layer_spec, native_call
 from .start import budgets
 from .step import step_of
+
+#: every serving layer of this process, for :func:`drop_staged` (vLLM's model runner tells of finished requests)
+_LAYERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def drop_staged(blocks) -> None:
+    """Forget the staged prompts of pages ``blocks`` in every layer of this process: their requests finished or
+    were preempted (``install``'s wrap of the model runner's ``_update_states``), so no later step of theirs will
+    evict them (a request that ends with its prompt, ``max_tokens=1``, never has a decode step)."""
+    blocks = set(blocks)
+    for layer in list(_LAYERS):
+        for block in blocks & layer.staged.keys():
+            del layer.staged[block]
 
 
 class Layer:
@@ -52,6 +67,7 @@ class Layer:
         evictor = core.new_cache(1, budget=budget).evictor if budget is not None else None
         #: the prompt's last query rows the evictor reads at its prefill (``probability_rows``), staged with it
         self.rows = int(evictor.probability_rows or 0) if evictor is not None and evictor.needs_probabilities else 0
+        _LAYERS.add(self)
 
     def attend(self, query, kv_cache, meta, output) -> None:
         """A spec without eviction, over vLLM's pages: the decoding requests as one batch (:meth:`_decode`), each

@@ -99,6 +99,47 @@ def test_a_prompt_in_chunks_gives_the_whole_prompts_outputs_and_page(spec):
     assert not layer.staged  # every prompt evicted into its page
 
 
+def test_a_finished_requests_staged_prompt_is_dropped_with_it():
+    """A request that ends with its prompt (max_tokens=1) or is preempted has no step that evicts its staging: the
+    wrap of the model runner's ``_update_states`` drops the staged prompts of the pages of the requests the
+    scheduler says finished or preempted, in every layer of the process, and leaves the others."""
+    from attnzoo.integrations.vllm import install
+    from attnzoo.integrations.vllm.layer import drop_staged
+
+    first, _ = _layer("snapkv", 8, torch.float64)
+    second, _ = _layer("tova", 8, torch.float64)
+    held = (torch.zeros(3, 2, 16), torch.zeros(3, 2, 16), torch.zeros(1, 4, 16), 3)
+    for layer in (first, second):
+        layer.staged.update({4: held, 6: held, 9: held})
+    runner = types.SimpleNamespace(requests={
+        "done": types.SimpleNamespace(block_ids=([4, 5],)), "preempted": types.SimpleNamespace(block_ids=([9],)),
+        "running": types.SimpleNamespace(block_ids=([6],))})
+    output = types.SimpleNamespace(finished_req_ids={"done", "gone"}, preempted_req_ids={"preempted"})
+    assert install.finished_blocks(runner, output) == {4, 9}  # "gone": a request the runner no longer holds
+    drop_staged(install.finished_blocks(runner, output))
+    assert set(first.staged) == set(second.staged) == {6}
+    output = types.SimpleNamespace(finished_req_ids=set(), preempted_req_ids=None)
+    assert install.finished_blocks(runner, output) == set()
+
+
+def test_the_model_runner_drops_finished_requests_staging_before_its_own_update():
+    """The wrap is installed on vLLM's model runner (the original kept as ``__wrapped__``), and drops the staged
+    prompts before the original runs (which forgets the requests, and their pages with them)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from attnzoo.integrations.vllm import install
+
+    install.install()
+    assert getattr(GPUModelRunner._update_states, "__wrapped__", None) is not None
+    layer, _ = _layer("snapkv", 8, torch.float64)
+    layer.staged.update({7: (torch.zeros(1),) * 3 + (1,), 8: (torch.zeros(1),) * 3 + (1,)})
+    seen = []
+    wrapped = install.wrap_update_states(lambda runner, output: seen.append(set(layer.staged)) or "updated")
+    runner = types.SimpleNamespace(requests={"r": types.SimpleNamespace(block_ids=([7],))})
+    assert wrapped(runner, types.SimpleNamespace(finished_req_ids={"r"})) == "updated"
+    assert seen == [{8}] and set(layer.staged) == {8}
+
+
 def _config(spec, chunked=True, batched=256):
     from attnzoo.spec import load_spec
 
