@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from map_plugins import ReluMean  # examples/map_plugins.py: ReLU attention over the keys a query sees
 from pydantic import Field
 
 import attnzoo
@@ -207,29 +208,7 @@ def test_the_shipped_maps_pass_the_weights_check():
 
 
 # -- a probability map's blocked form ---------------------------------------------------------------------------
-class MeanRelu(attnzoo.ProbabilityTransform):
-    """ReLU attention over the keys a query sees (w = relu(l) / n), with a blocked form: sums and counts."""
-
-    kind = "mean_relu"
-    slot = attnzoo.Slot.PROBABILITY
-
-    def weights(self, logits, allowed, ctx, params):
-        allowed = allowed.expand_as(logits)
-        return torch.where(allowed, torch.relu(logits), 0.0) / allowed.sum(-1, keepdim=True).clamp_min(1)
-
-    def start(self, out_shape, like):
-        return {"sum": like.new_zeros(out_shape), "count": like.new_zeros((*out_shape[:-1], 1))}
-
-    def update(self, state, logits, allowed, values, ctx, params):
-        allowed = allowed.expand_as(logits)
-        return {"sum": state["sum"] + torch.where(allowed, torch.relu(logits), 0.0) @ values,
-                "count": state["count"] + allowed.sum(-1, keepdim=True)}
-
-    def finish(self, state, params):
-        return state["sum"] / state["count"].clamp_min(1)
-
-
-class MeanReluLastBlock(MeanRelu):
+class MeanReluLastBlock(ReluMean):
     """The planted bug: update() keeps only the last key block's sums (= in place of +=); right for one key block."""
 
     kind = "mean_relu_last_block"
@@ -240,14 +219,14 @@ class MeanReluLastBlock(MeanRelu):
                 "count": allowed.sum(-1, keepdim=True)}
 
 
-@pytest.mark.parametrize("kind", ["mean_relu", "mean_relu_last_block"])
+@pytest.mark.parametrize("kind", ["relu_mean", "mean_relu_last_block"])
 def test_a_maps_blocked_form_is_checked_over_several_key_blocks(tmp_path, kind):
     """The blocked backend runs a map's weights while the visible keys fit one block of its size (256): the
     differential checks at the quick sizes never merge two key blocks, map-blocks does (blocks of 4)."""
     reg = registry_with(tmp_path, f"name: mine\ntransforms: [{{kind: {kind}}}]\n",
-                        transforms=[MeanRelu, MeanReluLastBlock])
+                        transforms=[ReluMean, MeanReluLastBlock])
     results = run(reg, "map-blocks", backend="blocked")
-    if kind == "mean_relu":
+    if kind == "relu_mean":
         assert [r.status for r in results] == ["pass", "pass"], runner.failure_lines(results)
         return
     assert [r.status for r in results] == ["fail", "fail"], results

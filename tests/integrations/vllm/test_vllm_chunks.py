@@ -190,28 +190,12 @@ LENGTHS, NEW = (100, 71, 9), 16
 
 
 def _evicting_checkpoint(path, spec, budget):
-    """A tiny Llama (as ``test_vllm.py``'s) with ``spec`` at ``budget`` (its transform parameters moved off their
-    initial values), saved by zt.save_pretrained; returns (prompts, transformers + attnzoo's evicting greedy
-    ``generate`` tokens)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """``test_vllm.py``'s tiny Llama with ``spec`` at ``budget``, saved; returns (prompts, transformers + attnzoo's
+    evicting greedy ``generate`` tokens)."""
+    from test_vllm import _checkpoint
 
-    from attnzoo.integrations import transformers as zt
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024))
-    zt.apply(model, spec, budget=budget)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".attnzoo." in name:
-                p.add_(0.3 * torch.randn_like(p))
-    model.save_pretrained(path)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [[1] + torch.randint(2, 256, (n - 1,), generator=gen).tolist() for n in LENGTHS]
-    with torch.no_grad():
-        tokens = [model.generate(torch.tensor([p]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)[0, len(p):]
-                  .tolist() for p in prompts]
-    return prompts, tokens
+    prompts, _, generated = _checkpoint(path, spec, budget, new_tokens=NEW, lengths=LENGTHS)
+    return prompts, generated
 
 
 @pytest.mark.slow
