@@ -61,7 +61,8 @@ BYTES_RULE = (
     "fraction = bytes held / a bfloat16 full cache's bytes for the prompt (keys and values, 2 bytes an element). "
     "Each attnzoo method keeps the tokens that fit (token_bytes(): keys and values at bfloat16 or at kv_bits with a "
     "float16 scale and zero point per token and head, plus its int64 position and float32 per-token scores); "
-    "kvpress's presses keep fraction x prompt tokens (a bfloat16 DynamicCache holds keys and values only). The "
+    "kvpress's presses keep fraction x prompt tokens (a bfloat16 DynamicCache holds keys and values only), or with "
+    "--kvpress-bits the tokens whose keys and values fit those bytes in transformers' quanto QuantizedCache. The "
     "model computes in float32; unquantized caches are counted at bfloat16, as served ('held' below: measured "
     "cache.nbytes so counted, over the bfloat16 full cache's bytes).")
 
@@ -171,33 +172,50 @@ def kvpress_worker(job_path: str) -> None:
 
     say({"versions": {"kvpress": version("kvpress"), "transformers": transformers.__version__,
                       "torch": torch.__version__}})
+    bits = job.get("bits")
+    kept = 1.0  # prompt tokens a press keeps per unit of bytes fraction: 1 in bfloat16, more in `bits`
+    if bits:
+        per_token = quantized_token_bytes(transformers, model.config, bits)
+        kept = 2 * model.config.head_dim * 2 / per_token  # a bfloat16 token's keys and values / a quantized one's
+        say({"quantized": {"bits": bits, "bytes_per_token_head": per_token, "tokens_per_bf16_token": kept}})
+    label = f"@{bits}" if bits else ""
     for name in job["presses"]:
         for fraction in job["fractions"]:
+            ratio = max(0.0, 1 - fraction * kept)  # the bytes of `fraction` of a bfloat16 full cache
             try:
-                press = getattr(kvpress, name)(compression_ratio=1 - fraction)
+                press = build_press(kvpress, name, ratio)
             except Exception as exc:  # noqa: BLE001 - a press this kvpress lacks or builds otherwise
-                say({"press": name, "fraction": fraction, "error": f"{type(exc).__name__}: {exc}"})
+                say({"press": name + label, "fraction": fraction, "error": f"{type(exc).__name__}: {exc}"})
                 continue
             for case in job["cases"]:
                 ids = torch.tensor([case["ids"]])
+                extra = {}
+                if bits:  # kvpress pairs a press with transformers' quantized cache (quanto, per-group scales)
+                    extra["past_key_values"] = transformers.QuantizedCache(backend="quanto", config=model.config,
+                                                                           nbits=bits)
                 try:
                     with torch.no_grad(), press(model):
                         out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                              max_new_tokens=job["max_new_tokens"], do_sample=False,
-                                             pad_token_id=job["eos"], eos_token_id=job["eos"])
-                    say({"press": name, "fraction": fraction, "kind": "passkey", "case": case["index"],
-                         "tokens": out[0, ids.shape[1]:].tolist()})
+                                             pad_token_id=job["eos"], eos_token_id=job["eos"], **extra)
+                    held = quantized_cache_bytes(extra["past_key_values"]) if bits else None
+                    say({"press": name + label, "fraction": fraction, "kind": "passkey", "case": case["index"],
+                         "tokens": out[0, ids.shape[1]:].tolist(), "held_bytes": held})
                 except Exception as exc:  # noqa: BLE001 - reported, not hidden
-                    say({"press": name, "fraction": fraction, "kind": "passkey", "case": case["index"],
+                    say({"press": name + label, "fraction": fraction, "kind": "passkey", "case": case["index"],
                          "error": f"{type(exc).__name__}: {exc}"})
             for doc in job["docs"]:
                 ids = torch.tensor([doc["ids"]])
                 prefix = job["prefix"]
                 try:
                     nll = 0.0
+                    extra = {}
+                    if bits:
+                        extra["past_key_values"] = transformers.QuantizedCache(backend="quanto", config=model.config,
+                                                                               nbits=bits)
                     with torch.no_grad():
                         with press(model):
-                            out = model(ids[:, :prefix], use_cache=True)
+                            out = model(ids[:, :prefix], use_cache=True, **extra)
                         cache = out.past_key_values
                         logits = out.logits[:, -1]
                         for t in range(prefix, ids.shape[1]):
@@ -208,20 +226,79 @@ def kvpress_worker(job_path: str) -> None:
                                 out = model(ids[:, t:t + 1], past_key_values=cache, use_cache=True,
                                             cache_position=torch.tensor([t]), position_ids=torch.tensor([[t]]))
                                 cache, logits = out.past_key_values, out.logits[:, -1]
-                    say({"press": name, "fraction": fraction, "kind": "ppl", "doc": doc["doc"], "nll": nll,
+                    say({"press": name + label, "fraction": fraction, "kind": "ppl", "doc": doc["doc"], "nll": nll,
                          "tokens": ids.shape[1] - prefix})
                 except Exception as exc:  # noqa: BLE001
-                    say({"press": name, "fraction": fraction, "kind": "ppl", "doc": doc["doc"],
+                    say({"press": name + label, "fraction": fraction, "kind": "ppl", "doc": doc["doc"],
                          "error": f"{type(exc).__name__}: {exc}"})
 
 
-def run_kvpress(args, model_folder, cases, docs, tokenizer, progress) -> dict:
-    """kvpress's presses in the side interpreter on the same ids; their rows, or an error line."""
+def build_press(kvpress, name: str, ratio: float):
+    """A kvpress press by name at ``compression_ratio`` ``ratio``; ``Wrapper:Inner`` (``AdaKVPress:SnapKVPress``,
+    ``MergingPress:KeyDiffPress``) wraps the scorer press ``Inner`` in ``Wrapper``."""
+    outer, _, inner = name.partition(":")
+    if not inner:
+        return getattr(kvpress, outer)(compression_ratio=ratio)
+    return getattr(kvpress, outer)(press=getattr(kvpress, inner)(compression_ratio=ratio))
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor as a server holds it: floating elements at 2 bytes (bfloat16; the benchmark computes in
+    float32), integer codes as they are; a tensor subclass (quanto's packed codes, scales and shifts) by its parts."""
+    if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Tensor":
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * (2 if t.is_floating_point() else t.element_size())
+
+
+def quantized_cache_bytes(cache) -> int:
+    """Bytes a transformers QuantizedCache holds: every layer's quantized keys and values and its full-precision
+    residual (the newest tokens, below ``residual_length``), counted by :func:`tensor_bytes`."""
+    total = 0
+    for layer in cache.layers:
+        for name in ("_quantized_keys", "_quantized_values", "keys", "values"):
+            t = getattr(layer, name, None)
+            if t is not None and hasattr(t, "numel") and t.numel():
+                total += tensor_bytes(t)
+    return total
+
+
+def quantized_token_bytes(transformers, config, bits: int) -> float:
+    """Bytes one token holds per key/value head in transformers' quanto QuantizedCache at ``bits`` (keys and values,
+    codes with their per-group scales and shifts), measured on 512 random tokens."""
+    import torch
+
+    cache = transformers.QuantizedCache(backend="quanto", config=config, nbits=bits)
+    layer = cache.layers[0]
+    rows = torch.randn(1, 1, 512, config.head_dim)
+    return (tensor_bytes(layer._quantize(rows, axis=layer.axis_key))
+            + tensor_bytes(layer._quantize(rows, axis=layer.axis_value))) / 512
+
+
+def run_kvpress(args, model_folder, cases, docs, tokenizer, progress, full_per_token: int) -> dict:
+    """kvpress's presses in the side interpreter on the same ids, once per ``--kvpress-bits`` (a bfloat16
+    DynamicCache, or transformers' quanto QuantizedCache at those bits); their rows, or an error line."""
+    merged: dict = {"passkey": {}, "ppl": {}, "errors": [], "held": {}, "quantized": []}
+    for bits in args.kvpress_bits:
+        live = run_kvpress_once(args, model_folder, cases, docs, tokenizer, progress, bits, full_per_token)
+        if "error" in live:
+            return live
+        merged["versions"] = live["versions"]
+        for key in ("passkey", "ppl", "held"):
+            merged[key].update(live[key])
+        merged["errors"] += live["errors"]
+        if live["quantized"]:
+            merged["quantized"].append(live["quantized"])
+    merged["errors"] = merged["errors"][:20]
+    return merged
+
+
+def run_kvpress_once(args, model_folder, cases, docs, tokenizer, progress, bits, full_per_token) -> dict:
     presses = args.kvpress_presses
     job = {"model": str(model_folder), "presses": presses, "fractions": args.fractions,
            "cases": [{"index": i, "ids": c["ids"]} for i, c in enumerate(cases)],
            "docs": docs, "prefix": args.ppl_prefix, "max_new_tokens": args.max_new_tokens,
-           "eos": tokenizer.eos_token_id, "path": args.kvpress_path, "side": args.kvpress_side}
+           "eos": tokenizer.eos_token_id, "path": args.kvpress_path, "side": args.kvpress_side, "bits": bits}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "job.json"
         path.write_text(json.dumps(job))
@@ -243,7 +320,8 @@ def run_kvpress(args, model_folder, cases, docs, tokenizer, progress) -> dict:
     versions = next((r["versions"] for r in rows if "versions" in r), None)
     if proc.returncode or versions is None:
         return {"error": (err.strip().splitlines() or ["no output"])[-1], "returncode": proc.returncode}
-    passkey, ppl, errors = {}, {}, []
+    quantized = next((r["quantized"] for r in rows if "quantized" in r), None)
+    passkey, ppl, errors, ratios = {}, {}, [], {}
     for r in rows:
         if "error" in r:
             errors.append(f"{r['press']} at {r['fraction']}: {r['error']}")
@@ -251,13 +329,19 @@ def run_kvpress(args, model_folder, cases, docs, tokenizer, progress) -> dict:
         if r.get("kind") == "passkey":
             case = cases[r["case"]]
             answer = tokenizer.decode(r["tokens"], skip_special_tokens=True).strip()
-            passkey.setdefault(f"kvpress {r['press']}", []).append(
+            method = f"kvpress {r['press']}"
+            passkey.setdefault(method, []).append(
                 {"fraction": r["fraction"], "context": case["context"], "depth": case["depth"], "case": case["case"],
                  "key": case["key"], "answer": answer, "correct": answer_matches(answer, case["key"])})
+            if r.get("held_bytes") is not None:  # measured after generation: the prompt's and the answer's tokens
+                full = len(case["ids"]) * full_per_token  # a bfloat16 full cache of the prompt, every layer
+                ratios.setdefault(method, {}).setdefault(str(r["fraction"]), []).append(r["held_bytes"] / full)
         elif r.get("kind") == "ppl":
             ppl.setdefault(f"kvpress {r['press']}", []).append(
                 {"fraction": r["fraction"], "doc": r["doc"], "nll": r["nll"], "tokens": r["tokens"]})
-    return {"versions": versions, "passkey": passkey, "ppl": ppl, "errors": errors[:20]}
+    held = {m: {f: sum(v) / len(v) for f, v in by.items()} for m, by in ratios.items()}
+    return {"versions": versions, "passkey": passkey, "ppl": ppl, "errors": errors[:20], "held": held,
+            "quantized": quantized}
 
 
 # -- attnzoo --------------------------------------------------------------------------------------------------------
@@ -526,7 +610,12 @@ def to_markdown(result: dict) -> str:
         lines.append("")
     kv = result["kvpress"]
     if kv.get("live"):
-        lines += [f"kvpress ran live in this run ({kv['live'].get('versions')}); its rows are above. "
+        quantized = "".join(
+            f" `@{q['bits']}` rows: transformers' quanto QuantizedCache at {q['bits']} bits "
+            f"({q['bytes_per_token_head']:.1f} bytes a token and key/value head, scales counted at 2 bytes), each "
+            f"press keeping {q['tokens_per_bf16_token']:.2f}x the tokens of the bfloat16 row at the same bytes."
+            for q in kv["live"].get("quantized") or [])
+        lines += [f"kvpress ran live in this run ({kv['live'].get('versions')}); its rows are above.{quantized} "
                   + (f"Errors: {'; '.join(kv['live']['errors'])}" if kv["live"].get("errors") else ""), ""]
     else:
         rec = KVPRESS_RECORDED
@@ -680,6 +769,10 @@ def parse(argv=None):
     ap.add_argument("--kvpress-side", action="append", default=[],
                     help="a side folder holding kvpress, put last on its sys.path (repeatable)")
     ap.add_argument("--kvpress-presses", nargs="+", default=KVPRESS_PRESSES)
+    ap.add_argument("--kvpress-bits", nargs="+", default=[None], type=lambda v: None if v == "none" else int(v),
+                    help="kvpress's cache: none (a bfloat16 DynamicCache) and/or bits of transformers' quanto "
+                         "QuantizedCache (kvpress pairs presses with it; optimum-quanto in a --kvpress-side folder), "
+                         "each press then keeping the tokens that fit the same bytes")
     ap.add_argument("--merge", nargs="+", metavar="JSON",
                     help="run nothing: join these results of runs on the same cases into one (--out/--name/--plot)")
     ap.add_argument("--no-progress", action="store_true")
@@ -780,7 +873,7 @@ def main(argv=None) -> dict:
     per_method = len(cases) + len(docs)
     total = per_method * (1 + len(methods) * len(args.fractions))
     if args.kvpress_python:
-        total += per_method * len(args.kvpress_presses) * len(args.fractions)
+        total += per_method * len(args.kvpress_presses) * len(args.fractions) * len(args.kvpress_bits)
     progress = tqdm(total=total, disable=args.no_progress, desc="quality", unit="case", file=sys.stderr)
     passkey: dict = {}
     ppl: dict = {}
@@ -855,14 +948,15 @@ def main(argv=None) -> dict:
     kv: dict = {}
     if args.kvpress_python:
         t0 = time.perf_counter()
-        live = run_kvpress(args, folder, cases, docs, tokenizer, progress)
+        live = run_kvpress(args, folder, cases, docs, tokenizer, progress, full_kv_bytes(zoo, 1))
         seconds["kvpress"] = time.perf_counter() - t0
         if "error" in live:
             kv["why"] = f"the kvpress worker failed: {live['error']}"
         else:
-            kv["live"] = {"versions": live["versions"], "errors": live["errors"]}
+            kv["live"] = {"versions": live["versions"], "errors": live["errors"], "quantized": live["quantized"]}
             passkey.update(live["passkey"])
             ppl.update(live["ppl"])
+            held.update(live["held"])
     progress.close()
     return report(args, argv, started, methods, aliases, passkey, ppl, held, seconds, kv, done=True)
 
