@@ -49,10 +49,11 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/pyvenv.cfg
 vllm-env: $(VLLM_STAMP)
 
 # the vLLM tests (tests/integrations/vllm/test_vllm*.py; skipped in .venv, which has no vLLM; test_vllm_real.py serves the
-# real model, SmolLM2, about a minute)
+# real model, SmolLM2, about a minute; test_vllm_tp.py, two ranks, about 95 s, its unit tests also in .venv)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py \
-		tests/integrations/vllm/test_vllm_chunks.py tests/integrations/vllm/test_vllm_real.py
+		tests/integrations/vllm/test_vllm_chunks.py tests/integrations/vllm/test_vllm_real.py \
+		tests/integrations/vllm/test_vllm_tp.py
 
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)

@@ -17,6 +17,7 @@ from .layer import Layer, load_layer
 from .pages import write
 from .spec import layer_spec, native_call, record_of
 from .start import CHUNKED_REASON, chunk_size, page_budget
+from .tp import rank_heads
 
 
 def _backend_classes():
@@ -61,6 +62,7 @@ def _backend_classes():
             self.native = dict(scale=scale, sliding_window=sliding_window, softcap=logits_soft_cap,
                                has_sinks=sinks is not None)
             where = f"{self.model_dir}: attnzoo spec '{self.record['name']}'"
+            self.heads = _rank_heads(config, num_heads, num_kv_heads, where)
             if attn_type != AttentionType.DECODER:
                 raise IntegrationError(f"{where}: a {attn_type} attention layer (attnzoo serves decoder layers)")
             if alibi_slopes is not None:
@@ -138,6 +140,27 @@ def _backend_classes():
             return CPUAttentionBackend.get_supported_kernel_block_sizes(kv_cache_spec)
 
     return AttnzooCPUBackend, AttnzooCPUImpl
+
+
+def _rank_heads(config, num_heads: int, num_kv_heads: int, where: str):
+    """This rank's heads under tensor parallelism (:func:`.tp.rank_heads`; vLLM's impl is given the rank's
+    ``num_heads`` and ``num_kv_heads``), or None with one rank. Refused (one line) where vLLM's split is not the
+    one :mod:`.tp` slices the parameters by."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    size = get_tensor_model_parallel_world_size()
+    if size == 1:
+        return None
+    try:
+        heads = rank_heads(num_heads * size, config.model_config.get_total_num_kv_heads(), size,
+                           get_tensor_model_parallel_rank())
+    except IntegrationError as exc:
+        raise IntegrationError(f"{where}: {exc}") from None
+    if (len(heads.heads), len(heads.kv_heads)) != (num_heads, num_kv_heads):
+        raise IntegrationError(f"{where}: vLLM gives tensor-parallel rank {heads.rank} {num_heads} query and "
+                               f"{num_kv_heads} key/value heads, attnzoo's split {len(heads.heads)} and "
+                               f"{len(heads.kv_heads)}")
+    return heads
 
 
 def _geometry(spec, record, num_heads, head_size, num_kv_heads, dtype, max_model_len):

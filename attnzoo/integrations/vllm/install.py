@@ -1,8 +1,9 @@
 """What attnzoo's vLLM plugin changes in vLLM, in each process vLLM starts (docs/vllm.md, "What attnzoo patches in
 vLLM"): attnzoo's backend registered as vLLM's CPU attention (``backend.py``), the ring page's KV-cache spec
-(``ring.py``), the checkpoint's guarded architecture names, and the three vLLM methods it wraps: the default model
+(``ring.py``), the checkpoint's guarded architecture names, and the four vLLM methods it wraps: the default model
 loader's weight iterator (attnzoo's tensors are the backend's to read), the platform's configuration check (a
-declined spec refused at engine start) and the model runner's ``_update_states`` (a finished request's staged
+declined spec refused at engine start), the model configuration's parallel check (heads that do not split over
+tensor-parallel ranks refused in one line) and the model runner's ``_update_states`` (a finished request's staged
 prompt dropped)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 from ..transformers.base import IntegrationError, is_core_key
 from ..transformers.saving import ARCHITECTURE_PREFIX, guarded_architecture
 from .spec import record_of
-from .start import ServeDeclined, check_config
+from .start import ServeDeclined, check_config, check_heads
 
 _INSTALLED = False
 #: where vLLM imports the backend from (by name: the module subclasses vLLM's classes on first use)
@@ -50,6 +51,7 @@ def install() -> None:
     get_all_weights.__wrapped__ = original
     DefaultModelLoader.get_all_weights = get_all_weights
     _check_at_start()
+    _check_heads_first()
     _forget_finished_requests()
     _INSTALLED = True
 
@@ -68,8 +70,8 @@ def _register_guarded_architectures() -> None:
 
 def _check_at_start() -> None:
     """Check a checkpoint's spec where vLLM checks its configuration, in the process that starts the engine (the
-    user's): a declined spec, another platform than the CPU, or tensor/pipeline parallelism is refused there with
-    one line, before any worker starts."""
+    user's): a declined spec, another platform than the CPU, pipeline parallelism or a spec that tensor parallelism
+    cannot split is refused there with one line, before any worker starts."""
     from vllm.platforms import current_platform
 
     platform = type(current_platform)
@@ -84,6 +86,32 @@ def _check_at_start() -> None:
             raise
 
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def _check_heads_first() -> None:
+    """Wrap ``ModelConfig.verify_with_parallel_config`` (run when vLLM builds its configuration, before the platform's
+    check): an attnzoo checkpoint whose heads do not split over ``tensor_parallel_size`` ranks is refused in one line
+    (``start.check_heads``) before vLLM's own check refuses it in a three-line validation report."""
+    try:
+        from vllm.config.model import ModelConfig
+    except ImportError as exc:
+        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {exc.name} (written for vLLM "
+                               f"{_tested()})") from None
+    original = getattr(ModelConfig, "verify_with_parallel_config", None)
+    if original is None:
+        raise IntegrationError(f"attnzoo's vLLM plugin: ModelConfig.verify_with_parallel_config is gone from this "
+                               f"vLLM (written for vLLM {_tested()})")
+
+    def verify_with_parallel_config(self, parallel_config):
+        try:
+            check_heads(self, parallel_config)
+        except ServeDeclined as exc:  # the one line first, as _check_at_start says it
+            print(f"attnzoo: {exc}", file=sys.stderr, flush=True)
+            raise
+        return original(self, parallel_config)
+
+    verify_with_parallel_config.__wrapped__ = original
+    ModelConfig.verify_with_parallel_config = verify_with_parallel_config
 
 
 def finished_blocks(runner, scheduler_output) -> set[int]:

@@ -19,6 +19,7 @@ from . import pages as pg
 from .spec import layer_index, layer_parameters, layer_spec, native_call
 from .start import budgets
 from .step import step_of
+from .tp import slice_parameters
 
 #: every serving layer of this process, for :func:`drop_staged` (vLLM's model runner tells of finished requests)
 _LAYERS: weakref.WeakSet = weakref.WeakSet()
@@ -342,7 +343,8 @@ def load_layer(impl, layer_name: str) -> Layer:
     attention, dtype and checkpoint directory) for the layer ``layer_name``: the layer's spec composed with its
     native attention, the core built, its parameters bound to the impl's (the native scale, ...) and the rest read
     from the checkpoint's safetensors files (all of them, each of its shape, or one line naming the first that is
-    not), its budget from the record."""
+    not), under tensor parallelism sliced to the rank's heads (``impl.heads``: :func:`.tp.slice_parameters`), its
+    budget from the record."""
     index = layer_index(layer_name)
     where = f"{impl.model_dir}: attnzoo spec '{impl.record['name']}', layer {index}"
     call = native_call(index, impl.num_heads, impl.num_kv_heads, impl.head_size, **impl.native)
@@ -352,6 +354,13 @@ def load_layer(impl, layer_name: str) -> Layer:
     for key, attribute in bound.items():
         core.bind_parameter(key, impl, attribute)
     found = layer_parameters(impl.model_dir, index)
+    heads = getattr(impl, "heads", None)  # tensor parallel: this rank's heads (tp.py), their parameters sliced
+    if heads is not None:
+        where = f"{where}, tensor-parallel rank {heads.rank} of {heads.size}"
+        try:
+            found = slice_parameters(found, core.variant.plan, heads)
+        except IntegrationError as exc:
+            raise IntegrationError(f"{where}: {exc}") from None
     wanted = dict(core.state_dict(keep_vars=True))  # every tensor of the core, keyed as layer_parameters keys them
     missing = sorted(set(wanted) - set(found))
     extra = sorted(set(found) - set(wanted))

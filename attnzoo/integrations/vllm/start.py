@@ -37,13 +37,14 @@ def check_config(vllm_config, on_cpu: bool) -> None:
         raise ServeDeclined(f"{where}: attnzoo's vLLM backend runs on the CPU in this release; on this platform "
                                f"vLLM would run its own attention, not the spec")
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-        raise ServeDeclined(f"{where}: tensor or pipeline parallelism is not supported (the transforms' "
-                               f"per-head parameters are not split over ranks)")
+    if parallel.pipeline_parallel_size > 1:
+        raise ServeDeclined(f"{where}: {PIPELINE_REASON.format(size=parallel.pipeline_parallel_size)}")
     user = load_spec(record["spec"])
     reason = declined(user)
     if reason:
         raise ServeDeclined(f"{where}: cannot be served by vLLM: {reason}")
+    if parallel.tensor_parallel_size > 1:  # before an evicting spec's settings are changed and said
+        _serve_split(model_config, record, user, parallel.tensor_parallel_size, where)
     if user.cache is not None:
         _serve_pruned(vllm_config, record, where)
     chunk = chunk_size(model_config)
@@ -52,6 +53,55 @@ def check_config(vllm_config, on_cpu: bool) -> None:
     mixed = mixed_windows(model_config)
     if mixed:
         raise ServeDeclined(f"{where}: {mixed}")
+
+
+#: why pipeline parallelism is declined: checked with a plain Llama, no plugin, pipeline_parallel_size=2, the mp
+#: executor, enforce_eager: the second stage's worker asserts at its first step (CPUModelRunner.warming_up_model skips
+#: the dummy run under CompilationMode.NONE, and only GPUModelRunner._dummy_run allocates a later stage's
+#: intermediate tensors); compiled mode (minutes to start on a CPU) was not tried
+PIPELINE_REASON = ("pipeline parallelism (pipeline_parallel_size {size}) is not served: not checked with attnzoo's "
+                   "backend, and vLLM 0.32's CPU platform fails a second stage's first step without attnzoo too under "
+                   "enforce_eager (GPUModelRunner.sync_and_gather_intermediate_tensors asserts: its warm-up, skipped "
+                   "in eager mode, allocates the stage's intermediate tensors); tensor_parallel_size splits the heads "
+                   "instead (docs/vllm.md, \"Tensor parallel\")")
+
+
+def check_heads(model_config, parallel_config) -> None:
+    """Refuse, in one line, an attnzoo checkpoint whose heads do not split over ``tensor_parallel_size`` ranks
+    (:func:`~.tp.rank_heads`), before vLLM's own check says so in a three-line validation report (``install.py``
+    runs this first in ``ModelConfig.verify_with_parallel_config``). Nothing for a checkpoint without a record, one
+    rank, or a malformed record (:func:`check_config` refuses that)."""
+    from .tp import rank_heads
+
+    size = getattr(parallel_config, "tensor_parallel_size", 1)
+    try:
+        record = record_of(getattr(model_config, "hf_config", None), getattr(model_config, "model", None))
+    except IntegrationError:
+        return
+    if record is None or size <= 1:
+        return
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    try:
+        rank_heads(int(text.num_attention_heads), int(model_config.get_total_num_kv_heads()), size, 0)
+    except IntegrationError as exc:
+        raise ServeDeclined(f"{model_config.model}: attnzoo spec '{record['name']}': cannot be served with "
+                            f"tensor_parallel_size {size}: {exc}") from None
+
+
+def _serve_split(model_config, record: dict, user, size: int, where: str) -> None:
+    """Tensor parallelism: each rank serves its own heads, their parameters sliced (``tp.py``); refused in one line
+    where the spec cannot be split exactly (:func:`~.tp.split_refusal`)."""
+    from .tp import split_refusal
+
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    heads, kv_heads = int(text.num_attention_heads), int(model_config.get_total_num_kv_heads())
+    try:
+        budget = page_budget(record, model_config.max_model_len) if user.cache is not None else None
+    except IntegrationError:  # a fraction of the prompt: _serve_pruned refuses it; the probe evicts to its own
+        budget = model_config.max_model_len
+    reason = split_refusal(user, heads, kv_heads, int(model_config.get_head_size()), size, budget)
+    if reason:
+        raise ServeDeclined(f"{where}: cannot be served with tensor_parallel_size {size}: {reason}")
 
 
 def _serve_pruned(vllm_config, record: dict, where: str) -> None:

@@ -81,9 +81,11 @@ def test_a_layers_parameters_come_from_the_checkpoint(tmp_path):
 
 
 def _config(record, tp=1, pp=1, speculative=None, transfer=None, hybrid=False, **hf_fields):
-    hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}), **hf_fields)
+    hf = types.SimpleNamespace(**({"attnzoo": record} if record is not None else {}),
+                               **{"num_attention_heads": 4, **hf_fields})
     return types.SimpleNamespace(
-        model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt", max_model_len=1024, is_hybrid=hybrid),
+        model_config=types.SimpleNamespace(hf_config=hf, model="/ckpt", max_model_len=1024, is_hybrid=hybrid,
+                                           get_total_num_kv_heads=lambda: 2, get_head_size=lambda: 16),
         parallel_config=types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         scheduler_config=types.SimpleNamespace(enable_chunked_prefill=True, max_num_batched_tokens=256),
         cache_config=types.SimpleNamespace(enable_prefix_caching=True), speculative_config=speculative,
@@ -129,13 +131,19 @@ def test_the_engine_start_check_refuses_in_one_line():
 
     check_config(_config(None), on_cpu=False)  # no record: vLLM's own attention, anywhere
     check_config(_config(_record("ssa")), on_cpu=True)
+    check_config(_config(_record("ssa"), tp=2), on_cpu=True)  # 4 heads, 2 key/value heads: each rank its own
+    check_config(_config(_record("snapkv"), tp=2), on_cpu=True)
     sliding = ["sliding_attention"] * 2
     check_config(_config(_record("ssa"), model_type="qwen3", layer_types=sliding), on_cpu=True)  # every layer alike
     check_config(_config(_record("ssa"), model_type="gemma2", layer_types=sliding[:1] + ["full_attention"]),
                  on_cpu=True)  # Gemma 2's model hands each layer its own window
     for config, on_cpu, words in [
         (_config(_record("ssa")), False, ["/ckpt", "'ssa'", "CPU"]),
-        (_config(_record("ssa"), tp=2), True, ["tensor or pipeline parallelism"]),
+        (_config(_record("ssa"), pp=2), True, ["'ssa'", "pipeline parallelism (pipeline_parallel_size 2)"]),
+        # tensor parallel (test_vllm_tp.py): what cannot be split exactly
+        (_config(_record("ssa"), tp=2, num_attention_heads=9), True, ["tensor_parallel_size 2", "9 query heads"]),
+        (_config(_record("tova"), tp=2), True, ["tensor_parallel_size 2", "'tova'", "mixes heads"]),
+        (_config(_record("alibi"), tp=2), True, ["tensor_parallel_size 2", "'alibi'"]),
         # vLLM 0.32's Qwen2/Qwen3 build every layer alike: a window on some layers only is refused at start
         (_config(_record("vanilla"), model_type="qwen3", layer_types=["sliding_attention", "full_attention"]), True,
          ["layers 0..0 of 2", "qwen3", "max_window_layers"]),
