@@ -105,10 +105,10 @@ class Layer:
         out = output[:n].view(n, self.heads, self.head_dim)
         if self.chunked:
             counts_t = self._chunks(geometry, pages, query, key, value, step, counts_t, out)
-        full = self._full_pages(pages, counts_t, lengths_t, blocks_t)
+        full = self._full_pages(step, counts_t)
         if full.numel() > 1:  # one request alone takes the step below
             self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
-                              out)
+                              lengths_t.index_select(0, full), out)
             counts_t = counts_t.index_fill(0, full, 0)  # a new tensor: the step's is the other layers' too
         prompts: dict[int, list[int]] = {}  # prompt length -> its requests
         for i in torch.nonzero(counts_t).flatten().tolist():
@@ -152,8 +152,6 @@ class Layer:
         whole prompt's when no other chunk follows, the ordinary case of a prompt that fits one step); a later
         chunk's queries attend over the staged prompt so far (causal: as the whole prompt's rows do), and its page
         holds no request's state until :meth:`_finish`."""
-        from . import ring
-
         done = length - count
         k, v = (t[start:start + count].view(count, -1, self.head_dim) for t in (key, value))
         q = query[start:start + count].view(count, -1, self.head_dim)
@@ -165,7 +163,7 @@ class Layer:
         if held is None or held[3] != done:
             raise IntegrationError(f"{self.where}: a chunk of {count} tokens after {done} on page {block}, whose "
                                    f"staging holds {held[3] if held else 'nothing'}")
-        pages["hdr"][block, ring.NEXT] = 0  # no decode step may take the page before the prompt is evicted
+        pages["hdr"][block, pg.NEXT] = 0  # no decode step may take the page before the prompt is evicted
         keys, values = torch.cat((held[0], k)), torch.cat((held[1], v))
         rows = torch.cat((held[2], q))[-self.rows:] if self.rows else held[2]
         self.staged[block] = (keys, values, rows, length)
@@ -180,13 +178,11 @@ class Layer:
         and values, as the whole prompt's step (:meth:`_prefill`), with the staged last ``rows`` queries in their
         rows and zeros in the others (the evictor reads no other row's probabilities, and the outputs are not
         used: each chunk's were written by :meth:`_stage`)."""
-        from . import ring
-
         keys, values, rows, staged = self.staged.pop(block)
         if staged != length:
             raise IntegrationError(f"{self.where}: page {block}'s staged prompt holds {staged} tokens, its request "
                                    f"{length}")
-        if int(pages["hdr"][block, ring.NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
+        if int(pages["hdr"][block, pg.NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
             return
         q = keys.new_zeros(length, self.heads, self.head_dim)
         if rows.shape[0]:
@@ -201,8 +197,6 @@ class Layer:
         kept tokens, in position order, into each page's first slots, the headers afresh (the generation counts a
         page's prefills). Prompts of one length in a step go together: 8 prompts of 512 tokens took 0.85x the time
         of one at a time (the selective prefill kernel, one thread)."""
-        from . import ring
-
         rows = len(starts)
         if rows == 1:
             q, k, v = (t[starts[0]:starts[0] + count].view(count, -1, self.head_dim).transpose(0, 1).unsqueeze(0)
@@ -219,7 +213,7 @@ class Layer:
         pg.store(pages, blocks, cache)
         headers = pages["hdr"].index_select(0, blocks)
         pages["hdr"].index_copy_(0, blocks, pg.headers(cache, torch.where(
-            headers[:, 0] == ring.MAGIC, headers[:, ring.GENERATION] + 1, 1)))
+            headers[:, 0] == pg.MAGIC, headers[:, pg.GENERATION] + 1, 1)))
         o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
         if rows == 1:
             out[starts[0]:starts[0] + count] = o[0]
@@ -229,24 +223,22 @@ class Layer:
     def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
         """One decode step of one request whose page is not full (or a request alone): a cache attached to its
         page's buffers, the core's decode step; whatever a step moved out of the page is copied back."""
-        from . import ring
-
         header = pages["hdr"][block]
         page = {name: view[block:block + 1] for name, view in pages.items()}
-        if int(header[0]) != ring.MAGIC or int(header[ring.NEXT]) != done + 1:
+        if int(header[0]) != pg.MAGIC or int(header[pg.NEXT]) != done + 1:
             raise IntegrationError(f"{self.where}: request {i}'s page (block {block}) does not continue at token "
                                    f"{done + 1} (header {header.tolist()})")
         q, k, v = (t[start:start + 1].view(1, -1, 1, self.head_dim) for t in (query, key, value))
         cache = self.core.new_cache(1, budget=self.budget)
         cache.attach(page["keys"], page["values"], page["positions"],
-                     {name: page[f"state.{name}"] for name in cache.state_names}, int(header[ring.HELD]),
-                     int(header[ring.NEXT]), evicted=int(header[ring.EVICTED]), expired=int(header[ring.EXPIRED]),
-                     scrambled=bool(header[ring.SCRAMBLED]), step_state=self.states.get(1))
+                     {name: page[f"state.{name}"] for name in cache.state_names}, int(header[pg.HELD]),
+                     int(header[pg.NEXT]), evicted=int(header[pg.EVICTED]), expired=int(header[pg.EXPIRED]),
+                     scrambled=bool(header[pg.SCRAMBLED]), step_state=self.states.get(1))
         o = self.core.decode(q, k, v, cache)
         self.states[1] = cache.step_state
         if pg.moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
             pg.store(pages, torch.tensor([block]), cache)
-        header.copy_(pg.headers(cache, header[ring.GENERATION])[0])
+        header.copy_(pg.headers(cache, header[pg.GENERATION])[0])
         out[start] = o[0, :, 0].to(out.dtype)
 
     def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
@@ -257,20 +249,21 @@ class Layer:
             self.page_views = (key, geometry.all_views(kv_cache))
         return self.page_views[1]
 
-    def _full_pages(self, pages, counts, lengths, blocks) -> torch.Tensor:
-        """The decoding requests (indices) whose page holds ``budget`` tokens (every request once its history
-        reached the budget): one batch for their step. Only where each row's step evicts exactly one token (an
-        evictor and no window horizon; the cache's state per row is then the page's)."""
-        from . import ring
-
+    def _full_pages(self, step, counts) -> torch.Tensor:
+        """The decoding requests (indices) whose page holds ``budget`` tokens: one batch for their step. Only where
+        each row's step evicts exactly one token (an evictor and no window horizon), so a page holds ``min(prompt,
+        budget)`` tokens after its prompt and one more per step up to the budget: a request with one new token and
+        ``length - 1 >= budget`` before it (:meth:`.step.Step.full_rows`, once per forward for every layer of that
+        budget); :meth:`_decode_full` checks it against each page's header before anything is written. ``counts``:
+        the step's, with the staged chunks' requests at 0 (a one-token chunk of a prompt is not a decode step)."""
         if not self.batchable:
             return counts.new_zeros(0)
-        headers = pages["hdr"].index_select(0, blocks)
-        full = ((counts == 1) & (lengths > 1) & (headers[:, 0] == ring.MAGIC) & (headers[:, ring.HELD] == self.budget)
-                & (headers[:, ring.NEXT] == lengths))
-        return torch.nonzero(full).flatten()
+        full = step.full_rows(self.budget)
+        if self.chunked and full.numel():
+            full = full[counts.index_select(0, full) == 1]
+        return full
 
-    def _decode_full(self, pages, query, key, value, index, blocks, out) -> None:
+    def _decode_full(self, pages, query, key, value, index, blocks, lengths, out) -> None:
         """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch,
         the core's decode step (the fused C step over the rows) on one cache holding the rows at their own
         positions. Pages in consecutive blocks (in any order: the rows then go in block order; vLLM hands out free
@@ -280,15 +273,19 @@ class Layer:
         :func:`.pages.gathered`, the spare slot included) and the held slots scattered back as the step left them
         (in slot order: a page stays ``scrambled`` while the lean steps leave it so); so is whatever an in-place
         step moved out of the pages."""
-        from . import ring
-
         m, rows = self.budget, blocks.shape[0]
         run = pg.consecutive(blocks)
         in_place = run is not None
         if in_place:  # the rows in block order
             first, order = run
-            blocks, index = blocks.index_select(0, order), index.index_select(0, order)
+            blocks, index, lengths = (t.index_select(0, order) for t in (blocks, index, lengths))
         headers = pages["hdr"].index_select(0, blocks)
+        wrong = (headers[:, 0] != pg.MAGIC) | (headers[:, pg.HELD] != m) | (headers[:, pg.NEXT] != lengths)
+        if bool(wrong.any()):
+            bad = int(torch.nonzero(wrong)[0])
+            raise IntegrationError(f"{self.where}: the page of a decoding request (block {int(blocks[bad])}) does not "
+                                   f"hold {m} tokens continuing at token {int(lengths[bad])} (header "
+                                   f"{headers[bad].tolist()}); nothing was written")
         cache = self.core.new_cache(rows, budget=m)
         names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
         every = pages["hdr"].shape[0]  # the cache's blocks: no step holds more requests
@@ -297,8 +294,8 @@ class Layer:
                                                                                      capacity)
                 for name in names}
         cache.attach(home["keys"], home["values"], home["positions"],
-                     {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, ring.NEXT],
-                     scrambled=bool(headers[:, ring.SCRAMBLED].any()), step_state=self.states.get(rows))
+                     {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, pg.NEXT],
+                     scrambled=bool(headers[:, pg.SCRAMBLED].any()), step_state=self.states.get(rows))
         q, k, v = (t.index_select(0, index).view(rows, -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
         self.states[rows] = cache.step_state
@@ -311,9 +308,9 @@ class Layer:
                 continue  # the step wrote the page itself
             section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
             section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
-        headers[:, ring.NEXT] += 1
-        headers[:, ring.EVICTED] += 1
-        headers[:, ring.SCRAMBLED] = int(cache.scrambled)
+        headers[:, pg.NEXT] += 1
+        headers[:, pg.EVICTED] += 1
+        headers[:, pg.SCRAMBLED] = int(cache.scrambled)
         pages["hdr"].index_copy_(0, blocks, headers)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
 

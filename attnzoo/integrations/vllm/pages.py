@@ -11,6 +11,12 @@ import torch
 
 from ..transformers.base import IntegrationError
 
+#: a ring page's header (``ring.py``): int64[HEADER] of magic, tokens held, next position, generation, evicted,
+#: expired, scrambled, 0 (here, without vLLM, so that a step reads it without an import: ``ring`` re-exports it)
+MAGIC = 0x5A4F4F52494E47  # "ZOORING"
+HEADER = 8
+HELD, NEXT, GENERATION, EVICTED, EXPIRED, SCRAMBLED = range(1, 7)
+
 
 def distinct_pages(blocks: list[int], counts: torch.Tensor, where: str) -> None:
     """Refuse, in one line, a step whose requests with new tokens (``counts`` > 0) do not each have their own page
@@ -44,12 +50,10 @@ def consecutive(blocks: torch.Tensor) -> tuple[int, torch.Tensor] | None:
 def headers(cache, generation) -> torch.Tensor:
     """Each row's page header (B, 8) after a step of ``cache`` (ring.py: magic, tokens held, next position,
     generation (an int or a (B,) tensor), evicted, expired, scrambled, 0)."""
-    from . import ring
-
-    out = torch.tensor([ring.MAGIC, cache.num_tokens, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
+    out = torch.tensor([MAGIC, cache.num_tokens, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
                        dtype=torch.int64).repeat(cache.batch, 1)
-    out[:, ring.NEXT] = cache.next_position.to(torch.int64).reshape(cache.batch)
-    out[:, ring.GENERATION] = generation
+    out[:, NEXT] = cache.next_position.to(torch.int64).reshape(cache.batch)
+    out[:, GENERATION] = generation
     return out
 
 

@@ -23,9 +23,7 @@ from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager, reg
 from vllm.v1.kv_cache_interface import CircularBufferSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-MAGIC = 0x5A4F4F52494E47  # "ZOORING"
-HEADER = 8
-HELD, NEXT, GENERATION, EVICTED, EXPIRED, SCRAMBLED = range(1, 7)
+from .pages import EVICTED, EXPIRED, GENERATION, HEADER, HELD, MAGIC, NEXT, SCRAMBLED  # noqa: F401 (the header)
 
 
 def _align(n: int, to: int = 64) -> int:

@@ -176,6 +176,33 @@ def test_a_step_whose_requests_share_a_page_is_refused_before_any_write(spec, le
     assert not torch.equal(kv_cache, before)
 
 
+@pytest.mark.parametrize(("field", "value"), [("HELD", 7), ("NEXT", 30), ("MAGIC", 0)])
+def test_a_full_page_whose_header_disagrees_is_refused_before_any_write(field, value):
+    """Which decoding requests step as one batch is read from the step's lengths (``Step.full_rows``: one new token
+    after at least ``budget``); each such page's header must agree (the magic, ``budget`` held, the next position):
+    a page that does not is refused in one line naming its block, and no page is written."""
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.transformers.base import IntegrationError
+    from attnzoo.integrations.vllm import pages as page_ops
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+
+    dtype, budget, blocks = torch.float64, 8, [3, 4, 5]
+    layer, core = _serving_layer("h2o", budget, dtype)
+    names = tuple(core.new_cache(1, budget=budget).state_names)
+    geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+    kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
+    gen = torch.Generator().manual_seed(0)
+    _, done = _step(layer, geometry, kv_cache, blocks, [20, 20, 20], [0, 0, 0], gen)
+    header = geometry.all_views(kv_cache)["hdr"][4]
+    header[0 if field == "MAGIC" else getattr(page_ops, field)] = value
+    before = kv_cache.clone()
+    with pytest.raises(IntegrationError) as caught:
+        _step(layer, geometry, kv_cache, blocks, [1, 1, 1], done, gen)
+    line = str(caught.value)
+    assert "\n" not in line and "(block 4) does not hold 8 tokens continuing at token 21" in line
+    assert torch.equal(kv_cache, before)
+
+
 def test_a_request_without_new_tokens_shares_no_page():
     """A row of the step without new tokens writes nothing: its block id is not counted."""
     from attnzoo.integrations.transformers.base import IntegrationError
