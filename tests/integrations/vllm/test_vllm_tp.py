@@ -140,11 +140,13 @@ def _greedy(llm, prompts, tokens):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-@pytest.mark.parametrize("spec", ["vanilla", "ssa"])
+@pytest.mark.parametrize("spec", ["ssa"])
 def test_two_ranks_generate_the_one_rank_greedy_tokens(spec, tmp_path, monkeypatch):
     """Each rank serves 2 of the 4 query heads and 1 of the 2 key/value heads over its own paged cache; SSA's
     per-head token weights (random, as training would leave them) sliced by rank (they change the tokens: checked
-    against the plain model's; every rank given rank 0's slice fails this test, checked by hand)."""
+    against the plain model's; every rank given rank 0's slice fails this test, checked by hand). SSA's engine
+    attends as vanilla's does, with the per-head parameters on top: a separate vanilla engine (about 30 s on 2
+    cores) was dropped to keep make test under 15 minutes."""
     pytest.importorskip("vllm")
     from test_vllm import _checkpoint
 
