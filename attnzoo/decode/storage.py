@@ -144,6 +144,12 @@ class KVCache(SlotStore):
 
     @valid.setter
     def valid(self, value: torch.Tensor | None) -> None:
+        if value is not None and value.dim() == 3 and value.shape[1] > 1 and not bool((value == value[:, :1]).all()):
+            # the backends mask held keys by one row per batch row (key_mask(): valid[:, 0]); a head holding padding
+            # where another holds a token would be attended with the first head's mask
+            raise ValueError("KVCache.valid must be the same in every key/value head (padding is per batch row; "
+                             "attention masks held keys by the row's validity, valid[:, 0]), got validity that "
+                             "differs between heads")
         self._valid = value
         if value is None:
             self._bias = None

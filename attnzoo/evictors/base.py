@@ -236,15 +236,17 @@ _NEWEST = torch.iinfo(torch.int64).max
 def eviction_order(score: torch.Tensor, eligible: torch.Tensor, positions: torch.Tensor, largest: bool,
                    padding: torch.Tensor | None = None) -> torch.Tensor:
     """Every slot, in the order the rule of :func:`pick` evicts them when removing one changes no other's score
-    (``Evictor.independent_scores``): padding first, then eligible slots by score (largest first when
-    ``largest``; NaN first), ties to the oldest position, then the protected ones. (B, H_kv, M) slot indices; the
-    first k of each row are the k victims."""
+    (``Evictor.independent_scores``): padding first (by slot, the oldest first), then eligible slots by score
+    (largest first when ``largest``; NaN first), ties to the oldest position, then the protected ones. (B, H_kv, M)
+    slot indices; the first k of each row are the k victims."""
     if not largest:
         score = -score
     order = positions.argsort(dim=-1, stable=True)
     order = order.gather(-1, score.gather(-1, order).argsort(dim=-1, descending=True, stable=True))
     order = order.gather(-1, eligible.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True, stable=True))
-    if padding is not None:
-        pad = padding.gather(-1, order).to(torch.int8)
-        order = order.gather(-1, pad.argsort(dim=-1, descending=True, stable=True))
+    if padding is not None:  # padding first, by slot (the oldest first), whatever its score: the same slots in
+        # every head (padding is per batch row, and the backends mask held keys by the row's validity), as evict_one
+        # takes them one at a time
+        pad = padding.gather(-1, order)
+        order = order.gather(-1, torch.where(pad, order, _NEWEST).argsort(dim=-1, stable=True))
     return order

@@ -265,3 +265,65 @@ def test_padding_queries_never_score_a_token(spec, backend):
                         torch.testing.assert_close(scores[name], want_score, rtol=0, atol=1e-10)
     assert batched.evicted > 0 and all(cache.evicted > 0 for cache in alone)
     assert batched.next_position.tolist() == [cache.next_position.item() for cache in alone]
+
+
+def test_validity_that_differs_between_heads_is_refused():
+    """Padding is per batch row: the backends mask held keys with the row's validity (``key_mask()``, the first
+    head's), so a validity that differs between key/value heads (one head holding padding where another holds a
+    token) would be attended with the first head's mask. Setting one is refused in one line; the same validity in
+    every head is taken."""
+    variant = attnzoo.compile("h2o")
+    params = params_for(variant)
+    cache = variant.new_cache(batch=2, budget=None)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 2, 6, 8, dtype=torch.float64)
+    variant.prefill(q, k, v, cache, params=params)
+    uniform = torch.ones(2, 2, 6, dtype=torch.bool)
+    uniform[1, :, :2] = False
+    cache.valid = uniform
+    assert cache.key_mask().tolist() == uniform[:, 0].tolist()
+    mixed = uniform.clone()
+    mixed[0, 1, 3] = False
+    with pytest.raises(ValueError, match=r"must be the same in every key/value head") as info:
+        cache.valid = mixed
+    assert "\n" not in str(info.value)
+    assert torch.equal(cache.valid, uniform)  # the refused validity was not taken
+
+
+@pytest.mark.parametrize("backend", DECODING)
+@pytest.mark.parametrize("cache", [{"evictor": "snapkv", "window": 3, "kernel": 3}, {"evictor": "h2o"}],
+                         ids=["snapkv", "h2o"])
+def test_padding_kept_by_a_per_head_eviction_is_the_same_slots_in_every_head(cache, backend):
+    """A second prefill chunk onto a left-padded cache, with padding of its own (two tokens leading row 2's chunk,
+    one in the middle of row 1's), under an evictor that keeps a set per head, evicting fewer tokens than a row's
+    padding: the padding kept is the same slots in every head (padding goes first, by slot, whatever an evictor's
+    scores say of it: SnapKV's pooling gave padding at other positions other scores in each head, and its heads
+    kept other padding slots, which attention, masking by the row's validity, read as real), so the next step's
+    output is, for every head, softmax(q k / sqrt(d)) v over that head's real held tokens (written out here)."""
+    torch.manual_seed(0)
+    variant = attnzoo.compile({"name": f"t-{cache['evictor']}", "cache": cache}, backend=backend)
+    params = variant.init_params(num_heads=6, head_dim=5, num_kv_heads=2, dtype=torch.float64)
+    b, h, hkv, d, n = 3, 6, 2, 5, 24
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, n, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(b, hkv, n, d, generator=gen, dtype=torch.float64)
+    first = torch.ones(b, 11, dtype=torch.bool)
+    first[1, :5] = False
+    first[2, :8] = False
+    second = torch.ones(b, 10, dtype=torch.bool)
+    second[1, 7] = False
+    second[2, :2] = False
+    held = variant.new_cache(batch=b, budget=12)  # nine go from every row: row 2 keeps one of its ten padding
+    with torch.no_grad():
+        variant.prefill(q[:, :, :11], k[:, :, :11], v[:, :, :11], held, params=params, key_mask=first)
+        variant.prefill(q[:, :, 11:21], k[:, :, 11:21], v[:, :, 11:21], held, params=params, key_mask=second)
+        assert held.valid is not None and not bool(held.valid.all())  # padding survived the eviction
+        held_k, held_v, valid = held.keys.clone(), held.values.clone(), held.valid.clone()
+        out = variant.decode(q[:, :, 21:22], k[:, :, 21:22], v[:, :, 21:22], held, params=params)
+    keys = torch.cat([held_k, k[:, :, 21:22]], dim=2).repeat_interleave(h // hkv, 1)
+    values = torch.cat([held_v, v[:, :, 21:22]], dim=2).repeat_interleave(h // hkv, 1)
+    real = torch.cat([valid, torch.ones(b, hkv, 1, dtype=torch.bool)], dim=2).repeat_interleave(h // hkv, 1)
+    logits = (q[:, :, 21:22] @ keys.transpose(-1, -2)) / d ** 0.5
+    want = logits.masked_fill(~real[:, :, None, :], float("-inf")).softmax(-1) @ values
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
