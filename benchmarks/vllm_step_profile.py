@@ -1,14 +1,16 @@
 """Where a pruned vLLM layer's decode step spends its time (issue 55: "the attention itself, the C step and its
 inputs, >= 60% of ``attend_pruned``'s time").
 
-One serving layer (``attnzoo.integrations.vllm.layer.Layer``, made as vLLM's worker makes it, without an engine or
-a checkpoint) with SmolLM2-135M's attention geometry (9 heads, 3 key/value heads of 64, float32 as the benchmarks
-serve it), ``--requests`` requests whose ring pages hold ``--budget`` tokens, prefilled, then decode steps: each
-step a fresh metadata object (vLLM builds one per forward) and fresh q, k, v rows. Timed, interleaved:
+``--layers`` serving layers (``attnzoo.integrations.vllm.layer.Layer``, made as vLLM's worker makes them, without
+an engine or a checkpoint; 30 as SmolLM2-135M has) with SmolLM2-135M's attention geometry (9 heads, 3 key/value
+heads of 64, float32 as the benchmarks serve it), each with its own ring pages for ``--requests`` requests holding
+``--budget`` tokens, prefilled, then decode steps: each step one metadata object for every layer (vLLM builds one
+per forward) and fresh q, k, v rows. Timed, interleaved, per layer and step:
 
 - ``attend_pruned``: the layer's whole step (what a vLLM forward calls per layer), pages full, one batch;
 - ``core.decode``: the attention alone, the core's decode step (the fused C step and what feeds it) on one
-  attnzoo cache of the same batch already full at the budget, no pages: the floor a page-based step can reach;
+  attnzoo cache per layer of the same batch already full at the budget, no pages: the floor a page-based step can
+  reach;
 
 and a cProfile of ``attend_pruned`` (its top functions by own time). Needs vLLM (``.venv-vllm``)::
 
@@ -53,7 +55,7 @@ def metadata(counts, lengths, table):
                                  seq_lens=torch.tensor(lengths, dtype=torch.int32), block_table=table)
 
 
-def build(spec: str, requests: int, budget: int, prompt: int, dtype, seed: int):
+def build(spec: str, requests: int, budget: int, prompt: int, dtype, seed: int, layers: int = 1):
     """The serving layer, its page geometry and cache tensor with every request prefilled and past its budget, and
     a plain attnzoo cache of the same batch at the same point (the reference of the attention alone)."""
     from attnzoo.core.numerics import accumulator_dtype
@@ -65,29 +67,36 @@ def build(spec: str, requests: int, budget: int, prompt: int, dtype, seed: int):
     heads, kv_heads, d = 9, 3, 64
     torch.manual_seed(seed)
     core = Attention(load_spec(spec), heads, d, kv_heads, backend="blocked", dtype=dtype)
-    layer = Layer(core, budget, "profile", max_rows=requests)
     names = tuple(core.new_cache(1, budget=budget).state_names)
     geometry = RingGeometry(kv_heads, d, dtype, budget, names, accumulator_dtype(dtype), block_size_for(4096))
     blocks = requests + 2
-    kv_cache = torch.zeros(blocks, geometry.page_bytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
     table = torch.arange(1, requests + 1, dtype=torch.int32).unsqueeze(1)  # consecutive blocks, as vLLM hands out
     gen = torch.Generator().manual_seed(seed)
     n = requests * prompt
     q, k, v = (torch.randn(n, h, d, generator=gen, dtype=dtype) for h in (heads, kv_heads, kv_heads))
     out = torch.empty(n, heads * d, dtype=dtype)
-    layer.attend_pruned(geometry, q, k, v, kv_cache, metadata([prompt] * requests, [prompt] * requests, table), out)
-    plain = core.new_cache(requests, budget=budget)
-    core.prefill(*(t.view(requests, prompt, -1, d).transpose(1, 2) for t in (q, k, v)), plain)
-    return core, layer, geometry, kv_cache, table, plain, gen
+    meta = metadata([prompt] * requests, [prompt] * requests, table)
+    served, plain = [], []
+    for _ in range(layers):
+        layer = Layer(core, budget, "profile", max_rows=requests)
+        kv_cache = torch.zeros(blocks, geometry.page_bytes // torch.empty((), dtype=dtype).element_size(),
+                               dtype=dtype)
+        layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+        served.append((layer, kv_cache))
+        cache = core.new_cache(requests, budget=budget)
+        core.prefill(*(t.view(requests, prompt, -1, d).transpose(1, 2) for t in (q, k, v)), cache)
+        plain.append(cache)
+    return core, served, geometry, table, plain, gen
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", default="snapkv")
     ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=30, help="serving layers stepped per forward (SmolLM2: 30)")
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=96, help="prompt tokens per request (above the budget)")
-    ap.add_argument("--steps", type=int, default=400, help="decode steps timed per round")
+    ap.add_argument("--steps", type=int, default=40, help="decode steps (forwards) timed per round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -98,31 +107,31 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    core, layer, geometry, kv_cache, table, plain, gen = build(args.spec, args.requests, args.budget, args.prompt,
-                                                               dtype, args.seed)
+    core, layers, geometry, table, plain, gen = build(args.spec, args.requests, args.budget, args.prompt, dtype,
+                                                      args.seed, args.layers)
     r, heads, kv_heads, d = args.requests, 9, 3, 64
     length = [args.prompt]
-
-    def rows():
-        return (torch.randn(r, h, d, generator=gen, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (torch.randn(r, h, d, generator=gen, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    q4, k4, v4 = (t.unsqueeze(2) for t in (q, k, v))  # the same rows every step: the time, not the tokens, is read
 
     def served(steps):
         out = torch.empty(r, heads * d, dtype=dtype)
         t0 = time.perf_counter()
         for _ in range(steps):
-            q, k, v = rows()
             length[0] += 1
-            layer.attend_pruned(geometry, q, k, v, kv_cache, metadata([1] * r, [length[0]] * r, table), out)
-        return time.perf_counter() - t0
+            meta = metadata([1] * r, [length[0]] * r, table)  # one per forward, every layer's
+            for layer, kv_cache in layers:
+                layer.attend_pruned(geometry, q, k, v, kv_cache, meta, out)
+        return (time.perf_counter() - t0) / len(layers)
 
     def alone(steps):
         t0 = time.perf_counter()
         for _ in range(steps):
-            q, k, v = rows()
-            core.decode(q.unsqueeze(2), k.unsqueeze(2), v.unsqueeze(2), plain)
-        return time.perf_counter() - t0
+            for cache in plain:
+                core.decode(q4, k4, v4, cache)
+        return (time.perf_counter() - t0) / len(plain)
 
-    served(20), alone(20)  # warm: the fast step chosen, buffers sized
+    served(5), alone(5)  # warm: the fast step chosen, buffers sized
     times = {"attend_pruned": [], "core.decode": []}
     for _ in range(args.rounds):  # interleaved rounds: a loaded host slows both alike
         times["attend_pruned"].append(served(args.steps) / args.steps)
@@ -145,7 +154,7 @@ def main(argv=None) -> dict:
         "command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *(argv or sys.argv[1:])]),
         "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "vllm": vllm.__version__,
         "spec": args.spec, "requests": r, "budget": args.budget, "dtype": args.dtype,
-        "fast_step": plain.lean_step_kind,
+        "layers": args.layers, "fast_step": plain[0].lean_step_kind,
         "us_per_step": {name: [round(t * 1e6, 2) for t in ts] for name, ts in times.items()},
         "best_us": {name: round(t * 1e6, 2) for name, t in best.items()},
         "attention_share": round(share, 3),
@@ -158,6 +167,7 @@ def main(argv=None) -> dict:
     lines = ["# A pruned vLLM layer's decode step: where the time goes (issue 55)", "",
              f"`{result['command']}` on {result['cpu']} ({args.threads} thread), torch {torch.__version__}, "
              f"vLLM {vllm.__version__}; spec `{args.spec}`, {r} requests, budget {args.budget}, {args.dtype}, "
+             f"{args.layers} layers a forward (times per layer and step), "
              f"SmolLM2-135M's attention geometry (9 heads, 3 key/value heads of 64); best of {args.rounds} "
              f"interleaved rounds of {args.steps} steps.", "",
              "| step | us a step (best) | rounds |", "|---|---|---|"]

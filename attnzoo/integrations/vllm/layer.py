@@ -61,6 +61,10 @@ class Layer:
         self.states: dict[int, object] = {}
         #: ((data pointer, shape, dtype) of the cache tensor, its pages' typed views): see _pages
         self.page_views: tuple | None = None
+        #: the in-place steps' page views by (first block, rows), for the pages of ``page_views``: the same tensor
+        #: objects every step of the same requests, so the fused step finds the buffers it laid out (it compares them
+        #: by identity) and does not check and lay them out again (about 200 us a layer and step)
+        self.homes: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.chunked = chunked
         #: a prompt's staging until its last chunk, by its page (block): (its keys, values (L, H_kv, D) as vLLM
         #: computed them, its last ``rows`` queries (R, H, D), L)
@@ -247,6 +251,7 @@ class Layer:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if self.page_views is None or self.page_views[0] != key:
             self.page_views = (key, geometry.all_views(kv_cache))
+            self.homes = {}
         return self.page_views[1]
 
     def _full_pages(self, step, counts) -> torch.Tensor:
@@ -290,9 +295,10 @@ class Layer:
         names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
         every = pages["hdr"].shape[0]  # the cache's blocks: no step holds more requests
         capacity = min(self.max_rows or every, every)
-        home = {name: pages[name].narrow(0, first, rows) if in_place else pg.gathered(name, pages[name], blocks,
-                                                                                     capacity)
-                for name in names}
+        if in_place:
+            home = self._home(pages, names, first, rows)
+        else:
+            home = {name: pg.gathered(name, pages[name], blocks, capacity) for name in names}
         cache.attach(home["keys"], home["values"], home["positions"],
                      {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, pg.NEXT],
                      scrambled=bool(headers[:, pg.SCRAMBLED].any()), step_state=self.states.get(rows))
@@ -313,6 +319,16 @@ class Layer:
         headers[:, pg.SCRAMBLED] = int(cache.scrambled)
         pages["hdr"].index_copy_(0, blocks, headers)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
+
+    def _home(self, pages, names, first: int, rows: int) -> dict[str, torch.Tensor]:
+        """The views of the pages of blocks ``first`` .. ``first + rows - 1``, one per section of ``names``: made
+        once and handed out again while this layer's pages are the same tensor (:attr:`homes`, at most 64 runs)."""
+        home = self.homes.get((first, rows))
+        if home is None:
+            if len(self.homes) >= 64:
+                self.homes.clear()
+            home = self.homes[(first, rows)] = {name: pages[name].narrow(0, first, rows) for name in names}
+        return home
 
     def _decode(self, query, key_pages, value_pages, block_table, step, out) -> None:
         """One new token of each decoding request of ``step``: one batch, keys padded after each row's last
