@@ -8,6 +8,7 @@ from vLLM's metadata once per forward (``step.py``); the pages' bytes are read a
 from __future__ import annotations
 
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +34,20 @@ def drop_staged(blocks) -> None:
     for layer in list(_LAYERS):
         for block in blocks & layer.staged.keys():
             del layer.staged[block]
+
+
+class _Running(NamedTuple):
+    """An in-place batched step's requests as they stepped (``Layer._decode_full``): their pages' ``blocks`` in the
+    step's order, the ``order`` that sorts them (None: they were sorted), the pages' ``headers`` (a view), what the
+    step left in the first four header words (``expect``: magic, tokens held, next position, generation), the
+    ``cache`` on the pages, and its buffers' page views (``homes``)."""
+
+    blocks: torch.Tensor
+    order: torch.Tensor | None
+    headers: torch.Tensor
+    expect: torch.Tensor
+    cache: object
+    homes: dict
 
 
 class Layer:
@@ -65,6 +80,9 @@ class Layer:
         #: objects every step of the same requests, so the fused step finds the buffers it laid out (it compares them
         #: by identity) and does not check and lay them out again (about 200 us a layer and step)
         self.homes: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        #: the last in-place batched step's requests and cache (:meth:`_step_running`): stepped again on the same
+        #: cache object while the pages are as it left them
+        self.running: _Running | None = None
         self.chunked = chunked
         #: a prompt's staging until its last chunk, by its page (block): (its keys, values (L, H_kv, D) as vLLM
         #: computed them, its last ``rows`` queries (R, H, D), L)
@@ -104,15 +122,16 @@ class Layer:
         pages = self._pages(geometry, kv_cache)
         step = step_of(meta)
         step.check_distinct(self.where)
-        starts_t, counts_t, lengths_t, blocks_t = step.starts_t, step.counts_t, step.lengths_t, step.blocks_t
+        counts_t, blocks_t = step.counts_t, step.blocks_t
         starts, lengths, blocks = step.starts, step.lengths, step.blocks
         out = output[:n].view(n, self.heads, self.head_dim)
         if self.chunked:
             counts_t = self._chunks(geometry, pages, query, key, value, step, counts_t, out)
-        full = self._full_pages(step, counts_t)
+        full, full_starts, full_blocks, full_lengths = self._full_pages(step, counts_t)
         if full.numel() > 1:  # one request alone takes the step below
-            self._decode_full(pages, query, key, value, starts_t.index_select(0, full), blocks_t.index_select(0, full),
-                              lengths_t.index_select(0, full), out)
+            self._decode_full(pages, query, key, value, full_starts, full_blocks, full_lengths, out)
+            if full.numel() == step.active:  # every request of the step (the steady state of decoding)
+                return
             counts_t = counts_t.index_fill(0, full, 0)  # a new tensor: the step's is the other layers' too
         prompts: dict[int, list[int]] = {}  # prompt length -> its requests
         for i in torch.nonzero(counts_t).flatten().tolist():
@@ -251,22 +270,27 @@ class Layer:
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if self.page_views is None or self.page_views[0] != key:
             self.page_views = (key, geometry.all_views(kv_cache))
-            self.homes = {}
+            self.homes, self.running = {}, None
         return self.page_views[1]
 
-    def _full_pages(self, step, counts) -> torch.Tensor:
+    def _full_pages(self, step, counts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The decoding requests (indices) whose page holds ``budget`` tokens: one batch for their step. Only where
         each row's step evicts exactly one token (an evictor and no window horizon), so a page holds ``min(prompt,
         budget)`` tokens after its prompt and one more per step up to the budget: a request with one new token and
         ``length - 1 >= budget`` before it (:meth:`.step.Step.full_rows`, once per forward for every layer of that
         budget); :meth:`_decode_full` checks it against each page's header before anything is written. ``counts``:
-        the step's, with the staged chunks' requests at 0 (a one-token chunk of a prompt is not a decode step)."""
+        the step's, with the staged chunks' requests at 0 (a one-token chunk of a prompt is not a decode step).
+        Returns (the requests, their first query rows, blocks, lengths)."""
         if not self.batchable:
-            return counts.new_zeros(0)
-        full = step.full_rows(self.budget)
+            none = counts.new_zeros(0)
+            return none, none, none, none
+        batch = step.full_rows(self.budget)
+        full = batch[0]
         if self.chunked and full.numel():
-            full = full[counts.index_select(0, full) == 1]
-        return full
+            kept = full[counts.index_select(0, full) == 1]
+            if kept.numel() != full.numel():
+                batch = (kept, *(t.index_select(0, kept) for t in (step.starts_t, step.blocks_t, step.lengths_t)))
+        return batch
 
     def _decode_full(self, pages, query, key, value, index, blocks, lengths, out) -> None:
         """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch,
@@ -279,6 +303,12 @@ class Layer:
         (in slot order: a page stays ``scrambled`` while the lean steps leave it so); so is whatever an in-place
         step moved out of the pages."""
         m, rows = self.budget, blocks.shape[0]
+        running = self.running
+        if running is not None and running.blocks.shape == blocks.shape and torch.equal(running.blocks, blocks):
+            if self._step_running(running, query, key, value, index, lengths, out):
+                return
+        self.running = None
+        given = blocks
         run = pg.consecutive(blocks)
         in_place = run is not None
         if in_place:  # the rows in block order
@@ -308,10 +338,12 @@ class Layer:
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
         buffers = cache.buffers()
+        moved = False
         for name in names:
             held = buffers[name.replace("state.", "held.")]  # a state's held slots: the evictor's own tensor, maybe
             if in_place and held is not None and held.data_ptr() == home[name].data_ptr():
                 continue  # the step wrote the page itself
+            moved = True
             section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
             section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
         headers[:, pg.NEXT] += 1
@@ -319,6 +351,39 @@ class Layer:
         headers[:, pg.SCRAMBLED] = int(cache.scrambled)
         pages["hdr"].index_copy_(0, blocks, headers)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
+        if in_place and not moved:  # the next step of these requests, on these pages, keeps this cache
+            ordered = bool((order == torch.arange(rows)).all())
+            self.running = _Running(given, None if ordered else order, pages["hdr"].narrow(0, first, rows),
+                                    headers[:, :4].clone(), cache, home)
+
+    def _step_running(self, running: _Running, query, key, value, index, lengths, out) -> bool:
+        """The step of :attr:`running`'s requests again, on its cache (the pages themselves: nothing attached, nothing
+        laid out, no header gathered), when each page's header is what that cache's last step left (the magic, the
+        tokens held, the next position, the generation: no other step or prefill wrote the page since) and the next
+        position is the request's; else False, nothing done (the caller attaches afresh, and checks)."""
+        order, cache = running.order, running.cache
+        if order is not None:  # None: the blocks were in order
+            index, lengths = index.index_select(0, order), lengths.index_select(0, order)
+        hdr, expect = running.headers, running.expect
+        if not (torch.equal(hdr[:, :4], expect) and torch.equal(expect[:, pg.NEXT], lengths)):
+            return False
+        q, k, v = (t.index_select(0, index).view(cache.batch, -1, 1, self.head_dim) for t in (query, key, value))
+        o = self.core.decode(q, k, v, cache)
+        m = self.budget
+        if cache.num_tokens != m:
+            raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
+        buffers = cache.buffers()
+        for name, page in running.homes.items():  # what a step moved out of the pages (not the fused step's way)
+            held = buffers[name.replace("state.", "held.")]
+            if held.data_ptr() != page.data_ptr():
+                page.narrow(2, 0, m).copy_(held.narrow(2, 0, m).expand_as(page.narrow(2, 0, m)))
+                self.running = None  # the next step attaches afresh
+        hdr[:, pg.NEXT] += 1
+        hdr[:, pg.EVICTED] += 1
+        hdr[:, pg.SCRAMBLED] = int(cache.scrambled)
+        expect[:, pg.NEXT] += 1
+        out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
+        return True
 
     def _home(self, pages, names, first: int, rows: int) -> dict[str, torch.Tensor]:
         """The views of the pages of blocks ``first`` .. ``first + rows - 1``, one per section of ``names``: made

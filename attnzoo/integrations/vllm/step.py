@@ -39,7 +39,9 @@ class Step:
         self.decoding = [i for i in range(len(self.lengths)) if self.starts[i + 1] - self.starts[i] == 1]
         self._distinct = False
         self._decode_batch: tuple | None = None
-        self._full: dict[int, torch.Tensor] = {}
+        self._full: dict[int, tuple] = {}
+        #: the requests with new tokens in this step
+        self.active = sum(1 for c in self.counts if c)
 
     def decode_batch(self, device) -> tuple[torch.Tensor, int, torch.Tensor, torch.Tensor]:
         """The decoding requests' batch over vLLM's pages: their queries' rows (B,), the longest length, the
@@ -52,14 +54,17 @@ class Step:
             self._decode_batch = (index, longest, torch.tensor(lens, device=device).unsqueeze(1), kpos)
         return self._decode_batch
 
-    def full_rows(self, budget: int) -> torch.Tensor:
-        """The requests (indices, int64) with one new token and at least ``budget`` tokens before it: under an
-        evictor that evicts one token a step (no window), the requests whose ring page holds ``budget`` tokens
-        (``Layer._full_pages``), once per forward for every layer of that budget."""
-        full = self._full.get(budget)
-        if full is None:
-            full = self._full[budget] = torch.nonzero((self.counts_t == 1) & (self.lengths_t > budget)).flatten()
-        return full
+    def full_rows(self, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The requests (indices, int64) with one new token and at least ``budget`` tokens before it, and their
+        first query rows, blocks and lengths: under an evictor that evicts one token a step (no window), the requests
+        whose ring page holds ``budget`` tokens (``Layer._full_pages``), once per forward for every layer of that
+        budget."""
+        batch = self._full.get(budget)
+        if batch is None:
+            full = torch.nonzero((self.counts_t == 1) & (self.lengths_t > budget)).flatten()
+            batch = self._full[budget] = (full, *(t.index_select(0, full)
+                                                  for t in (self.starts_t, self.blocks_t, self.lengths_t)))
+        return batch
 
     def check_distinct(self, where: str) -> None:
         """:func:`.pages.distinct_pages` over this step's requests, once per step (a refusal is raised in every

@@ -96,6 +96,42 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
         torch.testing.assert_close(keys.gather(1, order[..., None].expand_as(keys)), cache.keys[0])
 
 
+def test_a_batched_step_keeps_its_cache_until_a_page_changes(monkeypatch):
+    """Full pages in consecutive blocks step on the cache of their last step (``Layer._step_running``: no attach, no
+    layout) while each page's header is what that step left; a new request prefilled into one of the blocks, at the
+    same length as the request it replaces (only the page's generation tells them apart), gets a fresh cache; every
+    step's outputs equal each request's alone in attnzoo's own cache (float64)."""
+    from attnzoo.core.numerics import accumulator_dtype
+    from attnzoo.integrations.vllm.layer import Layer
+    from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
+
+    dtype, budget, blocks = torch.float64, 8, [3, 4, 5]
+    layer, core = _serving_layer("h2o", budget, dtype)
+    names = tuple(core.new_cache(1, budget=budget).state_names)
+    geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
+    kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
+    reused = []
+    real = Layer._step_running
+    monkeypatch.setattr(Layer, "_step_running", lambda self, *a: reused.append(real(self, *a)) or reused[-1])
+    gen = torch.Generator().manual_seed(0)
+    caches = [core.new_cache(1, budget=budget) for _ in blocks]
+    table = torch.tensor(blocks, dtype=torch.int32).unsqueeze(1)
+    done = [0, 0, 0]
+    for step in range(4):
+        n, starts, done, meta = _metadata([20] * 3 if step == 0 else [1] * 3, done, table)
+        _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, step, gen)
+    assert reused == [True, True]  # the second batched step on: the same cache
+    # block 4's request ends; a new one of 23 tokens, the others' length, is prefilled into it
+    n, starts, _, meta = _metadata([23], [0], torch.tensor([[4]], dtype=torch.int32))
+    fresh = core.new_cache(1, budget=budget)
+    _serve_and_compare(layer, core, geometry, kv_cache, [fresh], meta, starts, 0, gen)
+    caches[1] = fresh
+    for _ in range(2):
+        n, starts, done, meta = _metadata([1] * 3, done, table)
+        _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, 1, gen)
+    assert reused == [True, True, False, True]  # the generation changed: attached afresh, then kept again
+
+
 def _step(layer, geometry, kv_cache, blocks, counts, done, gen):
     """One step of the serving layer over the ring pages of ``kv_cache``: ``counts[i]`` new tokens of request ``i``
     (after ``done[i]``), its page ``blocks[i]``; returns the output and the lengths after the step."""
