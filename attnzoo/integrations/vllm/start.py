@@ -146,9 +146,22 @@ def _serve_pruned(vllm_config, record: dict, where: str) -> None:
         _LOG.warning("attnzoo: %s", whole_prompt_line(where, model_config.max_model_len, refusal))
 
 
-#: the evictors whose prompts are prefilled in chunks, and those prefilled whole (docs/vllm.md, "Chunked prefill")
-CHUNKED_EVICTORS = ("sink_window (streaming)", "tova", "snapkv", "knorm", "keydiff")
-WHOLE_EVICTORS = ("h2o", "selective (selective-pruned)")
+def evictor_chunking() -> tuple[list[str], list[str]]:
+    """The registered evictors (plugins' included) whose prompts are prefilled in chunks, and those prefilled whole
+    (docs/vllm.md, "Chunked prefill"), as :func:`chunk_refusal` decides for a spec holding the evictor alone (an
+    evictor that needs more, e.g. selective attention's accumulator, is prefilled whole)."""
+    from ...registry import get_registry
+    from ...spec import load_spec
+
+    chunked, whole = [], []
+    for kind in get_registry().evictors:
+        try:
+            spec = load_spec({"name": f"chunk-probe-{kind}", "cache": {"evictor": kind}})
+        except Exception:  # noqa: BLE001 - an evictor that needs another transform: its spec decides, as a whole
+            whole.append(kind)
+            continue
+        (chunked if chunk_refusal(spec) is None else whole).append(kind)
+    return chunked, whole
 
 
 def chunk_refusal(spec) -> str | None:
@@ -177,18 +190,20 @@ def chunk_refusal(spec) -> str | None:
 
 def chunked_line(where: str, chunk: int, max_model_len: int) -> str:
     """The one line said at the start of an evicting spec's engine whose prompts are prefilled in chunks."""
+    chunked, whole = evictor_chunking()
     return (f"{where}: chunked prefill served exactly (chunks of up to {chunk} tokens): a prompt's keys and values "
             f"are staged outside its page until its last chunk (2 * H_kv * D * dtype bytes per token and layer, up "
             f"to max_model_len {max_model_len} tokens), each chunk attending over the staged prompt, then evicted to "
-            f"the budget as the whole prompt is (chunked: {', '.join(CHUNKED_EVICTORS)}; prefilled whole: "
-            f"{', '.join(WHOLE_EVICTORS)})")
+            f"the budget as the whole prompt is (chunked: {', '.join(chunked)}; prefilled whole: "
+            f"{', '.join(whole)})")
 
 
 def whole_prompt_line(where: str, max_model_len: int, refusal: str | None = None) -> str:
     """The one line said at the start of an evicting spec's engine whose prompts are not prefilled in chunks
     (docs/vllm.md, "KV pruning"): ``refusal`` why (:func:`chunk_refusal`), or None (turned off by the user)."""
-    why = (f" ({refusal}; chunked prefill is served for {', '.join(CHUNKED_EVICTORS)}, not for "
-           f"{', '.join(WHOLE_EVICTORS)})" if refusal else "")
+    chunked, whole = evictor_chunking() if refusal else ((), ())
+    why = (f" ({refusal}; chunked prefill is served for {', '.join(chunked)}, not for "
+           f"{', '.join(whole)})" if refusal else "")
     return (f"{where}: chunked prefill is not served for this evicting spec{why}: every prompt is prefilled whole in "
             f"one step, then evicted to the budget (max_num_batched_tokens raised to max_model_len {max_model_len}: "
             f"a step's activations grow with its prompt, up to {max_model_len} tokens, whatever the budget)")

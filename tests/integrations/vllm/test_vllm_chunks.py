@@ -163,8 +163,8 @@ def test_the_start_line_says_which_evictors_are_prefilled_in_chunks(spec, caplog
     lines = [r.getMessage() for r in caplog.records if "chunked prefill" in r.getMessage()]
     assert len(lines) == 1 and "\n" not in lines[0], lines
     line = lines[0]
-    assert "chunked: sink_window (streaming), tova, snapkv, knorm, keydiff" in line or \
-        "chunked prefill is served for sink_window (streaming), tova, snapkv, knorm, keydiff" in line
+    assert "chunked: tova, sink_window, snapkv, knorm, keydiff; prefilled whole: selective, h2o" in line or \
+        "chunked prefill is served for tova, sink_window, snapkv, knorm, keydiff, not for selective, h2o" in line
     if spec in CHUNKED:
         assert line.startswith(f"attnzoo: /ckpt: attnzoo spec '{spec}': chunked prefill served exactly (chunks of "
                                f"up to 256 tokens)"), line
@@ -220,3 +220,31 @@ def test_an_engine_with_chunked_prefill_gives_the_whole_prompts_tokens(name, tmp
     got = [list(o.outputs[0].token_ids) for o in outs]
     for g, w in zip(got, want, strict=True):  # generate() stops at EOS (2), vLLM here does not
         assert g[:len(w)] == w
+
+
+def test_the_start_line_names_a_plugin_evictor_by_what_it_declares(monkeypatch):
+    """The start line's lists of evictors prefilled in chunks and whole come from the registry, each as
+    ``chunk_refusal`` decides for a spec holding it alone: a plugin's evictor that scores by the last query's
+    attention (``probability_rows = 1``) is named among the chunked, one that reads every query's among the whole."""
+    import types
+
+    import attnzoo
+    from attnzoo.evictors.builtin import H2O, TOVA
+    from attnzoo.integrations.vllm.start import chunked_line, evictor_chunking, whole_prompt_line
+    from attnzoo.registry import new_registry
+
+    class LastQuery(TOVA):
+        kind = "last_query_plugin"
+
+    class EveryQuery(H2O):
+        kind = "every_query_plugin"
+
+    module = types.ModuleType("chunk_plugin")
+    module.register_evictors = attnzoo.hookimpl(lambda register: (register(LastQuery), register(EveryQuery)))
+    monkeypatch.setattr(attnzoo.registry, "_default",
+                        new_registry(entry_points=False, extra_plugins=[("chunk_plugin", module)]))
+    chunked, whole = evictor_chunking()
+    assert "last_query_plugin" in chunked and "every_query_plugin" in whole
+    assert {"tova", "snapkv", "sink_window"} <= set(chunked) and {"h2o", "selective"} <= set(whole)
+    assert "last_query_plugin" in chunked_line("w", 256, 1024)
+    assert "not for selective, h2o, every_query_plugin" in whole_prompt_line("w", 1024, "why")

@@ -109,8 +109,8 @@ def test_an_evicting_checkpoint_turns_off_what_would_change_its_history(caplog):
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith("attnzoo: /ckpt: attnzoo spec 'h2o': chunked prefill is not served for this evicting "
                                "spec (evictor 'h2o' scores the prompt by every query's attention; chunked prefill "
-                               "is served for sink_window (streaming), tova, snapkv, knorm, keydiff, not for h2o, "
-                               "selective (selective-pruned)): every prompt is prefilled whole in one step, then "
+                               "is served for tova, sink_window, snapkv, knorm, keydiff, not for selective, "
+                               "h2o): every prompt is prefilled whole in one step, then "
                                "evicted to the budget")
     assert "max_model_len 1024" in lines[0]
     caplog.clear()
