@@ -197,22 +197,50 @@ class Layer:
 
     def _finish(self, geometry, pages, block, length, query) -> None:
         """The staged prompt of page ``block`` (``length`` tokens) evicted into its page, unless it came in one
-        chunk (the page holds it already: :meth:`_stage`): the core's prefill with eviction over the staged keys
-        and values, as the whole prompt's step (:meth:`_prefill`), with the staged last ``rows`` queries in their
-        rows and zeros in the others (the evictor reads no other row's probabilities, and the outputs are not
-        used: each chunk's were written by :meth:`_stage`)."""
+        chunk (the page holds it already: :meth:`_stage`), as the whole prompt's step (:meth:`_prefill`) evicts it,
+        without attending the prompt again (each chunk's outputs were written by :meth:`_stage`): its first
+        ``length - R`` tokens go into a fresh cache through the key and value slots, unattended and unevicted, and
+        its last R tokens (R: the evictor's ``probability_rows``, at least 1) are the core's prefill with eviction over
+        the whole prompt, the staged queries in their rows: the evictor reads those rows' probabilities (its
+        ``probability_rows``: it reads no other) and the held tokens, as after the whole prompt's prefill."""
         keys, values, rows, staged = self.staged.pop(block)
         if staged != length:
             raise IntegrationError(f"{self.where}: page {block}'s staged prompt holds {staged} tokens, its request "
                                    f"{length}")
         if int(pages["hdr"][block, pg.NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
             return
-        q = keys.new_zeros(length, self.heads, self.head_dim)
+        last = min(max(rows.shape[0], 1), length)
+        head = length - last
+        cache = self.core.new_cache(1, budget=None if head else self.budget)
+        if head:
+            plan = self.plan
+            k, v = (t[:head].transpose(0, 1).unsqueeze(0) for t in (keys, values))  # (1, H_kv, head, D)
+            probe = k.new_zeros(1, self.heads, 1, self.head_dim)
+            grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, probe), None, 1, self.heads, 1,
+                                      probe)
+            kpos = torch.arange(1, head + 1, device=k.device).view(1, 1, head)
+            cache.append(plan.composition.row_scale(Slot.KEY, k, kpos, grouped).contiguous(),
+                         plan.composition.row_scale(Slot.VALUE, v, kpos, grouped).contiguous())
+            cache.budget = self.budget
+            cache.step_state.forget()
+        q = keys.new_zeros(last, self.heads, self.head_dim)
         if rows.shape[0]:
-            q[length - rows.shape[0]:] = rows
-        scratch = query.new_empty(length, self.heads, self.head_dim)
-        self._prefill(geometry, pages, q.view(length, -1), keys.reshape(length, -1), values.reshape(length, -1), [0],
-                      length, torch.tensor([block]), scratch)
+            q[last - min(rows.shape[0], last):] = rows[-last:]
+        with torch.no_grad():
+            self.core.prefill(q.transpose(0, 1).unsqueeze(0), *(t[head:].transpose(0, 1).unsqueeze(0)
+                                                                 for t in (keys, values)), cache)
+        self._into_pages(geometry, pages, torch.tensor([block]), cache)
+
+    def _into_pages(self, geometry, pages, blocks, cache) -> None:
+        """A cache's kept tokens after a prompt (one row per page ``blocks``), in position order, into each page's
+        first slots, and the headers afresh (the generation counts a page's prefills)."""
+        if cache.num_tokens > geometry.slots:
+            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
+                                   f"page {geometry.slots}")
+        pg.store(pages, blocks, cache)
+        headers = pages["hdr"].index_select(0, blocks)
+        pages["hdr"].index_copy_(0, blocks, pg.headers(cache, torch.where(
+            headers[:, 0] == pg.MAGIC, headers[:, pg.GENERATION] + 1, 1)))
 
     def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
         """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
@@ -230,13 +258,7 @@ class Layer:
                        for t in (query, key, value))
         cache = self.core.new_cache(rows, budget=self.budget)
         o = self.core.prefill(q, k, v, cache)
-        if cache.num_tokens > geometry.slots:
-            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
-                                   f"page {geometry.slots}")
-        pg.store(pages, blocks, cache)
-        headers = pages["hdr"].index_select(0, blocks)
-        pages["hdr"].index_copy_(0, blocks, pg.headers(cache, torch.where(
-            headers[:, 0] == pg.MAGIC, headers[:, pg.GENERATION] + 1, 1)))
+        self._into_pages(geometry, pages, blocks, cache)
         o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
         if rows == 1:
             out[starts[0]:starts[0] + count] = o[0]

@@ -43,7 +43,16 @@ def _metadata(counts, done, prompts, table):
     return n, starts.tolist(), after, meta
 
 
-@pytest.mark.parametrize("spec", CHUNKED)
+#: SnapKV under a window shorter than the prompts (its last 4 queries score: a prompt's eviction then takes its
+#: first tokens unattended, the last 4 through the core's prefill), with SSA's query and value temperatures (the
+#: staged keys and values go through the value slot's row map before they are held)
+SSA_SNAPKV = {"name": "ssa-snapkv-w4", "attention": {"causal": True},
+              "transforms": [{"kind": "query_temperature", "token_aware": True, "position_aware": True},
+                             {"kind": "value_temperature", "token_aware": True, "position_aware": True}],
+              "cache": {"evictor": "snapkv", "window": 4, "kernel": 3}}
+
+
+@pytest.mark.parametrize("spec", [*CHUNKED, pytest.param(SSA_SNAPKV, id="ssa-snapkv-w4")])
 def test_a_prompt_in_chunks_gives_the_whole_prompts_outputs_and_page(spec):
     """Three requests (prompts of 21, 6 and 30 tokens; budget 8) in chunks of at most 7 tokens, their chunks side by
     side in a step and beside another request's decode steps (a chunk of one token among them), then decoding:
