@@ -25,7 +25,6 @@ import argparse
 import cProfile
 import io
 import json
-import platform
 import pstats
 import sys
 import time
@@ -36,16 +35,6 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def metadata(counts, lengths, table):
@@ -150,9 +139,11 @@ def main(argv=None) -> dict:
                  reverse=True)[:args.top]
     import vllm
 
+    from attnzoo import bench
+
     result = {
         "command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *(argv or sys.argv[1:])]),
-        "cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "vllm": vllm.__version__,
+        "cpu": bench.cpu_model(), "threads": args.threads, "torch": torch.__version__, "vllm": vllm.__version__,
         "spec": args.spec, "requests": r, "budget": args.budget, "dtype": args.dtype,
         "layers": args.layers, "fast_step": plain[0].lean_step_kind,
         "us_per_step": {name: [round(t * 1e6, 2) for t in ts] for name, ts in times.items()},

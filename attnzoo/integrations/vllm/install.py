@@ -88,19 +88,29 @@ def _check_at_start() -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)
 
 
+def _vllm_method(module: str, owner: str, name: str):
+    """(the class ``owner`` of vLLM's ``module``, its method ``name``) to wrap, or one line saying which this vLLM
+    lacks (the plugin was written for the vLLM of :func:`_tested`)."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(module), owner)
+    except (ImportError, AttributeError) as exc:
+        missing = getattr(exc, "name", None) or f"{module}.{owner}"
+        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {missing} (written for vLLM "
+                               f"{_tested()})") from None
+    original = getattr(cls, name, None)
+    if original is None:
+        raise IntegrationError(f"attnzoo's vLLM plugin: {owner}.{name} is gone from this vLLM (written for vLLM "
+                               f"{_tested()})")
+    return cls, original
+
+
 def _check_heads_first() -> None:
     """Wrap ``ModelConfig.verify_with_parallel_config`` (run when vLLM builds its configuration, before the platform's
     check): an attnzoo checkpoint whose heads do not split over ``tensor_parallel_size`` ranks is refused in one line
     (``start.check_heads``) before vLLM's own check refuses it in a three-line validation report."""
-    try:
-        from vllm.config.model import ModelConfig
-    except ImportError as exc:
-        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {exc.name} (written for vLLM "
-                               f"{_tested()})") from None
-    original = getattr(ModelConfig, "verify_with_parallel_config", None)
-    if original is None:
-        raise IntegrationError(f"attnzoo's vLLM plugin: ModelConfig.verify_with_parallel_config is gone from this "
-                               f"vLLM (written for vLLM {_tested()})")
+    ModelConfig, original = _vllm_method("vllm.config.model", "ModelConfig", "verify_with_parallel_config")
 
     def verify_with_parallel_config(self, parallel_config):
         try:
@@ -132,15 +142,7 @@ def _forget_finished_requests() -> None:
     and preempted requests): an evicting spec's staged prompts (chunked prefill, ``layer.Layer._stage``) of those
     requests' pages are dropped before the original runs (it forgets the requests). Without it a request that ends
     with its prompt kept its staging until a new prompt started on its page."""
-    try:
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    except ImportError as exc:
-        raise IntegrationError(f"attnzoo's vLLM plugin: this vLLM has no {exc.name} (written for vLLM "
-                               f"{_tested()})") from None
-    original = getattr(GPUModelRunner, "_update_states", None)
-    if original is None:
-        raise IntegrationError(f"attnzoo's vLLM plugin: GPUModelRunner._update_states is gone from this vLLM "
-                               f"(written for vLLM {_tested()})")
+    GPUModelRunner, original = _vllm_method("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_update_states")
     GPUModelRunner._update_states = wrap_update_states(original)  # noqa: SLF001 -- vLLM's own, no public form (docs/vllm.md)
 
 
