@@ -36,11 +36,16 @@ def drop_staged(blocks) -> None:
             del layer.staged[block]
 
 
+#: what a decode step adds to a full page's header: one to the next position and one to the evicted count
+_STEPPED = torch.zeros(pg.HEADER, dtype=torch.int64)
+_STEPPED[pg.NEXT] = _STEPPED[pg.EVICTED] = 1
+
+
 class _Running(NamedTuple):
     """An in-place batched step's requests as they stepped (``Layer._decode_full``): their pages' ``blocks`` in the
     step's order, the ``order`` that sorts them (None: they were sorted), the pages' ``headers`` (a view), what the
-    step left in the first four header words (``expect``: magic, tokens held, next position, generation), the
-    ``cache`` on the pages, and its buffers' page views (``homes``)."""
+    step left in them (``expect``: magic, tokens held, next position, generation, ...), the ``cache`` on the pages,
+    and its buffers' page views (``homes``)."""
 
     blocks: torch.Tensor
     order: torch.Tensor | None
@@ -376,18 +381,18 @@ class Layer:
         if in_place and not moved:  # the next step of these requests, on these pages, keeps this cache
             ordered = bool((order == torch.arange(rows)).all())
             self.running = _Running(given, None if ordered else order, pages["hdr"].narrow(0, first, rows),
-                                    headers[:, :4].clone(), cache, home)
+                                    headers.clone(), cache, home)
 
     def _step_running(self, running: _Running, query, key, value, index, lengths, out) -> bool:
         """The step of :attr:`running`'s requests again, on its cache (the pages themselves: nothing attached, nothing
         laid out, no header gathered), when each page's header is what that cache's last step left (the magic, the
-        tokens held, the next position, the generation: no other step or prefill wrote the page since) and the next
-        position is the request's; else False, nothing done (the caller attaches afresh, and checks)."""
+        tokens held, the next position, the generation, ...: no other step or prefill wrote the page since) and the
+        next position is the request's; else False, nothing done (the caller attaches afresh, and checks)."""
         order, cache = running.order, running.cache
         if order is not None:  # None: the blocks were in order
             index, lengths = index.index_select(0, order), lengths.index_select(0, order)
         hdr, expect = running.headers, running.expect
-        if not (torch.equal(hdr[:, :4], expect) and torch.equal(expect[:, pg.NEXT], lengths)):
+        if not (torch.equal(hdr, expect) and torch.equal(expect[:, pg.NEXT], lengths)):
             return False
         q, k, v = (t.index_select(0, index).view(cache.batch, -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
@@ -400,10 +405,10 @@ class Layer:
             if held.data_ptr() != page.data_ptr():
                 page.narrow(2, 0, m).copy_(held.narrow(2, 0, m).expand_as(page.narrow(2, 0, m)))
                 self.running = None  # the next step attaches afresh
-        hdr[:, pg.NEXT] += 1
-        hdr[:, pg.EVICTED] += 1
-        hdr[:, pg.SCRAMBLED] = int(cache.scrambled)
-        expect[:, pg.NEXT] += 1
+        if bool(expect[0, pg.SCRAMBLED]) != cache.scrambled:
+            hdr[:, pg.SCRAMBLED] = int(cache.scrambled)
+        hdr.add_(_STEPPED)  # the next position and the evicted count, one on
+        expect.copy_(hdr)
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
         return True
 
