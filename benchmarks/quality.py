@@ -15,7 +15,8 @@ their default budget, such as ``selective`` and ``selective-pruned``, run once),
 
 Every cache here is float32, attnzoo's and the full one alike, so the fraction of bytes held relative to a full
 cache of the same dtype (and to a bfloat16 full cache for a bfloat16 cache) is the fraction of tokens kept: the
-x-axis. The measured bytes held (``AttnzooCache.nbytes`` after the prompt) are reported too.
+x-axis. The measured bytes held (``AttnzooCache.nbytes`` at the end of each case: after the answer's tokens, and
+for a ``/prefill`` method, whose cache grows, after the continuation too) are reported too.
 
 kvpress (a peer; it pins an older transformers) runs live with ``--kvpress-python PYTHON``, an interpreter that can
 import torch, an older transformers and kvpress (``--kvpress-path DIR`` puts a folder first on its ``sys.path``: an
@@ -601,8 +602,9 @@ def to_markdown(result: dict) -> str:
                 f"{cells[str(f)]['ppl']:.2f}" if str(f) in cells else "" for f in fr) + " | |")
     lines.append("")
     if result.get("held"):
-        lines += ["Bytes held (measured `cache.nbytes`, unquantized keys and values counted at bfloat16) / a "
-                  "bfloat16 full cache's, mean over cases:", "",
+        lines += ["Bytes held (measured `cache.nbytes` at the end of each case, unquantized keys and values counted "
+                  "at bfloat16; a `/prefill` method's cache has grown by the answer or the continuation, as kvpress's "
+                  "has) / a bfloat16 full cache's for the prompt, mean over cases:", "",
                   "| method | " + " | ".join(f"{pct(f)} {unit}" for f in fr) + " |", "|---|" + "---|" * len(fr)]
         for m, cells in result["held"].items():
             lines.append(f"| {m} | " + " | ".join(
