@@ -383,7 +383,14 @@ def split_method(method: str) -> tuple[str, int | None]:
     """'snapkv' -> ('snapkv', None); 'snapkv@8' -> ('snapkv', 8); 'snapkv@4u+pyramid' -> ('snapkv', 4): a spec, and
     the bits its cache holds keys and values in (``AttnzooCache(kv_bits=...)``), None for the model's dtype."""
     name, _, bits = method.partition("/")[0].partition("+")[0].partition("@")
-    return name, (int(bits.rstrip("u")) if bits else None)
+    return name, (int(bits.partition("r")[0].rstrip("u")) if bits else None)
+
+
+def recent_of(method: str) -> int:
+    """The newest tokens a method's cache holds at full precision beside their codes: 'snapkv@4r64' -> 64
+    (``AttnzooCache(kv_recent=64)``), 0 without an ``r`` suffix on its bits."""
+    bits = method.partition("/")[0].partition("+")[0].partition("@")[2]
+    return int(bits.partition("r")[2] or 0)
 
 
 def layer_shape(method: str) -> str:
@@ -402,18 +409,23 @@ def cache_options(method: str) -> dict:
     options = {"evict": "prefill"} if mode == "prefill" else {}
     if bits is None:
         return options
-    return {**options, "kv_bits": bits, **({"kv_rotate": False} if base.endswith("u") else {})}
+    recent = recent_of(base)
+    return {**options, "kv_bits": bits, **({"kv_rotate": False} if base.partition("r")[0].endswith("u") else {}),
+            **({"kv_recent": recent} if recent else {})}
 
 
 KV_BITS = ("8", "4", "3", "2", "8u", "4u", "3u", "2u")
 
 
 def kv_bits_choice(value: str):
-    """--kv-bits values: none, 8, 4, 3, 2, and 8u, 4u, 3u, 2u (unrotated)."""
+    """--kv-bits values: none, 8, 4, 3, 2, and 8u, 4u, 3u, 2u (unrotated), each optionally with ``rN`` (4r64, 4ur64:
+    the newest N tokens at full precision as well, ``AttnzooCache(kv_recent=N)``)."""
     if value == "none":
         return None
-    if value not in KV_BITS:
-        raise argparse.ArgumentTypeError(f"--kv-bits takes none, {', '.join(KV_BITS)}, got {value!r}")
+    bits, _, recent = value.partition("r")
+    if bits not in KV_BITS or (value.count("r") and not recent.isdigit()):
+        raise argparse.ArgumentTypeError(f"--kv-bits takes none, {', '.join(KV_BITS)} (each optionally with rN: "
+                                         f"4r64), got {value!r}")
     return value
 
 
@@ -437,10 +449,12 @@ def token_bytes(config, spec_name: str | None, kv_bits: int | None) -> int:
     return heads * (kv + extra)
 
 
-def byte_budget(fraction: float, length: int, config, spec_name: str, kv_bits: int | None) -> int:
-    """Tokens a cache keeps to hold ``fraction`` of a bfloat16 full cache's bytes for a prompt of ``length``."""
+def byte_budget(fraction: float, length: int, config, spec_name: str, kv_bits: int | None, recent: int = 0) -> int:
+    """Tokens a cache keeps to hold ``fraction`` of a bfloat16 full cache's bytes for a prompt of ``length``; its
+    ``recent`` newest tokens' rows at bfloat16 beside their codes (``kv_recent``) come out of those bytes first."""
     full = length * token_bytes(config, None, None)
-    return max(2, int(fraction * full // token_bytes(config, spec_name, kv_bits)))
+    exact = recent * token_bytes(config, None, None)  # their keys and values at bfloat16, every head
+    return max(2, int((fraction * full - exact) // token_bytes(config, spec_name, kv_bits)))
 
 
 def full_kv_bytes(model, length: int) -> int:
@@ -453,11 +467,16 @@ def counted_bytes(model, cache, spec_name: str, kv_bits: int | None) -> int:
     """``cache.nbytes`` (measured) with unquantized keys and values counted at bfloat16 (the benchmark computes in
     float32; a server holds bfloat16): what :func:`token_bytes` predicts, checked against the cache itself."""
     held = cache.nbytes
-    if kv_bits is None:
-        for kv in cache.kv_caches:
-            if kv is not None and kv.keys is not None:
-                for t in (kv.keys, kv.values):
-                    held -= t.numel() * (t.element_size() - 2)
+    for kv in cache.kv_caches:
+        if kv is None or kv.keys is None:
+            continue
+        if kv_bits is None:
+            rows = (kv.keys, kv.values)
+        else:  # the newest tokens' exact rows beside their codes (kv_recent)
+            packed = kv.__dict__.get("_packed")
+            rows = () if packed is None or packed.exact is None else packed.exact[1:]
+        for t in rows:
+            held -= t.numel() * (t.element_size() - 2)
     return held
 
 
@@ -906,10 +925,10 @@ def main(argv=None) -> dict:
         for fraction in args.fractions:
             ratios = []
 
-            def budget_for(length: int, fraction=fraction, name=name, bits=bits) -> int:
+            def budget_for(length: int, fraction=fraction, name=name, bits=bits, method=method) -> int:
                 if args.axis == "tokens":
                     return budget_of(fraction, length)
-                return byte_budget(fraction, length, zoo.config, name, bits)
+                return byte_budget(fraction, length, zoo.config, name, bits, recent_of(method))
 
             def spread(budget: int, method=method):  # one budget, or one per layer (the same total)
                 flat = layer_shape(method) == "flat"

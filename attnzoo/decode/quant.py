@@ -277,11 +277,14 @@ def dequantize(q: QuantizedRows, dtype: torch.dtype = torch.float32, out: torch.
 
 # -- a KVCache held quantized between steps ---------------------------------------------------------------------------
 class PackedKV(NamedTuple):
-    """What a packed cache holds in place of its float buffers: keys and values, their float dtype and device."""
+    """What a packed cache holds in place of its float buffers: keys and values, their float dtype and device, and
+    ``exact``: the newest tokens' rows at full precision (``pack(..., recent=N)``: their slots (B, H_kv, N) int64,
+    keys and values (B, H_kv, N, D) in ``dtype``), read in place of their codes, or None."""
 
     keys: QuantizedRows
     values: QuantizedRows
     dtype: torch.dtype
+    exact: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def bits(self) -> int:
@@ -292,14 +295,42 @@ class PackedKV(NamedTuple):
         return self.keys.rotated
 
     @property
+    def recent(self) -> int:
+        """How many of each row's newest tokens are held at full precision as well."""
+        return 0 if self.exact is None else self.exact[0].shape[-1]
+
+    @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        rows = 0 if self.exact is None else sum(t.numel() * t.element_size() for t in self.exact[1:])
+        return self.keys.nbytes + self.values.nbytes + rows
 
     def index_select(self, dim: int, index: torch.Tensor) -> PackedKV:
-        return self._replace(keys=self.keys.index_select(dim, index), values=self.values.index_select(dim, index))
+        """Batch rows (``dim`` 0) or key/value heads (1)."""
+        if dim not in (0, 1):
+            raise ValueError(f"PackedKV.index_select selects rows or heads (dim 0 or 1), not dim {dim}")
+        exact = None if self.exact is None else tuple(t.index_select(dim, index) for t in self.exact)
+        return self._replace(keys=self.keys.index_select(dim, index), values=self.values.index_select(dim, index),
+                             exact=exact)
 
     def gather_tokens(self, slot: torch.Tensor) -> PackedKV:
-        return self._replace(keys=self.keys.gather_tokens(slot), values=self.values.gather_tokens(slot))
+        """Slot j of each row and head takes slot ``slot[..., j]``'s token. The exact rows follow their tokens when
+        ``slot`` reorders every slot (a permutation: the slots settled in position order); otherwise they are let go
+        (the tokens are read from their codes)."""
+        exact = self.exact
+        if exact is not None:
+            if slot.shape == self.keys.scale.shape:  # every slot once, in a new order (its inverse finds the tokens)
+                exact = (slot.argsort(dim=-1).gather(-1, exact[0]), exact[1], exact[2])
+            else:
+                exact = None
+        return self._replace(keys=self.keys.gather_tokens(slot), values=self.values.gather_tokens(slot), exact=exact)
+
+    def dequantized(self, which: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys (``which`` 0) or values (1) in ``dtype``, the exact rows in their slots."""
+        rows = dequantize(self.keys if which == 0 else self.values, self.dtype, out=out)
+        if self.exact is not None:
+            slots, held = self.exact[0], self.exact[1 + which]
+            rows.scatter_(2, slots.unsqueeze(-1).expand(*slots.shape, rows.shape[-1]), held)
+        return rows
 
 
 class _Earlier(NamedTuple):
@@ -329,15 +360,26 @@ class HeldRows:
         return cache.__dict__[self.name]
 
 
-def pack(cache, bits: int, rotate: bool = True) -> None:
+def check_recent(recent, name: str = "kv_recent") -> int:
+    """``recent`` as an int >= 0, or one line naming ``name``."""
+    if isinstance(recent, bool) or not isinstance(recent, int) or recent < 0:
+        raise ValueError(f"{name} must be an int >= 0 (the newest tokens held at full precision too), got {recent!r}")
+    return recent
+
+
+def pack(cache, bits: int, rotate: bool = True, recent: int = 0) -> None:
     """Hold ``cache``'s keys and values in ``bits`` until the next step (:meth:`KVCache.pack`), rotated
-    (:func:`rotate`) unless ``rotate`` is False. Refused, before anything changes, for a head size ``bits`` cannot
-    pack whole (:func:`check_head_dim`) or a token beyond float16's scale range."""
+    (:func:`rotate`) unless ``rotate`` is False, each row's newest ``recent`` tokens (by position) held at full
+    precision as well and read in place of their codes (every token still gets its codes when first packed: one that
+    leaves the newest is read from them). Refused, before anything changes, for a head size ``bits`` cannot pack
+    whole (:func:`check_head_dim`) or a token beyond float16's scale range."""
     check_bits(bits, "kv_bits")
+    check_recent(recent)
     held = cache.__dict__
     packed = held.get("_packed")
     if packed is not None:
-        if (packed.bits, packed.rotated) == (bits, bool(rotate) and rotation_block(packed.keys.head_dim) > 1):
+        if ((packed.bits, packed.rotated, packed.recent) ==
+                (bits, bool(rotate) and rotation_block(packed.keys.head_dim) > 1, min(recent, cache._m))):
             return
         unpack(cache)
     k = held.get("_k")
@@ -358,7 +400,12 @@ def pack(cache, bits: int, rotate: bool = True) -> None:
     fast = cache.step_state.fast
     if getattr(fast, "held", None):  # a fused step keeps the buffers it checked and its op's arguments: let them
         fast.held = fast.fixed = ()  # go (attnzoo/decode/fused.py: the next step lays the new buffers out anew)
-    cache._packed = PackedKV(keys, values, k.dtype)
+    exact = None
+    if recent:
+        slots = cache._pos[:, :, :m].topk(min(recent, m), dim=-1).indices  # each row's newest positions
+        index = slots.unsqueeze(-1).expand(*slots.shape, rows[0].shape[-1])
+        exact = (slots, rows[0].gather(2, index), rows[1].gather(2, index))
+    cache._packed = PackedKV(keys, values, k.dtype, exact)
     cache._quant_earlier = None
     cache._bias = None
     del held["_k"], held["_v"]
@@ -371,7 +418,7 @@ def _keep_earlier(rows, positions, valid, earlier: _Earlier, bits: int, rotate: 
     :func:`forget_from`); a token of the step (at or past the row's next position then, not found
     among the earlier positions, or another row) is quantized now. Padding shares its position with the next real
     token (and is held as zeros): a real token takes the last earlier slot of its position, padding the first."""
-    old = earlier.packed
+    old = earlier.packed._replace(exact=None)  # the codes only: every earlier token has its own
     order = earlier.positions.argsort(dim=-1, stable=True)  # the earlier slots may be out of position order
     before = earlier.positions.gather(-1, order)
     last = before.shape[-1] - 1
@@ -408,9 +455,9 @@ def unpack(cache) -> None:
         cache._pos[:, :, :m] = pos[:, :, :m]
     device = packed.keys.codes.device
     bufs = []
-    for q in (packed.keys, packed.values):
+    for which in (0, 1):
         buf = torch.empty(b, h, room, d, dtype=packed.dtype, device=device)
-        dequantize(q, out=buf[:, :, :m])
+        packed.dequantized(which, out=buf[:, :, :m])
         bufs.append(buf)
     held["_k"], held["_v"] = bufs
     cache._packed = None
@@ -431,7 +478,7 @@ def forget_from(cache, next_position) -> None:
 def dequantized(cache) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of a packed cache, dequantized, in slot order, without unpacking it (new tensors)."""
     packed = cache._packed
-    return dequantize(packed.keys, packed.dtype), dequantize(packed.values, packed.dtype)
+    return packed.dequantized(0), packed.dequantized(1)
 
 
 def reorder(cache, index: torch.Tensor) -> bool:

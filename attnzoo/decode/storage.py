@@ -318,7 +318,7 @@ class KVCache(SlotStore):
                 "bytes": self.nbytes, "allocated_bytes": self.capacity_bytes, "kv_bits": self.packed_bits}
 
     # -- quantized between steps (attnzoo.decode.quant) ------------------------------------------------------------
-    def pack(self, bits: int, rotate: bool = True) -> None:
+    def pack(self, bits: int, rotate: bool = True, recent: int = 0) -> None:
         """Hold the keys and values in ``bits`` (8, 4, 3 or 2) with a float16 scale and zero point per token and head,
         until they are next read: the float buffers are released (:attr:`nbytes` counts the codes), and the next
         step, or anything else that reads the buffers, dequantizes them back first (:meth:`unpack`). Call it after
@@ -326,8 +326,10 @@ class KVCache(SlotStore):
         before keep their codes (quantized once). :attr:`keys` and :attr:`values` read while packed are the
         dequantized rows (new tensors; the cache stays packed). A no-op on an empty cache. ``rotate`` (the
         default): each token's rows are quantized in Hadamard-rotated coordinates (``attnzoo.decode.quant.rotate``:
-        outlier channels no longer set a token's scale), rotated back when dequantized."""
-        quant.pack(self, bits, rotate)
+        outlier channels no longer set a token's scale), rotated back when dequantized. ``recent``: each row's newest
+        ``recent`` tokens (by position) are held at full precision as well, and read in place of their codes (counted
+        in :attr:`nbytes`); a token read from its codes once it is no longer among them."""
+        quant.pack(self, bits, rotate, recent)
 
     def unpack(self) -> None:
         """Dequantize packed keys and values back into float buffers (a no-op unless packed)."""

@@ -532,3 +532,59 @@ def test_tokens_after_a_rewind_are_quantized_anew():
     assert q.rotated  # what a cache packs unless told otherwise
     tail = quant.QuantizedRows(q.codes[:, :, 6:], q.scale[:, :, 6:], q.zero[:, :, 6:], 8, 16, True)
     within_half_scale(torch.cat(ks, dim=2), tail)
+
+
+# -- the newest tokens at full precision as well (pack(..., recent=N)) ------------------------------------------------
+def test_the_newest_tokens_are_read_at_full_precision_and_the_rest_from_their_codes():
+    """``pack(bits, recent=3)``: each row's 3 newest tokens (by position) are read exactly as held, every other
+    token from the same codes as ``pack(bits)``'s; their rows are counted in nbytes; after a step the token that is
+    no longer among the newest is read from the codes it got when first packed (quantized once); a batch reorder
+    while packed moves them with their row; a deep copy keeps them."""
+    _, cache = decode_run("vanilla", None, steps=0, budget=None)
+    plain = cache.copy()
+    keys, values = cache.keys.clone(), cache.values.clone()
+    plain.pack(4)
+    cache.pack(4, recent=3)
+    b, h, m, d = keys.shape
+    assert torch.equal(cache.keys[:, :, -3:], keys[:, :, -3:])
+    assert torch.equal(cache.values[:, :, -3:], values[:, :, -3:])
+    assert torch.equal(cache.keys[:, :, :-3], plain.keys[:, :, :-3])
+    assert not torch.equal(cache.keys[:, :, -4], keys[:, :, -4])  # 4 bits: not exact
+    assert cache.nbytes == plain.nbytes + 2 * b * h * 3 * d * keys.element_size()
+    copied = cache.copy()
+    assert torch.equal(copied.keys, cache.keys)
+    layer = attnzoo.nn.Attention("vanilla", num_heads=4, head_dim=16, num_kv_heads=2)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(b, n, 1, 16, generator=g) for n in (4, 2, 2))
+    for c in (cache, plain):
+        layer.decode(q, k, v, c)
+    cache.pack(4, recent=3)
+    plain.pack(4)
+    assert torch.equal(cache.keys[:, :, -1:], k) and torch.equal(cache.keys[:, :, -3:-1], keys[:, :, -2:])
+    assert torch.equal(cache.keys[:, :, -4], plain.keys[:, :, -4])  # left the newest: its first codes
+    swapped = cache.keys.flip(0)
+    cache.reorder(torch.tensor([1, 0]))
+    assert cache.packed_bits == 4 and torch.equal(cache.keys, swapped)
+
+
+def test_the_exact_rows_follow_their_tokens_when_the_slots_are_put_in_order():
+    """A fast step leaves the slots out of position order; putting them back in order while packed moves the codes,
+    and the exact rows with their tokens (``PackedKV.gather_tokens`` with a permutation)."""
+    exact = quant.quantize(torch.randn(1, 1, 5, 16), 4)
+    slots = torch.tensor([[[4, 1]]])
+    held = (slots, torch.ones(1, 1, 2, 16), torch.full((1, 1, 2, 16), 2.0))
+    packed = quant.PackedKV(exact, exact, torch.float32, held)
+    order = torch.tensor([[[3, 4, 0, 2, 1]]])  # new slot j takes old slot order[j]
+    moved = packed.gather_tokens(order)
+    assert moved.exact[0].tolist() == [[[1, 4]]]  # old slot 4 is now slot 1, old slot 1 now slot 4
+    rows = moved.dequantized(0)
+    assert torch.equal(rows[0, 0, 1], torch.ones(16)) and torch.equal(rows[0, 0, 4], torch.ones(16))
+    assert packed.gather_tokens(torch.tensor([[[0, 1, 2]]])).exact is None  # a subset: read from the codes
+
+
+@pytest.mark.parametrize("bad", [-1, True, 2.0, "3"])
+def test_recent_other_than_an_int_at_least_zero_is_refused_in_one_line(bad):
+    _, cache = decode_run("vanilla", None, steps=0, budget=None)
+    with pytest.raises(ValueError, match="kv_recent must be an int >= 0") as info:
+        cache.pack(4, recent=bad)
+    assert "\n" not in str(info.value) and cache.packed_bits is None

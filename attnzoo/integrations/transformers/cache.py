@@ -103,7 +103,7 @@ class AttnzooLayer(CacheLayerMixin):
     _last_step = 0
 
     def __init__(self, index: int, core: Attention, budget: int | None, kv_bits: int | None = None,
-                 kv_rotate: bool = True, evict: str = "always") -> None:
+                 kv_rotate: bool = True, evict: str = "always", kv_recent: int = 0) -> None:
         super().__init__()
         self.index = index
         self.core = core
@@ -112,6 +112,8 @@ class AttnzooLayer(CacheLayerMixin):
         self.kv_bits = kv_bits
         #: quantized in Hadamard-rotated coordinates (KVCache.pack's ``rotate``)
         self.kv_rotate = kv_rotate
+        #: the newest tokens held at full precision as well (KVCache.pack's ``recent``)
+        self.kv_recent = kv_recent
         #: "always": the budget holds at every step; "prefill": a prefill evicts down to it, a one-token step keeps
         #: every token it appends (the cache grows while decoding, as kvpress's compressed contexts do)
         self.evict = evict
@@ -277,7 +279,7 @@ class AttnzooLayer(CacheLayerMixin):
         else:
             out = core.prefill(q, k, v, self.kv, key_mask=key_mask, x=x)
         if self.kv_bits is not None:
-            self.kv.pack(self.kv_bits, self.kv_rotate)
+            self.kv.pack(self.kv_bits, self.kv_rotate, self.kv_recent)
         return out
 
     def memory(self) -> dict:
@@ -340,13 +342,19 @@ class AttnzooCache(Cache):
     (``KVCache.pack``, docs/decoding.md "Quantized keys and values"): each step dequantizes its layer's cache,
     attends its new tokens in full precision, and packs them with the rest after it; ``kv_rotate`` (default True)
     quantizes each token in Hadamard-rotated coordinates (outlier channels no longer set its scale; False: the
-    head's own coordinates). ``evict``: ``"always"`` (default) keeps the budget at every step, so memory stays
-    bounded however long the generation; ``"prefill"`` compresses each prompt (a step of several tokens) down to the
-    budget and keeps every generated token (memory grows by the tokens generated: kvpress's way, a compressed
-    context then a free answer)."""
+    head's own coordinates); ``kv_recent`` (default 0) holds each layer's newest ``kv_recent`` tokens at full
+    precision as well (their codes are read once they are no longer the newest; the bytes counted). ``evict``:
+    ``"always"`` (default) keeps the budget at every step, so memory stays bounded however long the generation;
+    ``"prefill"`` compresses each prompt (a step of several tokens) down to the budget and keeps every generated
+    token (memory grows by the tokens generated: kvpress's way, a compressed context then a free answer)."""
 
     def __init__(self, model, budget=UNSET, kv_bits: int | None = None, kv_rotate: bool = True,
-                 evict: str = "always") -> None:
+                 evict: str = "always", kv_recent: int = 0) -> None:
+        if isinstance(kv_recent, bool) or not isinstance(kv_recent, int) or kv_recent < 0:
+            raise IntegrationError(f"AttnzooCache: kv_recent must be an int >= 0, got {kv_recent!r}")
+        if kv_recent and kv_bits is None:
+            raise IntegrationError(f"AttnzooCache: kv_recent={kv_recent} keeps the newest tokens at full precision "
+                                   f"beside quantized ones: give kv_bits too")
         if not isinstance(kv_rotate, bool):
             raise IntegrationError(f"AttnzooCache: kv_rotate must be True or False, got {kv_rotate!r}")
         if evict not in ("always", "prefill"):
@@ -370,10 +378,11 @@ class AttnzooCache(Cache):
                     check_head_dim(core.head_dim, kv_bits, "kv_bits")
                 except ValueError as exc:
                     raise IntegrationError(f"{where(module)}: {exc}") from None
-            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate, evict))
+            layers.append(AttnzooLayer(module.layer_idx, core, b, kv_bits, kv_rotate, evict, kv_recent))
         super().__init__(layers=layers)
         self.kv_bits = kv_bits
         self.kv_rotate = kv_rotate
+        self.kv_recent = kv_recent
         self.evict = evict
 
     def layer_for(self, module) -> AttnzooLayer:

@@ -137,3 +137,25 @@ def test_beam_search_reorders_packed_layers():
                          do_sample=False, pad_token_id=PAD, eos_token_id=None)
     assert out.shape == (2, 16)
     assert all(layer.kv.packed_bits == 8 and layer.kv.batch == 3 for layer in cache.layers)
+
+
+def test_kv_recent_needs_kv_bits_and_an_int_and_holds_the_newest_exactly():
+    """``AttnzooCache(kv_bits=4, kv_recent=N)``: refused in one line without ``kv_bits`` or with a bad N; with N at
+    least every token the model attends, generation reads no code and gives the full-precision cache's tokens; with a
+    small N each layer holds N tokens' rows beside the codes (counted in its bytes)."""
+    model = tiny("h2o", budget=16)
+    for bad, words in ((dict(kv_recent=4), "give kv_bits too"), (dict(kv_bits=4, kv_recent=-1), "kv_recent must be"),
+                       (dict(kv_bits=4, kv_recent=True), "kv_recent must be")):
+        with pytest.raises(IntegrationError, match=words) as info:
+            zt.AttnzooCache(model, **bad)
+        assert "\n" not in str(info.value)
+    ids = prompt(12)
+    full = model.generate(ids, cache=zt.AttnzooCache(model), **GREEDY)
+    exact = model.generate(ids, cache=zt.AttnzooCache(model, kv_bits=4, kv_recent=32), **GREEDY)
+    assert torch.equal(full, exact)
+    small, plain = zt.AttnzooCache(model, kv_bits=4, kv_recent=3), zt.AttnzooCache(model, kv_bits=4)
+    model.generate(ids, cache=small, **GREEDY)
+    model.generate(ids, cache=plain, **GREEDY)
+    layers = model.config.num_hidden_layers
+    extra = layers * 2 * 1 * 2 * 3 * 16 * 4  # keys and values, batch 1, 2 KV heads, 3 tokens, head_dim 16, float32
+    assert small.nbytes - plain.nbytes == extra
