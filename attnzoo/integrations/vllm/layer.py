@@ -41,6 +41,17 @@ _STEPPED = torch.zeros(pg.HEADER, dtype=torch.int64)
 _STEPPED[pg.NEXT] = _STEPPED[pg.EVICTED] = 1
 
 
+def _moved(cache, home: dict, in_place: bool):
+    """(section, the tensor the step left it in) of each section of ``home`` (its pages' views, by name) that a
+    step's cache no longer holds in its page: every one unless ``in_place``, else those a step replaced (a state's
+    held slots may be the evictor's own tensor)."""
+    buffers = cache.buffers()
+    for name, page in home.items():
+        held = buffers[name.replace("state.", "held.")]
+        if not (in_place and held is not None and held.data_ptr() == page.data_ptr()):
+            yield name, held
+
+
 class _Running(NamedTuple):
     """An in-place batched step's requests as they stepped (``Layer._decode_full``): their pages' ``blocks`` in the
     step's order, the ``order`` that sorts them (None: they were sorted), the pages' ``headers`` (a view), what the
@@ -220,9 +231,7 @@ class Layer:
         if head:
             plan = self.plan
             k, v = (t[:head].transpose(0, 1).unsqueeze(0) for t in (keys, values))  # (1, H_kv, head, D)
-            probe = k.new_zeros(1, self.heads, 1, self.head_dim)
-            grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, probe), None, 1, self.heads, 1,
-                                      probe)
+            grouped = self._grouped(k.new_zeros(1, self.heads, 1, self.head_dim))
             kpos = torch.arange(1, head + 1, device=k.device).view(1, 1, head)
             cache.append(plan.composition.row_scale(Slot.KEY, k, kpos, grouped).contiguous(),
                          plan.composition.row_scale(Slot.VALUE, v, kpos, grouped).contiguous())
@@ -364,12 +373,8 @@ class Layer:
         self.states[rows] = cache.step_state
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        buffers = cache.buffers()
         moved = False
-        for name in names:
-            held = buffers[name.replace("state.", "held.")]  # a state's held slots: the evictor's own tensor, maybe
-            if in_place and held is not None and held.data_ptr() == home[name].data_ptr():
-                continue  # the step wrote the page itself
+        for name, held in _moved(cache, home, in_place):
             moved = True
             section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
             section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
@@ -399,12 +404,10 @@ class Layer:
         m = self.budget
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        buffers = cache.buffers()
-        for name, page in running.homes.items():  # what a step moved out of the pages (not the fused step's way)
-            held = buffers[name.replace("state.", "held.")]
-            if held.data_ptr() != page.data_ptr():
-                page.narrow(2, 0, m).copy_(held.narrow(2, 0, m).expand_as(page.narrow(2, 0, m)))
-                self.running = None  # the next step attaches afresh
+        for name, held in _moved(cache, running.homes, True):  # not the fused step's way: the pages get them back
+            page = running.homes[name].narrow(2, 0, m)
+            page.copy_(held.narrow(2, 0, m).expand_as(page))
+            self.running = None  # the next step attaches afresh
         if bool(expect[0, pg.SCRAMBLED]) != cache.scrambled:
             hdr[:, pg.SCRAMBLED] = int(cache.scrambled)
         hdr.add_(_STEPPED)  # the next position and the evicted count, one on
@@ -430,12 +433,16 @@ class Layer:
         q = query.index_select(0, index).unsqueeze(2)  # (B, H, 1, D)
         out.index_copy_(0, index, self._attend(q, k, v, qpos, kpos)[:, :, 0])
 
+    def _grouped(self, q):
+        """The core's parameters as the plan's row maps take them, for queries ``q`` (B, H, T, D)."""
+        b, h, t, _ = q.shape
+        return self.plan.add_inputs(self.plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
+
     def _attend(self, q, k, v, qpos, kpos):
         """q (B, H, T, D) at qpos (B, T), over k, v (B, H_kv, L, D) at kpos (B, L): the spec's row maps at those
         positions, the blocked backend's attention, the output row map."""
         plan = self.plan
-        b, h, t, _ = q.shape
-        grouped = plan.add_inputs(plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
+        grouped = self._grouped(q)
         qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
         ks = plan.composition.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
         vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
