@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ...decode.create import check_fraction, prompt_budget
-from ...decode.quant import check_bits, check_head_dim
+from ...decode.quant import check_bits, check_head_dim, check_recent
 from ...decode.rewind import mark, rewind, rewind_refusal
 from ...evictors.base import budget_problem, is_fraction
 from ...nn import Attention
@@ -350,8 +350,10 @@ class AttnzooCache(Cache):
 
     def __init__(self, model, budget=UNSET, kv_bits: int | None = None, kv_rotate: bool = True,
                  evict: str = "always", kv_recent: int = 0) -> None:
-        if isinstance(kv_recent, bool) or not isinstance(kv_recent, int) or kv_recent < 0:
-            raise IntegrationError(f"AttnzooCache: kv_recent must be an int >= 0, got {kv_recent!r}")
+        try:
+            check_recent(kv_recent)
+        except ValueError as exc:
+            raise IntegrationError(f"AttnzooCache: {exc}") from None
         if kv_recent and kv_bits is None:
             raise IntegrationError(f"AttnzooCache: kv_recent={kv_recent} keeps the newest tokens at full precision "
                                    f"beside quantized ones: give kv_bits too")
