@@ -53,7 +53,7 @@ vllm-env: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py \
 		tests/integrations/vllm/test_vllm_chunks.py tests/integrations/vllm/test_vllm_real.py \
-		tests/integrations/vllm/test_vllm_tp.py
+		tests/integrations/vllm/test_vllm_tp.py tests/integrations/vllm/test_vllm_native.py
 
 # tokens/s of the attnzoo backend against vLLM's own CPU attention (benchmarks/results/vllm.md)
 bench-vllm: $(VLLM_STAMP)

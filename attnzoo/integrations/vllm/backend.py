@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from ...core.numerics import accumulator_dtype
 from ...nn import Attention
+from ...transforms.base import Slot
 from ..transformers.base import IntegrationError
 from .layer import Layer, load_layer
 from .pages import write
 from .spec import layer_spec, native_call, record_of
 from .start import CHUNKED_REASON, chunk_size, page_budget
 from .tp import rank_heads
+
+#: the row slots mapped as keys and values are written (a native layer with either writes in ``forward``)
+_KV = frozenset({Slot.KEY, Slot.VALUE})
 
 
 def _backend_classes():
@@ -85,9 +89,19 @@ def _backend_classes():
         def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
             if self.record is None:
                 return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-            if self.ring is None:  # an evicting spec's layer writes its page in forward
+            if self.ring is not None:  # an evicting spec's layer writes its page in forward
+                return None
+            zoo = self._layer(layer)
+            if not zoo.native:
                 write(key, value, kv_cache, slot_mapping)
+            elif not zoo.mapped & _KV:  # else written in forward, mapped at the tokens' positions
+                super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return None
+
+        def _layer(self, layer) -> Layer:
+            if self.zoo is None:
+                self.zoo = load_layer(self, layer.layer_name)
+            return self.zoo
 
         def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                     output_block_scale=None):
@@ -98,12 +112,18 @@ def _backend_classes():
                 raise IntegrationError("attnzoo's vLLM backend: fused output quantization is not supported")
             if attn_metadata is None:  # a warm-up or profiling run
                 return output
-            if self.zoo is None:
-                self.zoo = load_layer(self, layer.layer_name)
+            zoo = self._layer(layer)
             if self.ring is not None:
-                self.zoo.attend_pruned(self.ring, query, key, value, kv_cache, attn_metadata, output)
-                return output
-            self.zoo.attend(query, kv_cache, attn_metadata, output)
+                zoo.attend_pruned(self.ring, query, key, value, kv_cache, attn_metadata, output)
+            elif zoo.native:  # vLLM's own kernel on rows the spec maps token by token (spec.native_rows)
+                n = attn_metadata.num_actual_tokens
+                query, key, value = zoo.native_rows(query[:n], key[:n], value[:n], attn_metadata)
+                if zoo.mapped & _KV:
+                    super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping[:n])
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+                zoo.native_output(output, attn_metadata)
+            else:
+                zoo.attend(query, kv_cache, attn_metadata, output)
             return output
 
     class AttnzooCPUBackend(CPUAttentionBackend):

@@ -17,7 +17,7 @@ from ...nn import Attention
 from ...transforms.base import Dims, Slot
 from ..transformers.base import IntegrationError
 from . import pages as pg
-from .spec import layer_index, layer_parameters, layer_spec, native_call
+from .spec import ROW_SLOTS, layer_index, layer_parameters, layer_spec, native_call, native_rows
 from .start import budgets
 from .step import step_of
 from .tp import slice_parameters
@@ -71,18 +71,24 @@ class Layer:
     paged cache: vLLM's pages (:meth:`attend`) or an evicting spec's ring pages (:meth:`attend_pruned`)."""
 
     def __init__(self, core: Attention, budget: int | None, where: str, max_rows: int | None = None,
-                 chunked: bool = False) -> None:
+                 chunked: bool = False, native: bool = False) -> None:
         """Serve ``core`` (its parameters loaded: :func:`load_layer`), an evicting spec's pages holding ``budget``
         tokens; ``where`` names the layer in errors; ``max_rows``: the most requests of a step (vLLM's
         ``max_num_seqs``; None: the cache's blocks), the capacity of the pages a batched step gathers
         (:func:`.pages.gathered`); ``chunked``: an evicting spec's prompts are staged until their last chunk
-        (:meth:`_stage`; vLLM's chunked prefill on, for an evictor that allows it: ``start.chunk_refusal``)."""
+        (:meth:`_stage`; vLLM's chunked prefill on, for an evictor that allows it: ``start.chunk_refusal``);
+        ``native``: the spec is the layer's native attention over rows mapped token by token
+        (:func:`.spec.native_rows`): vLLM's own kernel attends, on rows mapped by :meth:`native_rows` and
+        :meth:`native_output`."""
         core.requires_grad_(False)
         self.core, self.plan = core, core.variant.plan
         self.blocked = BlockedBackend()
         self.heads, self.kv_heads, self.head_dim = core.num_heads, core.num_kv_heads, core.head_dim
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
         self.budget = budget  # an evicting spec's, for its page
+        self.native = native
+        #: the row slots the spec maps (the native path maps only those)
+        self.mapped = frozenset(slot for slot in ROW_SLOTS if self.plan.many(slot))
         self.where = where
         self.max_rows = max_rows
         #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
@@ -107,6 +113,34 @@ class Layer:
         #: the prompt's last query rows the evictor reads at its prefill (``probability_rows``), staged with it
         self.rows = int(evictor.probability_rows or 0) if evictor is not None and evictor.needs_probabilities else 0
         _LAYERS.add(self)
+
+    def native_rows(self, query, key, value, meta):
+        """A native layer's step (:attr:`native`): its ``n`` tokens' queries (n, H, D), keys and values (n, H_kv, D)
+        through the spec's query, key and value row maps at the tokens' positions (:attr:`.step.Step.positions`),
+        for vLLM's kernel; the rows themselves where a slot maps nothing."""
+        if not self.mapped:
+            return query, key, value
+        step = step_of(meta)
+        grouped = self._grouped(query.transpose(0, 1).unsqueeze(0))
+        return tuple(self._rows(slot, rows, step, grouped) for slot, rows in
+                     ((Slot.QUERY, query), (Slot.KEY, key), (Slot.VALUE, value)))
+
+    def native_output(self, output, meta) -> None:
+        """A native layer's step: vLLM's kernel's output rows (the step's first ``n`` of ``output``) through the
+        spec's output row maps, in place."""
+        if Slot.OUTPUT not in self.mapped:
+            return
+        n = meta.num_actual_tokens
+        out = output[:n].view(n, self.heads, self.head_dim)
+        out.copy_(self._rows(Slot.OUTPUT, out, step_of(meta), self._grouped(out.transpose(0, 1).unsqueeze(0))))
+
+    def _rows(self, slot, rows, step, grouped):
+        """Rows (n, Hx, D) of the step's tokens through ``slot``'s row maps at their positions."""
+        if slot not in self.mapped:
+            return rows
+        positions = step.positions(rows.device).unsqueeze(0).unsqueeze(0)  # (1, 1, n)
+        mapped = self.plan.composition.row_scale(slot, rows.transpose(0, 1).unsqueeze(0), positions, grouped)
+        return mapped[0].transpose(0, 1)
 
     def attend(self, query, kv_cache, meta, output) -> None:
         """A spec without eviction, over vLLM's pages: the decoding requests as one batch (:meth:`_decode`), each
@@ -487,4 +521,4 @@ def load_layer(impl, layer_name: str) -> Layer:
             wanted[name].copy_(value)
     recorded = budgets(impl.record)
     return Layer(core, recorded[index] if len(recorded) > 1 else recorded[0], where, getattr(impl, "max_rows", None),
-                 getattr(impl, "chunked", False))
+                 getattr(impl, "chunked", False), native_rows(spec, call, impl.model_type))

@@ -101,6 +101,36 @@ def declined(spec) -> str | None:
     return None
 
 
+#: the slots whose transforms map each token's query, key, value or output rows on their own, at its position
+#: (``RowMapTransform``: per token, so keys and values can be stored mapped)
+ROW_SLOTS = frozenset({Slot.QUERY, Slot.KEY, Slot.VALUE, Slot.OUTPUT})
+
+
+def native_rows(spec, call: LayerCall, model_type: str) -> bool:
+    """Whether the layer's composed ``spec`` is the layer's native attention (what vLLM's own kernel computes: its
+    scale, window, soft-capping, sinks) over rows mapped token by token: with its row maps (:data:`ROW_SLOTS`) left
+    out, its transforms, attention options (the logit scale as applied) and cache are those of the native attention
+    composed with a spec of no transforms. vLLM's kernel then runs it exactly on queries mapped before it, keys and
+    values mapped as they are written and outputs mapped after it (``backend.AttnzooCPUImpl``; docs/vllm.md,
+    "Which kernel runs a layer"). Decided by the transforms' slots, never their kinds: a plugin's row map takes the
+    same path."""
+    from ...dispatch import Variant
+
+    if spec.cache is not None:
+        return False
+    native, _ = compose(NativeLayer(call, model_type), load_spec({"name": "native", "transforms": []}))
+
+    def reduced(s):
+        plan = Variant(s, "reference").plan
+        data = s.model_dump(mode="json")
+        data["transforms"] = [e for e, t in zip(data["transforms"], plan.transforms, strict=True)
+                              if t.slot not in ROW_SLOTS]
+        data["attention"]["scale"] = plan.logit_scale(call.head_dim)
+        return {key: value for key, value in data.items() if key not in ("name", "summary")}
+
+    return reduced(spec) == reduced(native)
+
+
 @functools.lru_cache(maxsize=8)
 def _parameter_index(model_dir: str) -> dict[str, str]:
     """{tensor name: file} of every tensor of the attnzoo cores in the checkpoint's safetensors files."""

@@ -40,6 +40,7 @@ class Step:
         self._distinct = False
         self._decode_batch: tuple | None = None
         self._full: dict[int, tuple] = {}
+        self._positions: torch.Tensor | None = None
         #: the requests with new tokens in this step
         self.active = sum(1 for c in self.counts if c)
 
@@ -53,6 +54,16 @@ class Step:
             kpos = torch.arange(1, longest + 1, device=device).expand(len(lens), -1)
             self._decode_batch = (index, longest, torch.tensor(lens, device=device).unsqueeze(1), kpos)
         return self._decode_batch
+
+    def positions(self, device) -> torch.Tensor:
+        """Each new token's position (1 for a sequence's first), (n,) int64 on ``device``: request i's tokens are its
+        last ``counts[i]`` of ``lengths[i]``."""
+        if self._positions is None:
+            before = (self.lengths_t[:len(self.counts)] - self.counts_t).repeat_interleave(self.counts_t)
+            first = self.starts_t[:-1].repeat_interleave(self.counts_t)
+            index = torch.arange(int(self.starts_t[-1]), dtype=torch.int64)
+            self._positions = (index - first + before + 1).to(device)
+        return self._positions
 
     def full_rows(self, budget: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The requests (indices, int64) with one new token and at least ``budget`` tokens before it, and their
