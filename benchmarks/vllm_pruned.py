@@ -415,9 +415,11 @@ def _markdown_real(result: dict, args) -> str:
              f"each, greedy, EOS ignored, one `generate` call per engine, each engine in its own process. Every engine "
              f"gets `kv_cache_memory_bytes={kv}` ({kv / 2**20:.1f} MiB): {args.hold} full-cache requests of "
              f"{args.length + args.new} tokens rounded up to vLLM's blocks of {args.block_size}. `max_num_seqs="
-             f"{config['engine']['max_num_seqs']}`, `max_model_len={config['max_model_len']}`. The evicting specs "
-             f"keep {args.budget} tokens per layer ({args.budget / args.length:.1%} of the prompt); the full cache "
-             f"is vLLM's own CPU attention over its paged cache (the checkpoint without an attnzoo record).", "",
+             f"{config['engine']['max_num_seqs']}`, `max_model_len={config['max_model_len']}`. " + (
+                 f"The evicting specs keep {args.budget} tokens per layer ({args.budget / args.length:.1%} of the "
+                 f"prompt). " if any(_evicts(side) for side in rows if side != "vllm") else "")
+             + "The full cache is vLLM's own CPU attention over its paged cache (the checkpoint without an attnzoo "
+             "record).", "",
              "| engine | KV bytes per request | peak running | usual running | mean running | preemptions | wall s "
              "| generated tok/s | peak running vs full | tok/s vs full | pass key answered |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
