@@ -106,12 +106,13 @@ bench-quality: $(STAMP)
 	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming snapkv --kv-bits 4 none --evict prefill \
 		--name quality-ppl-prefill --plot ''
 	$(QUALITY) --contexts 1024 --cases 0 --specs h2o tova streaming --kv-bits 8u 4u none --name quality-ppl --plot ''
+	$(QUALITY) --contexts 1024 2048 --cases 7 --specs snapkv-span --kv-bits 4u 4 8u --name quality-span --plot ''
 	$(if $(KVPRESS_ARGS),$(QUALITY) --contexts 1024 2048 --cases 7 --specs --kvpress-presses KeyDiffPress \
 		SnapKVPress --name quality-kvpress --plot '' $(KVPRESS_ARGS))
 	$(BIN)/python benchmarks/quality.py --merge benchmarks/results/quality-snapkv-rot.json \
 		benchmarks/results/quality-snapkv.json benchmarks/results/quality-ppl-rot.json \
 		benchmarks/results/quality-ppl-prefill.json benchmarks/results/quality-ppl.json \
-		benchmarks/results/quality-kvpress.json --name quality
+		benchmarks/results/quality-span.json benchmarks/results/quality-kvpress.json --name quality
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

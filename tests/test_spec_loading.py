@@ -327,6 +327,8 @@ PINNED_HASHES = {
     "snapkv": "732984adf4e5cc3d53005b1aabecdeaad74b65be3b4446871e88982c2a525848",
     "knorm": "f762498f0e823433a6797483ddeae7d24d2d0336e0db4d51a24b349ea988ca9a",
     "keydiff": "83c5ca189a7ba981efc8ce335f646a9e881fa46513958021fe2f615a6f07c635",
+    # SnapKV pooled over 31 positions (issue 52: a retrieved span kept whole)
+    "snapkv-span": "b9dea31e052c67d9ed3bb135dc074087c90e33692ad843f3874d0ec9aae983d1",
 }
 
 

@@ -244,8 +244,8 @@ def apply(model, spec, *, budget=UNSET, backend: str = "auto", prefer: str = "er
                       f"(layer 0 on a random probe: the output moved by {changed:.2g} of its size): its transforms "
                       f"({kinds}) start away from the pretrained function and need training (a fine-tune) before "
                       f"the model answers as it did; to serve a pretrained checkpoint as it is, use an evictor-only "
-                      f"spec (h2o, tova, snapkv, streaming, knorm, keydiff; docs/transformers.md)", FunctionWarning,
-                      stacklevel=2)
+                      f"spec (snapkv-span, snapkv, h2o, tova, streaming, knorm, keydiff; docs/transformers.md)",
+                      FunctionWarning, stacklevel=2)
     return model
 
 
