@@ -477,7 +477,7 @@ def _source() -> dict:
     def git(*argv):
         done = subprocess.run(["git", *argv], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
                               text=True)
-        return done.stdout.strip() if done.returncode == 0 else None
+        return done.stdout.rstrip("\n") if done.returncode == 0 else None  # porcelain lines start with a space
 
     changed = git("status", "--porcelain", "--", "attnzoo")
     return {"commit": git("rev-parse", "HEAD"), "attnzoo_changed": [line[3:] for line in (changed or "").splitlines()]}
