@@ -213,11 +213,31 @@ def _kernel_body(name):
 SHARES_VANILLA = {name for name in get_registry().specs if name != "vanilla"
                   and _plan(name).evictor_cls is None and _plan(name).one(Slot.NORMALISER) is None
                   and _plan(name).one(Slot.PROBABILITY) is None and _kernel_body(name) == _kernel_body("vanilla")}
+def _launch_key(name):
+    """A spec as the kernels and their launch see it: its fields with the evictor's options left out (its kind and
+    the budget kept), without name and summary."""
+    data = get_registry().specs[name].model_dump(mode="json")
+    for key in ("name", "summary"):
+        data.pop(key, None)
+    if data.get("cache"):
+        data["cache"] = {key: data["cache"].get(key) for key in ("evictor", "budget")}
+    return json.dumps(data, sort_keys=True)
+
+
+#: specs that are an earlier shipped spec with other evictor options only (snapkv-span: snapkv's pooling width, which
+#: the evictor computes in torch): the same kernels and launch, so the sample of SHARES_VANILLA's checks (the
+#: options are checked by the evictor's own tests and the reference backend's conformance suite)
+SAME_LAUNCH = {name for name in get_registry().specs
+               if any(other < name and _launch_key(other) == _launch_key(name) for other in get_registry().specs)}
 #: specs the kernels do not compute (stick-breaking: its key blocks go from the nearest back): declined, with the
 #: reason
 DECLINED = {name for name in get_registry().specs if codegen.problems(_plan(name))}
 _SHARED_CHECKS = ("vectors/", "outputs/gqa-n63", "gradients/gqa-n63", "outputs/offset-gaps-n45",
                   "gradients/offset-gaps-n45", "causality")
+
+
+def test_specs_sharing_a_launch_differ_in_evictor_options_only():
+    assert SAME_LAUNCH == {"snapkv-span"}
 
 
 def test_specs_sharing_vanillas_kernels_are_the_row_map_ones():
@@ -238,7 +258,7 @@ def test_conformance_float32(spec):
         assert results and all(r.status == "unsupported" for r in results), [r.message for r in results][:3]
         assert f"transform '{kind}' (probability) takes key blocks in order 'reverse'" in results[0].message
         return
-    if spec in SHARES_VANILLA:
+    if spec in SHARES_VANILLA or spec in SAME_LAUNCH:
         cases = [c for c in cases if c.check.startswith(_SHARED_CHECKS)]
     results = runner.run_suite(cases)
     failures = [f"{r.id}: {r.message}" for r in results if r.status == "fail"]
