@@ -92,9 +92,9 @@ def _backend_classes():
             if self.ring is not None:  # an evicting spec's layer writes its page in forward
                 return None
             zoo = self._layer(layer)
-            if not zoo.native:
+            if zoo.native is None:
                 write(key, value, kv_cache, slot_mapping)
-            elif not zoo.mapped & _KV:  # else written in forward, mapped at the tokens' positions
+            elif not zoo.native.mapped & _KV:  # else written in forward, mapped at the tokens' positions
                 super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
             return None
 
@@ -115,13 +115,13 @@ def _backend_classes():
             zoo = self._layer(layer)
             if self.ring is not None:
                 zoo.attend_pruned(self.ring, query, key, value, kv_cache, attn_metadata, output)
-            elif zoo.native:  # vLLM's own kernel on rows the spec maps token by token (spec.native_rows)
+            elif zoo.native is not None:  # vLLM's own kernel on rows the spec maps token by token (native.py)
                 n = attn_metadata.num_actual_tokens
-                query, key, value = zoo.native_rows(query[:n], key[:n], value[:n], attn_metadata)
-                if zoo.mapped & _KV:
+                query, key, value = zoo.native.inputs(query[:n], key[:n], value[:n], attn_metadata)
+                if zoo.native.mapped & _KV:
                     super().do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping[:n])
                 super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
-                zoo.native_output(output, attn_metadata)
+                zoo.native.output(output, attn_metadata)
             else:
                 zoo.attend(query, kv_cache, attn_metadata, output)
             return output

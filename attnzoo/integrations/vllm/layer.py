@@ -17,7 +17,8 @@ from ...nn import Attention
 from ...transforms.base import Dims, Slot
 from ..transformers.base import IntegrationError
 from . import pages as pg
-from .spec import ROW_SLOTS, layer_index, layer_parameters, layer_spec, native_call, native_rows
+from .native import RowMaps
+from .spec import layer_index, layer_parameters, layer_spec, native_call, native_rows
 from .start import budgets
 from .step import step_of
 from .tp import slice_parameters
@@ -78,17 +79,16 @@ class Layer:
         (:func:`.pages.gathered`); ``chunked``: an evicting spec's prompts are staged until their last chunk
         (:meth:`_stage`; vLLM's chunked prefill on, for an evictor that allows it: ``start.chunk_refusal``);
         ``native``: the spec is the layer's native attention over rows mapped token by token
-        (:func:`.spec.native_rows`): vLLM's own kernel attends, on rows mapped by :meth:`native_rows` and
-        :meth:`native_output`."""
+        (:func:`.spec.native_rows`): vLLM's own kernel attends, on rows mapped by :attr:`native`
+        (:class:`.native.RowMaps`)."""
         core.requires_grad_(False)
         self.core, self.plan = core, core.variant.plan
         self.blocked = BlockedBackend()
         self.heads, self.kv_heads, self.head_dim = core.num_heads, core.num_kv_heads, core.head_dim
         self.dims = Dims(self.heads, self.head_dim, self.kv_heads)
         self.budget = budget  # an evicting spec's, for its page
-        self.native = native
-        #: the row slots the spec maps (the native path maps only those)
-        self.mapped = frozenset(slot for slot in ROW_SLOTS if self.plan.many(slot))
+        #: a native layer's row maps around vLLM's own kernel (``native.py``), None for attnzoo's own attention
+        self.native = RowMaps(self) if native else None
         self.where = where
         self.max_rows = max_rows
         #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
@@ -113,34 +113,6 @@ class Layer:
         #: the prompt's last query rows the evictor reads at its prefill (``probability_rows``), staged with it
         self.rows = int(evictor.probability_rows or 0) if evictor is not None and evictor.needs_probabilities else 0
         _LAYERS.add(self)
-
-    def native_rows(self, query, key, value, meta):
-        """A native layer's step (:attr:`native`): its ``n`` tokens' queries (n, H, D), keys and values (n, H_kv, D)
-        through the spec's query, key and value row maps at the tokens' positions (:attr:`.step.Step.positions`),
-        for vLLM's kernel; the rows themselves where a slot maps nothing."""
-        if not self.mapped:
-            return query, key, value
-        step = step_of(meta)
-        grouped = self._grouped(query.transpose(0, 1).unsqueeze(0))
-        return tuple(self._rows(slot, rows, step, grouped) for slot, rows in
-                     ((Slot.QUERY, query), (Slot.KEY, key), (Slot.VALUE, value)))
-
-    def native_output(self, output, meta) -> None:
-        """A native layer's step: vLLM's kernel's output rows (the step's first ``n`` of ``output``) through the
-        spec's output row maps, in place."""
-        if Slot.OUTPUT not in self.mapped:
-            return
-        n = meta.num_actual_tokens
-        out = output[:n].view(n, self.heads, self.head_dim)
-        out.copy_(self._rows(Slot.OUTPUT, out, step_of(meta), self._grouped(out.transpose(0, 1).unsqueeze(0))))
-
-    def _rows(self, slot, rows, step, grouped):
-        """Rows (n, Hx, D) of the step's tokens through ``slot``'s row maps at their positions."""
-        if slot not in self.mapped:
-            return rows
-        positions = step.positions(rows.device).unsqueeze(0).unsqueeze(0)  # (1, 1, n)
-        mapped = self.plan.composition.row_scale(slot, rows.transpose(0, 1).unsqueeze(0), positions, grouped)
-        return mapped[0].transpose(0, 1)
 
     def attend(self, query, kv_cache, meta, output) -> None:
         """A spec without eviction, over vLLM's pages: the decoding requests as one batch (:meth:`_decode`), each
@@ -265,7 +237,7 @@ class Layer:
         if head:
             plan = self.plan
             k, v = (t[:head].transpose(0, 1).unsqueeze(0) for t in (keys, values))  # (1, H_kv, head, D)
-            grouped = self._grouped(k.new_zeros(1, self.heads, 1, self.head_dim))
+            grouped = self.grouped(k.new_zeros(1, self.heads, 1, self.head_dim))
             kpos = torch.arange(1, head + 1, device=k.device).view(1, 1, head)
             cache.append(plan.composition.row_scale(Slot.KEY, k, kpos, grouped).contiguous(),
                          plan.composition.row_scale(Slot.VALUE, v, kpos, grouped).contiguous())
@@ -467,7 +439,7 @@ class Layer:
         q = query.index_select(0, index).unsqueeze(2)  # (B, H, 1, D)
         out.index_copy_(0, index, self._attend(q, k, v, qpos, kpos)[:, :, 0])
 
-    def _grouped(self, q):
+    def grouped(self, q):
         """The core's parameters as the plan's row maps take them, for queries ``q`` (B, H, T, D)."""
         b, h, t, _ = q.shape
         return self.plan.add_inputs(self.plan.split_params(self.core.params(), self.dims, q), None, b, h, t, q)
@@ -476,7 +448,7 @@ class Layer:
         """q (B, H, T, D) at qpos (B, T), over k, v (B, H_kv, L, D) at kpos (B, L): the spec's row maps at those
         positions, the blocked backend's attention, the output row map."""
         plan = self.plan
-        grouped = self._grouped(q)
+        grouped = self.grouped(q)
         qs = plan.composition.row_scale(Slot.QUERY, q, qpos.unsqueeze(1), grouped)
         ks = plan.composition.row_scale(Slot.KEY, k, kpos.unsqueeze(1), grouped)
         vs = plan.composition.row_scale(Slot.VALUE, v, kpos.unsqueeze(1), grouped)
