@@ -19,6 +19,9 @@ class RowMaps:
         self.layer = layer
         #: the row slots the spec maps (a slot with none hands its rows on unchanged)
         self.mapped = frozenset(slot for slot in ROW_SLOTS if layer.plan.many(slot))
+        #: the parameters as the row maps take them (``layer.grouped``), by (dtype, device): made once, the layer's
+        #: parameters being loaded before its first step and fixed after it (``load_layer``)
+        self._grouped: dict[tuple, dict] = {}
 
     def inputs(self, query, key, value, meta):
         """The step's queries (n, H, D), keys and values (n, H_kv, D) through the spec's query, key and value maps,
@@ -26,7 +29,7 @@ class RowMaps:
         if not self.mapped:
             return query, key, value
         step = step_of(meta)
-        grouped = self.layer.grouped(query.transpose(0, 1).unsqueeze(0))
+        grouped = self._params(query)
         return tuple(self._rows(slot, rows, step, grouped) for slot, rows in
                      ((Slot.QUERY, query), (Slot.KEY, key), (Slot.VALUE, value)))
 
@@ -37,7 +40,16 @@ class RowMaps:
             return
         n, layer = meta.num_actual_tokens, self.layer
         out = output[:n].view(n, layer.heads, layer.head_dim)
-        out.copy_(self._rows(Slot.OUTPUT, out, step_of(meta), layer.grouped(out.transpose(0, 1).unsqueeze(0))))
+        out.copy_(self._rows(Slot.OUTPUT, out, step_of(meta), self._params(out)))
+
+    def _params(self, rows):
+        """The row maps' parameters for rows (n, H, D) of this dtype and device (the spec has no per-token inputs:
+        ``spec.declined`` refuses them, so they depend on nothing else)."""
+        key = (rows.dtype, rows.device)
+        grouped = self._grouped.get(key)
+        if grouped is None:
+            grouped = self._grouped[key] = self.layer.grouped(rows.transpose(0, 1).unsqueeze(0))
+        return grouped
 
     def _rows(self, slot, rows, step, grouped):
         """Rows (n, Hx, D) of the step's tokens through ``slot``'s row maps at their positions."""
