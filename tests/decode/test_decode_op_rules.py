@@ -206,22 +206,14 @@ def test_q_k_v_that_share_one_storage_are_read(ops):
 
 # -- vLLM's ring pages: strided views of one storage, interleaved page by page ----------------------------------------
 def _ring_pages(blocks: int, slots: int, dtype, state_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Typed views of every page of one layer's cache tensor, as ``RingGeometry.all_views`` makes them
-    (attnzoo/integrations/vllm/ring.py, which needs vLLM to import): per block a header, then keys, values
-    (blocks, H_kv, S, D), positions and each score (blocks, H_kv, S), each section 64-byte aligned, every block's
-    bytes contiguous."""
+    """Typed views of every page of one tensor of pages (``attnzoo.decode.paged.PageLayout.all_views``, what the
+    vLLM backend's ring pages are): per block a header, then keys, values (blocks, H_kv, S, D), positions and each
+    score (blocks, H_kv, S), each section 64-byte aligned, every block's bytes contiguous."""
+    from attnzoo.decode.paged import PageLayout
+
+    layout = PageLayout(HKV, D, dtype, slots - 1, state_names, accumulator_dtype(dtype))
     size = torch.empty((), dtype=dtype).element_size()
-    wide = accumulator_dtype(dtype)
-    sections = [("hdr", torch.int64, (8,)), ("keys", dtype, (HKV, slots, D)), ("values", dtype, (HKV, slots, D)),
-                ("positions", torch.int64, (HKV, slots))] + [(f"state.{n}", wide, (HKV, slots)) for n in state_names]
-    layout, offset = [], 0
-    for name, kind, shape in sections:
-        nbytes = torch.empty((), dtype=kind).element_size() * int(torch.Size(shape).numel())
-        layout.append((name, kind, shape, offset, nbytes))
-        offset = (offset + nbytes + 63) // 64 * 64
-    raw = torch.zeros(blocks, offset // size, dtype=dtype).view(blocks, -1).view(torch.uint8)
-    return {name: raw[:, start:start + nbytes].view(kind).view(blocks, *shape)
-            for name, kind, shape, start, nbytes in layout}
+    return layout.all_views(torch.zeros(blocks, layout.page_bytes // size, dtype=dtype))
 
 
 @pytest.mark.parametrize("kernel", ["scoring", "selective", "sink_window", "append"])

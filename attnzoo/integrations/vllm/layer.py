@@ -2,17 +2,19 @@
 every request's keys and values gathered from its pages through the block table and its new queries attending over
 them with the blocked backend (queries at their positions against keys at theirs): decoding requests together, as
 one batch padded after their last key (causality hides the padding), prefills one by one; over an evicting spec's
-ring pages (``ring.py``), the core's prefill with eviction and decode steps on the pages. The step's requests are read
-from vLLM's metadata once per forward (``step.py``); the pages' bytes are read and written by ``pages.py``."""
+ring pages (``ring.py``), the core's prefill with eviction and decode steps on a cache whose storage is the pages
+(:mod:`attnzoo.decode.paged`: opened on them, committed after each step, their headers its state). The step's
+requests are read from vLLM's metadata once per forward (``step.py``); vLLM's own pages' bytes are read and written
+by ``pages.py``."""
 
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
 
 import torch
 
 from ...backends.blocked import BlockedBackend
+from ...decode.paged import NEXT, Pages
 from ...nn import Attention
 from ...transforms.base import Dims, Slot
 from ..transformers.base import IntegrationError
@@ -35,36 +37,6 @@ def drop_staged(blocks) -> None:
     for layer in list(_LAYERS):
         for block in blocks & layer.staged.keys():
             del layer.staged[block]
-
-
-#: what a decode step adds to a full page's header: one to the next position and one to the evicted count
-_STEPPED = torch.zeros(pg.HEADER, dtype=torch.int64)
-_STEPPED[pg.NEXT] = _STEPPED[pg.EVICTED] = 1
-
-
-def _moved(cache, home: dict, in_place: bool):
-    """(section, the tensor the step left it in) of each section of ``home`` (its pages' views, by name) that a
-    step's cache no longer holds in its page: every one unless ``in_place``, else those a step replaced (a state's
-    held slots may be the evictor's own tensor)."""
-    buffers = cache.buffers()
-    for name, page in home.items():
-        held = buffers[name.replace("state.", "held.")]
-        if not (in_place and held is not None and held.data_ptr() == page.data_ptr()):
-            yield name, held
-
-
-class _Running(NamedTuple):
-    """An in-place batched step's requests as they stepped (``Layer._decode_full``): their pages' ``blocks`` in the
-    step's order, the ``order`` that sorts them (None: they were sorted), the pages' ``headers`` (a view), what the
-    step left in them (``expect``: magic, tokens held, next position, generation, ...), the ``cache`` on the pages,
-    and its buffers' page views (``homes``)."""
-
-    blocks: torch.Tensor
-    order: torch.Tensor | None
-    headers: torch.Tensor
-    expect: torch.Tensor
-    cache: object
-    homes: dict
 
 
 class Layer:
@@ -94,17 +66,14 @@ class Layer:
         #: whether decoding requests with full pages may step as one batch (_full_pages): an evictor's budget and
         #: no window horizon, so each row's step evicts exactly one token
         self.batchable = self.budget is not None and core.new_cache(1, budget=self.budget).horizon is None
-        #: what the last re-attached cache of each batch size validated: the next keeps its fast step
+        #: what the last cache opened on pages for each batch size validated: the next keeps its fast step
         self.states: dict[int, object] = {}
-        #: ((data pointer, shape, dtype) of the cache tensor, its pages' typed views): see _pages
+        #: ((data pointer, shape, dtype) of the cache tensor, its pages: :class:`attnzoo.decode.paged.Pages`): see
+        #: :meth:`_pages`
         self.page_views: tuple | None = None
-        #: the in-place steps' page views by (first block, rows), for the pages of ``page_views``: the same tensor
-        #: objects every step of the same requests, so the fused step finds the buffers it laid out (it compares them
-        #: by identity) and does not check and lay them out again (about 200 us a layer and step)
-        self.homes: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        #: the last in-place batched step's requests and cache (:meth:`_step_running`): stepped again on the same
-        #: cache object while the pages are as it left them
-        self.running: _Running | None = None
+        #: the last batched step's cache on its pages (:class:`attnzoo.decode.paged.PagedKVCache`), stepped again
+        #: while the pages are as its commit left them (:meth:`_decode_full`), else None
+        self.running = None
         self.chunked = chunked
         #: a prompt's staging until its last chunk, by its page (block): (its keys, values (L, H_kv, D) as vLLM
         #: computed them, its last ``rows`` queries (R, H, D), L)
@@ -208,7 +177,7 @@ class Layer:
         if held is None or held[3] != done:
             raise IntegrationError(f"{self.where}: a chunk of {count} tokens after {done} on page {block}, whose "
                                    f"staging holds {held[3] if held else 'nothing'}")
-        pages["hdr"][block, pg.NEXT] = 0  # no decode step may take the page before the prompt is evicted
+        pages.headers[block, NEXT] = 0  # no decode step may take the page before the prompt is evicted
         keys, values = torch.cat((held[0], k)), torch.cat((held[1], v))
         rows = torch.cat((held[2], q))[-self.rows:] if self.rows else held[2]
         self.staged[block] = (keys, values, rows, length)
@@ -229,7 +198,7 @@ class Layer:
         if staged != length:
             raise IntegrationError(f"{self.where}: page {block}'s staged prompt holds {staged} tokens, its request "
                                    f"{length}")
-        if int(pages["hdr"][block, pg.NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
+        if int(pages.headers[block, NEXT]) == length + 1:  # one chunk: evicted by the whole-prompt step
             return
         last = min(max(rows.shape[0], 1), length)
         head = length - last
@@ -253,14 +222,11 @@ class Layer:
 
     def _into_pages(self, geometry, pages, blocks, cache) -> None:
         """A cache's kept tokens after a prompt (one row per page ``blocks``), in position order, into each page's
-        first slots, and the headers afresh (the generation counts a page's prefills)."""
-        if cache.num_tokens > geometry.slots:
-            raise IntegrationError(f"{self.where}: the cache holds {cache.num_tokens} tokens after the prompt, the "
-                                   f"page {geometry.slots}")
-        pg.store(pages, blocks, cache)
-        headers = pages["hdr"].index_select(0, blocks)
-        pages["hdr"].index_copy_(0, blocks, pg.headers(cache, torch.where(
-            headers[:, 0] == pg.MAGIC, headers[:, pg.GENERATION] + 1, 1)))
+        first slots, and the headers afresh (:meth:`attnzoo.decode.paged.Pages.write`)."""
+        try:
+            pages.write(blocks, cache)
+        except ValueError as exc:
+            raise IntegrationError(f"{self.where}: {exc}") from None
 
     def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
         """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
@@ -286,33 +252,32 @@ class Layer:
             out.index_copy_(0, index, o.reshape(rows * count, *o.shape[2:]))
 
     def _decode_one(self, pages, query, key, value, start, block, done, i, out) -> None:
-        """One decode step of one request whose page is not full (or a request alone): a cache attached to its
-        page's buffers, the core's decode step; whatever a step moved out of the page is copied back."""
-        header = pages["hdr"][block]
-        page = {name: view[block:block + 1] for name, view in pages.items()}
-        if int(header[0]) != pg.MAGIC or int(header[pg.NEXT]) != done + 1:
-            raise IntegrationError(f"{self.where}: request {i}'s page (block {block}) does not continue at token "
-                                   f"{done + 1} (header {header.tolist()})")
+        """One decode step of one request whose page is not full (or a request alone): a cache opened on its page
+        (:meth:`attnzoo.decode.paged.Pages.open`, the header checked: the request's next token is ``done + 1``), the
+        core's decode step, the step committed to the page."""
         q, k, v = (t[start:start + 1].view(1, -1, 1, self.head_dim) for t in (query, key, value))
-        cache = self.core.new_cache(1, budget=self.budget)
-        cache.attach(page["keys"], page["values"], page["positions"],
-                     {name: page[f"state.{name}"] for name in cache.state_names}, int(header[pg.HELD]),
-                     int(header[pg.NEXT]), evicted=int(header[pg.EVICTED]), expired=int(header[pg.EXPIRED]),
-                     scrambled=bool(header[pg.SCRAMBLED]), step_state=self.states.get(1))
+        cache = self._open(pages, torch.tensor([block]), None, torch.tensor([done + 1]), f"request {i}'s page")
         o = self.core.decode(q, k, v, cache)
         self.states[1] = cache.step_state
-        if pg.moved(cache, page):  # a step replaced a buffer: the page gets the settled tokens back
-            pg.store(pages, torch.tensor([block]), cache)
-        header.copy_(pg.headers(cache, header[pg.GENERATION])[0])
+        cache.commit()
         out[start] = o[0, :, 0].to(out.dtype)
 
-    def _pages(self, geometry, kv_cache) -> dict[str, torch.Tensor]:
-        """The typed views of every page of this layer's cache tensor (``RingGeometry.all_views``), made once per
-        cache tensor."""
+    def _open(self, pages, blocks, held, nexts, what):
+        """A cache over ``pages``' ``blocks`` (:meth:`attnzoo.decode.paged.Pages.open`), or one line naming this
+        layer and ``what`` where a page's header says otherwise."""
+        try:
+            return pages.open(self.core.new_cache(blocks.shape[0], budget=self.budget), blocks, held=held,
+                              next_position=nexts, step_state=self.states.get(blocks.shape[0]))
+        except ValueError as exc:
+            raise IntegrationError(f"{self.where}: {what}: {exc}") from None
+
+    def _pages(self, geometry, kv_cache) -> Pages:
+        """This layer's cache tensor as pages (``RingGeometry.all_views``, :class:`attnzoo.decode.paged.Pages`),
+        made once per cache tensor."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.dtype)
         if self.page_views is None or self.page_views[0] != key:
-            self.page_views = (key, geometry.all_views(kv_cache))
-            self.homes, self.running = {}, None
+            self.page_views = (key, Pages(geometry.all_views(kv_cache), self.max_rows))
+            self.running = None
         return self.page_views[1]
 
     def _full_pages(self, step, counts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -336,100 +301,27 @@ class Layer:
 
     def _decode_full(self, pages, query, key, value, index, blocks, lengths, out) -> None:
         """One decode step of the requests whose tokens start at ``index`` (full pages in ``blocks``) as one batch,
-        the core's decode step (the fused C step over the rows) on one cache holding the rows at their own
-        positions. Pages in consecutive blocks (in any order: the rows then go in block order; vLLM hands out free
-        blocks in order, so requests admitted together usually are) are that cache's buffers, strided views of the
-        pages: the step reads and writes them in place.
-        Otherwise each page section is gathered (one ``index_select`` into the process's buffer of that section,
-        :func:`.pages.gathered`, the spare slot included) and the held slots scattered back as the step left them
-        (in slot order: a page stays ``scrambled`` while the lean steps leave it so); so is whatever an in-place
-        step moved out of the pages."""
-        m, rows = self.budget, blocks.shape[0]
-        running = self.running
-        if running is not None and running.blocks.shape == blocks.shape and torch.equal(running.blocks, blocks):
-            if self._step_running(running, query, key, value, index, lengths, out):
-                return
-        self.running = None
-        given = blocks
-        run = pg.consecutive(blocks)
-        in_place = run is not None
-        if in_place:  # the rows in block order
-            first, order = run
-            blocks, index, lengths = (t.index_select(0, order) for t in (blocks, index, lengths))
-        headers = pages["hdr"].index_select(0, blocks)
-        wrong = (headers[:, 0] != pg.MAGIC) | (headers[:, pg.HELD] != m) | (headers[:, pg.NEXT] != lengths)
-        if bool(wrong.any()):
-            bad = int(torch.nonzero(wrong)[0])
-            raise IntegrationError(f"{self.where}: the page of a decoding request (block {int(blocks[bad])}) does not "
-                                   f"hold {m} tokens continuing at token {int(lengths[bad])} (header "
-                                   f"{headers[bad].tolist()}); nothing was written")
-        cache = self.core.new_cache(rows, budget=m)
-        names = ("keys", "values", "positions", *(f"state.{n}" for n in cache.state_names))
-        every = pages["hdr"].shape[0]  # the cache's blocks: no step holds more requests
-        capacity = min(self.max_rows or every, every)
-        if in_place:
-            home = self._home(pages, names, first, rows)
-        else:
-            home = {name: pg.gathered(name, pages[name], blocks, capacity) for name in names}
-        cache.attach(home["keys"], home["values"], home["positions"],
-                     {n: home[f"state.{n}"] for n in cache.state_names}, m, headers[:, pg.NEXT],
-                     scrambled=bool(headers[:, pg.SCRAMBLED].any()), step_state=self.states.get(rows))
-        q, k, v = (t.index_select(0, index).view(rows, -1, 1, self.head_dim) for t in (query, key, value))
-        o = self.core.decode(q, k, v, cache)
-        self.states[rows] = cache.step_state
-        if cache.num_tokens != m:
-            raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        moved = False
-        for name, held in _moved(cache, home, in_place):
-            moved = True
-            section = pages[name].narrow(2, 0, m)  # an evictor's own scores tensor may broadcast over heads
-            section.index_copy_(0, blocks, held.narrow(2, 0, m).expand(rows, *section.shape[1:]))
-        headers[:, pg.NEXT] += 1
-        headers[:, pg.EVICTED] += 1
-        headers[:, pg.SCRAMBLED] = int(cache.scrambled)
-        pages["hdr"].index_copy_(0, blocks, headers)
-        out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
-        if in_place and not moved:  # the next step of these requests, on these pages, keeps this cache
-            ordered = bool((order == torch.arange(rows)).all())
-            self.running = _Running(given, None if ordered else order, pages["hdr"].narrow(0, first, rows),
-                                    headers.clone(), cache, home)
-
-    def _step_running(self, running: _Running, query, key, value, index, lengths, out) -> bool:
-        """The step of :attr:`running`'s requests again, on its cache (the pages themselves: nothing attached, nothing
-        laid out, no header gathered), when each page's header is what that cache's last step left (the magic, the
-        tokens held, the next position, the generation, ...: no other step or prefill wrote the page since) and the
-        next position is the request's; else False, nothing done (the caller attaches afresh, and checks)."""
-        order, cache = running.order, running.cache
-        if order is not None:  # None: the blocks were in order
-            index, lengths = index.index_select(0, order), lengths.index_select(0, order)
-        hdr, expect = running.headers, running.expect
-        if not (torch.equal(hdr, expect) and torch.equal(expect[:, pg.NEXT], lengths)):
-            return False
+        the core's decode step (the fused C step over the rows) on one cache over their pages
+        (:class:`attnzoo.decode.paged.PagedKVCache`): in place where the blocks are consecutive (in any order: the
+        rows then go in block order; vLLM hands out free blocks in order, so requests admitted together usually
+        are), else gathered and written back by the cache's commit. The cache of the last batched step steps again
+        while its pages are as its commit left them and the requests are the same (:meth:`PagedKVCache.current`:
+        nothing opened, nothing laid out, no header gathered)."""
+        m = self.budget
+        cache = self.running
+        if not (cache is not None and cache.given.shape == blocks.shape and torch.equal(cache.given, blocks)
+                and cache.current(lengths)):
+            self.running = None
+            cache = self._open(pages, blocks, m, lengths, "a decoding request's page")
+        if cache.order is not None:  # the rows in block order
+            index = index.index_select(0, cache.order)
         q, k, v = (t.index_select(0, index).view(cache.batch, -1, 1, self.head_dim) for t in (query, key, value))
         o = self.core.decode(q, k, v, cache)
-        m = self.budget
+        self.states[cache.batch] = cache.step_state
         if cache.num_tokens != m:
             raise IntegrationError(f"{self.where}: a batched step left {cache.num_tokens} tokens, the pages {m}")
-        for name, held in _moved(cache, running.homes, True):  # not the fused step's way: the pages get them back
-            page = running.homes[name].narrow(2, 0, m)
-            page.copy_(held.narrow(2, 0, m).expand_as(page))
-            self.running = None  # the next step attaches afresh
-        if bool(expect[0, pg.SCRAMBLED]) != cache.scrambled:
-            hdr[:, pg.SCRAMBLED] = int(cache.scrambled)
-        hdr.add_(_STEPPED)  # the next position and the evicted count, one on
-        expect.copy_(hdr)
+        self.running = cache if cache.commit() else None
         out.index_copy_(0, index, o[:, :, 0].to(out.dtype))
-        return True
-
-    def _home(self, pages, names, first: int, rows: int) -> dict[str, torch.Tensor]:
-        """The views of the pages of blocks ``first`` .. ``first + rows - 1``, one per section of ``names``: made
-        once and handed out again while this layer's pages are the same tensor (:attr:`homes`, at most 64 runs)."""
-        home = self.homes.get((first, rows))
-        if home is None:
-            if len(self.homes) >= 64:
-                self.homes.clear()
-            home = self.homes[(first, rows)] = {name: pages[name].narrow(0, first, rows) for name in names}
-        return home
 
     def _decode(self, query, key_pages, value_pages, block_table, step, out) -> None:
         """One new token of each decoding request of ``step``: one batch, keys padded after each row's last

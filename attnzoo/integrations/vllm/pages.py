@@ -1,7 +1,8 @@
 """The pages of vLLM's CPU KV cache as attnzoo's layers read and write them (``layer.py``): vLLM's paged keys and
-values in a plain layout (a page's keys, then its values: :func:`kv_pages`, :func:`write`, :func:`gather`), and an
-evicting spec's ring pages (``ring.py``): a page's header (:func:`headers`), a cache's tokens stored into the pages
-(:func:`store`), the checks of a step's pages (:func:`distinct_pages`, :func:`consecutive`, :func:`moved`)."""
+values in a plain layout (a page's keys, then its values: :func:`kv_pages`, :func:`write`, :func:`gather`), and the
+check of an evicting spec's ring pages before a step (:func:`distinct_pages`). A ring page's layout, header and the
+cache stepped on it are the decode package's (:mod:`attnzoo.decode.paged`); its header's fields are re-exported here,
+so that a step reads them without importing vLLM (``ring`` imports it)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,8 @@ import math
 
 import torch
 
+from ...decode.paged import EVICTED, EXPIRED, GENERATION, HEADER, HELD, MAGIC, NEXT, SCRAMBLED  # noqa: F401
 from ..transformers.base import IntegrationError
-
-#: a ring page's header (``ring.py``): int64[HEADER] of magic, tokens held, next position, generation, evicted,
-#: expired, scrambled, 0 (here, without vLLM, so that a step reads it without an import: ``ring`` re-exports it)
-MAGIC = 0x5A4F4F52494E47  # "ZOORING"
-HEADER = 8
-HELD, NEXT, GENERATION, EVICTED, EXPIRED, SCRAMBLED = range(1, 7)
 
 
 def distinct_pages(blocks: list[int], counts: torch.Tensor, where: str) -> None:
@@ -37,68 +33,6 @@ def distinct_pages(blocks: list[int], counts: torch.Tensor, where: str) -> None:
             raise IntegrationError(f"{where}: vLLM's scheduler gave requests {', '.join(rows[:-1])} and {rows[-1]} of "
                                    f"this step (rows of its batch) the same ring page, block {block}: a page is one "
                                    f"request's for its whole life; nothing was written")
-
-
-def consecutive(blocks: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(the first block, the order that sorts ``blocks``) if ``blocks`` are consecutive once sorted (one strided
-    view then holds their pages, in that order), else None."""
-    ordered, order = blocks.sort()
-    first = int(ordered[0])
-    return (first, order) if bool((ordered == torch.arange(first, first + blocks.shape[0])).all()) else None
-
-
-def headers(cache, generation) -> torch.Tensor:
-    """Each row's page header (B, 8) after a step of ``cache`` (ring.py: magic, tokens held, next position,
-    generation (an int or a (B,) tensor), evicted, expired, scrambled, 0)."""
-    out = torch.tensor([MAGIC, cache.num_tokens, 0, 0, cache.evicted, cache.expired, int(cache.scrambled), 0],
-                       dtype=torch.int64).repeat(cache.batch, 1)
-    out[:, NEXT] = cache.next_position.to(torch.int64).reshape(cache.batch)
-    out[:, GENERATION] = generation
-    return out
-
-
-def store(pages, blocks: torch.Tensor, cache) -> None:
-    """Each row of ``cache``'s tokens, in position order, into the first slots of its page (``blocks``, one per
-    row)."""
-    held = cache.num_tokens
-    if not held:
-        return
-    for name, got in (("keys", cache.keys), ("values", cache.values), ("positions", cache.positions),
-                      *((f"state.{n}", cache.state[n]) for n in cache.state_names)):
-        home = pages[name].narrow(2, 0, held)  # an evictor's own scores tensor may broadcast over heads
-        home.index_copy_(0, blocks, got.to(home.dtype).expand(blocks.shape[0], *home.shape[1:]))
-
-
-#: the gathered sections of the full pages' batched steps whose pages are not consecutive (``Layer._decode_full``):
-#: one buffer per section shape for the whole process, shared by its layers (a forward steps them one after
-#: another; a step's gathered pages are scattered back before the next layer's), its capacity the most requests a
-#: step can hold (vLLM's ``max_num_seqs``, at most the cache's blocks), set at the first gathered step. A step's
-#: cache holds views of it, and so does the step state each layer keeps per batch size (a fused step keeps its
-#: buffers); a fresh gathered tensor per step kept one copy of the pages per batch size and layer alive (issue 55:
-#: the pruned server's memory grew round after round).
-_GATHERED: dict[tuple, torch.Tensor] = {}
-
-
-def gathered(name: str, section: torch.Tensor, blocks: torch.Tensor, capacity: int) -> torch.Tensor:
-    """The pages ``blocks`` of ``section`` (pages first), copied into the first rows of this process's buffer for
-    that section (:data:`_GATHERED`; ``capacity`` rows, or ``blocks``' count if more)."""
-    rows = blocks.shape[0]
-    key = (name, section.dtype, tuple(section.shape[1:]))
-    buffer = _GATHERED.get(key)
-    if buffer is None or buffer.shape[0] < rows:
-        buffer = _GATHERED[key] = section.new_empty((max(rows, capacity), *section.shape[1:]))
-    out = buffer.narrow(0, 0, rows)
-    torch.index_select(section, 0, blocks, out=out)
-    return out
-
-
-def moved(cache, page) -> bool:
-    """Whether a buffer of ``cache`` (attached to ``page``) is no longer the page's."""
-    for name, buf in cache.buffers().items():
-        home = page[name.replace("held.", "state.")]
-        if buf is None or buf.data_ptr() != home.data_ptr():
-            return True
-    return False
 
 
 def kv_pages(kv_cache):

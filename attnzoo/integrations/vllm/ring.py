@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager, register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import CircularBufferSpec
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from ...decode.paged import PageLayout
 from .pages import EVICTED, EXPIRED, GENERATION, HEADER, HELD, MAGIC, NEXT, SCRAMBLED  # noqa: F401 (the header)
 
 
@@ -31,81 +31,14 @@ def _align(n: int, to: int = 64) -> int:
 
 
 @dataclass(frozen=True)
-class RingGeometry:
-    """What a page holds: ``budget + 1`` slots of ``kv_heads`` x ``head_dim`` keys and values in ``dtype``, and the
-    per-token scores ``state_names`` in ``state_dtype``. ``block_size``: the tokens vLLM counts per block (the
-    request's longest length, rounded up to 128, so vLLM's generic slot arithmetic stays inside the page's row of
-    the block table); the page's bytes do not depend on it."""
+class RingGeometry(PageLayout):
+    """A ring page's layout (:class:`attnzoo.decode.paged.PageLayout`: ``budget + 1`` slots of ``kv_heads`` x
+    ``head_dim`` keys and values in ``dtype``, the per-token scores ``state_names`` in ``state_dtype``) and
+    ``block_size``: the tokens vLLM counts per block (the request's longest length, rounded up to 128, so vLLM's
+    generic slot arithmetic stays inside the page's row of the block table); the page's bytes do not depend on it."""
 
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    budget: int
-    state_names: tuple[str, ...]
-    state_dtype: torch.dtype
     block_size: int
 
-    @property
-    def slots(self) -> int:
-        return self.budget + 1
-
-    def layout(self) -> dict[str, tuple[int, int]]:
-        """{section: (byte offset, bytes)}, and the page's size under ``"total"``."""
-        h, s, d = self.kv_heads, self.slots, self.head_dim
-        size = torch.empty((), dtype=self.dtype).element_size()
-        score = torch.empty((), dtype=self.state_dtype).element_size()
-        sections = [("hdr", HEADER * 8), ("keys", h * s * d * size), ("values", h * s * d * size),
-                    ("positions", h * s * 8)] + [(f"state.{n}", h * s * score) for n in self.state_names]
-        out, offset = {}, 0
-        for name, nbytes in sections:
-            out[name] = (offset, nbytes)
-            offset = _align(offset + nbytes)
-        out["total"] = (0, offset)
-        return out
-
-    @property
-    def page_bytes(self) -> int:
-        return self.layout()["total"][1]
-
-    def views(self, page: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of one page (a contiguous tensor of ``page_bytes`` bytes, any dtype): ``hdr`` (8,),
-        ``keys``/``values`` (1, H_kv, S, D), ``positions`` and ``state.<name>`` (1, H_kv, S)."""
-        raw = page.reshape(-1).view(torch.uint8)
-        if raw.numel() < self.page_bytes:
-            raise ValueError(f"a ring page of {raw.numel()} bytes, the geometry needs {self.page_bytes}")
-        out = self._sections(raw[:self.page_bytes].view(1, -1))
-        out["hdr"] = out["hdr"][0]
-        return out
-
-    def all_views(self, kv_cache: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of every page of a layer's cache tensor (blocks first, each block's bytes contiguous):
-        ``hdr`` (blocks, 8), ``keys``/``values`` (blocks, H_kv, S, D), ``positions`` and ``state.<name>`` (blocks,
-        H_kv, S). One page is ``{name: view[block:block + 1]}`` (``hdr``: ``view[block]``), the same bytes as
-        :meth:`views` of ``kv_cache[block]``; a batch of pages is one ``index_select`` per section."""
-        blocks = kv_cache.shape[0]
-        if blocks == 0 or not kv_cache.is_contiguous():
-            raise ValueError(f"ring pages need a contiguous cache tensor with blocks first, got shape "
-                             f"{tuple(kv_cache.shape)} (contiguous: {kv_cache.is_contiguous()})")
-        raw = kv_cache.view(blocks, -1).view(torch.uint8)
-        if raw.shape[1] < self.page_bytes or raw.shape[1] % 8:  # every section starts 8-byte aligned
-            raise ValueError(f"a ring block of {raw.shape[1]} bytes, the geometry needs {self.page_bytes} (a "
-                             f"multiple of 8)")
-        return self._sections(raw)
-
-    def _sections(self, raw: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The typed sections of pages given as bytes, ``raw`` (pages, bytes per page) uint8, pages first."""
-        pages, layout = raw.shape[0], self.layout()
-        h, s, d = self.kv_heads, self.slots, self.head_dim
-
-        def section(name, dtype, shape):
-            offset, nbytes = layout[name]
-            return raw[:, offset:offset + nbytes].view(dtype).view((pages, *shape))
-
-        out = {"hdr": section("hdr", torch.int64, (HEADER,)), "keys": section("keys", self.dtype, (h, s, d)),
-               "values": section("values", self.dtype, (h, s, d)),
-               "positions": section("positions", torch.int64, (h, s))}
-        out.update({f"state.{n}": section(f"state.{n}", self.state_dtype, (h, s)) for n in self.state_names})
-        return out
 
 #: this process's page geometry, published by the attention impl while the worker builds the model (every layer
 #: of a checkpoint shares one record, so one geometry); ``customize_spec`` reads it

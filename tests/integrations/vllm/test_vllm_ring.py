@@ -64,7 +64,7 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     per-token state (F, H2O's and SnapKV's scores, KeyDiff's similarities) and one without (KNorm)."""
 
     from attnzoo.core.numerics import accumulator_dtype
-    from attnzoo.integrations.vllm import pages as page_ops
+    from attnzoo.decode import paged
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
 
     dtype, budget, lengths, steps = torch.float64, 8, [7, 20, 20, 20, 3], 12
@@ -73,8 +73,9 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
     geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
     kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
     seen = []
-    real = page_ops.consecutive
-    monkeypatch.setattr(page_ops, "consecutive", lambda b: seen.append(real(b)) or seen[-1])
+    real = paged.consecutive  # which path the batched steps (over more than one page) take
+    monkeypatch.setattr(paged, "consecutive", lambda b: (seen.append(real(b)) or seen[-1]) if b.numel() > 1
+                        else real(b))
     gen = torch.Generator().manual_seed(0)
     caches = [core.new_cache(1, budget=budget) for _ in lengths]
     table = torch.tensor(blocks, dtype=torch.int32).unsqueeze(1)
@@ -97,12 +98,12 @@ def test_the_pages_prefill_and_step_each_request_as_attnzoos_own_cache(spec, blo
 
 
 def test_a_batched_step_keeps_its_cache_until_a_page_changes(monkeypatch):
-    """Full pages in consecutive blocks step on the cache of their last step (``Layer._step_running``: no attach, no
-    layout) while each page's header is what that step left; a new request prefilled into one of the blocks, at the
-    same length as the request it replaces (only the page's generation tells them apart), gets a fresh cache; every
-    step's outputs equal each request's alone in attnzoo's own cache (float64)."""
+    """Full pages in consecutive blocks step on the cache of their last step (``PagedKVCache.current``: nothing
+    opened, no layout) while each page's header is what that step's commit left; a new request prefilled into one
+    of the blocks, at the same length as the request it replaces (only the page's generation tells them apart),
+    gets a fresh cache; every step's outputs equal each request's alone in attnzoo's own cache (float64)."""
     from attnzoo.core.numerics import accumulator_dtype
-    from attnzoo.integrations.vllm.layer import Layer
+    from attnzoo.decode.paged import PagedKVCache
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
 
     dtype, budget, blocks = torch.float64, 8, [3, 4, 5]
@@ -111,8 +112,8 @@ def test_a_batched_step_keeps_its_cache_until_a_page_changes(monkeypatch):
     geometry = RingGeometry(2, 16, dtype, budget, names, accumulator_dtype(dtype), block_size_for(64))
     kv_cache = torch.zeros(10, geometry.page_bytes // 8 + 3, dtype=dtype)
     reused = []
-    real = Layer._step_running
-    monkeypatch.setattr(Layer, "_step_running", lambda self, *a: reused.append(real(self, *a)) or reused[-1])
+    real = PagedKVCache.current
+    monkeypatch.setattr(PagedKVCache, "current", lambda self, *a: reused.append(real(self, *a)) or reused[-1])
     gen = torch.Generator().manual_seed(0)
     caches = [core.new_cache(1, budget=budget) for _ in blocks]
     table = torch.tensor(blocks, dtype=torch.int32).unsqueeze(1)
@@ -129,7 +130,7 @@ def test_a_batched_step_keeps_its_cache_until_a_page_changes(monkeypatch):
     for _ in range(2):
         n, starts, done, meta = _metadata([1] * 3, done, table)
         _serve_and_compare(layer, core, geometry, kv_cache, caches, meta, starts, 1, gen)
-    assert reused == [True, True, False, True]  # the generation changed: attached afresh, then kept again
+    assert reused == [True, True, False, True]  # the generation changed: opened afresh, then kept again
 
 
 def _step(layer, geometry, kv_cache, blocks, counts, done, gen):
@@ -235,7 +236,8 @@ def test_a_full_page_whose_header_disagrees_is_refused_before_any_write(field, v
     with pytest.raises(IntegrationError) as caught:
         _step(layer, geometry, kv_cache, blocks, [1, 1, 1], done, gen)
     line = str(caught.value)
-    assert "\n" not in line and "(block 4) does not hold 8 tokens continuing at token 21" in line
+    reason = {"HELD": "holds 7 tokens, not 8", "NEXT": "does not continue at token 21", "MAGIC": "holds no cache"}
+    assert "\n" not in line and f"block 4 {reason[field]}" in line and "nothing was written" in line
     assert torch.equal(kv_cache, before)
 
 
@@ -319,7 +321,7 @@ def test_gathered_steps_keep_no_copy_of_the_pages_per_batch_size(spec):
     stepped (issue 55: the step state each layer keeps per batch size held the fused step's buffers, a fresh
     gathered copy of the pages per batch size, and the server's memory grew round after round)."""
     from attnzoo.core.numerics import accumulator_dtype
-    from attnzoo.integrations.vllm import pages as page_ops
+    from attnzoo.decode import paged
     from attnzoo.integrations.vllm.ring import RingGeometry, block_size_for
 
     dtype, budget, blocks = torch.float32, 8, [1, 3, 5, 7, 9, 11, 13, 15]  # never consecutive: always gathered
@@ -336,7 +338,7 @@ def test_gathered_steps_keep_no_copy_of_the_pages_per_batch_size(spec):
     for rows in range(2, 9):
         mine = blocks[:rows]
         for _ in range(3):  # the first step validates, the later ones take the fast step
-            assert page_ops.consecutive(torch.tensor(mine)) is None
+            assert paged.consecutive(torch.tensor(mine)) is None
             _, after = _step(layer, geometry, kv_cache, mine, [1] * rows, [done[b] for b in mine], gen)
             done.update(zip(mine, after, strict=True))
         held.append(_held_bytes(layer, kv_cache))
