@@ -42,16 +42,18 @@ $(VLLM_VENV)/pyvenv.cfg:
 $(VLLM_STAMP): pyproject.toml $(VLLM_VENV)/pyvenv.cfg
 	$(VLLM_BIN)/python -m pip install -q --upgrade pip
 	$(VLLM_BIN)/python -m pip install -q $(TORCH_PIN) numpy
-	$(VLLM_BIN)/python -m pip install -q -e '.[vllm]' 'transformers==5.19.0' 'pytest>=8'
+	$(VLLM_BIN)/python -m pip install -q -e '.[vllm]' 'transformers==5.19.0' 'pytest>=8' 'pytest-xdist>=3'
 	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 vllm-env: $(VLLM_STAMP)
 
 # the vLLM tests (tests/integrations/vllm/test_vllm*.py; skipped in .venv, which has no vLLM; test_vllm_real.py serves the
-# real model, SmolLM2, about a minute; test_vllm_tp.py, two ranks, about 95 s, its unit tests also in .venv)
+# real model, SmolLM2, about a minute; test_vllm_tp.py, two ranks, about 95 s, its unit tests also in .venv), two at a
+# time (two pytest-xdist workers, each its own engines: an engine's start is mostly one core's work; 4 min 22 s
+# against 5 min 47 s one at a time on 2 cores; two, not one per core, to bound the engines' memory on larger hosts)
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py \
+	$(VLLM_BIN)/python -m pytest -q -p no:cacheprovider -n 2 tests/integrations/vllm/test_vllm.py tests/integrations/vllm/test_vllm_ring.py \
 		tests/integrations/vllm/test_vllm_chunks.py tests/integrations/vllm/test_vllm_real.py \
 		tests/integrations/vllm/test_vllm_tp.py tests/integrations/vllm/test_vllm_native.py
 
