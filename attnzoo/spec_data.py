@@ -105,6 +105,13 @@ class SpecBase(StrictModel):
         """The spec with every default filled in, keys sorted, no whitespace: the form that is hashed."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
+    def function(self) -> dict[str, Any]:
+        """What the spec computes, as JSON data: its fields without ``name`` and ``summary`` (two specs with equal
+        functions differ only by what they are called and how they are described). The callers that compare
+        specs by part of what they compute (the transforms outside some slots, the cache without its budget) take
+        this and leave out the part themselves."""
+        return self.model_dump(mode="json", exclude={"name", "summary"})
+
     @property
     def hash(self) -> str:
         """sha256 of the canonical JSON without ``summary`` (documentation does not change the function). Computed

@@ -363,9 +363,7 @@ def evicting_specs(only: list[str] | None, exclude=()) -> tuple[list[str], dict[
         spec = specs[name]
         if spec.cache is None:
             continue
-        data = spec.model_dump(mode="json")
-        for key in ("name", "summary"):
-            data.pop(key, None)
+        data = spec.function()
         data["cache"] = {k: v for k, v in (data.get("cache") or {}).items() if k != "budget"}
         key = json.dumps(data, sort_keys=True)
         if key in seen:

@@ -430,6 +430,20 @@ def test_hash_ignores_summary_but_not_options():
     assert attnzoo.load_spec({**base, "transforms": transforms}).hash == spec.hash
 
 
+def test_a_specs_function_leaves_out_its_name_and_summary_only():
+    """``Spec.function()``: what a spec computes (its fields without name and summary), with every default filled
+    in: equal for a spec renamed, redescribed or with a default written out; different for an option changed."""
+    base = yaml.safe_load(SELECTIVE_SSA[".yaml"])
+    spec = attnzoo.load_spec(base)
+    assert set(spec.function()) == {"attention", "transforms", "cache"}
+    assert attnzoo.load_spec({**base, "name": "other", "summary": "else"}).function() == spec.function()
+    transforms = [dict(t) for t in base["transforms"]]
+    transforms[2]["self_mask"] = False  # the default, written out
+    assert attnzoo.load_spec({**base, "transforms": transforms}).function() == spec.function()
+    transforms[2]["selector_head"] = 1
+    assert attnzoo.load_spec({**base, "transforms": transforms}).function() != spec.function()
+
+
 def test_canonical_json_fills_defaults():
     spec = attnzoo.load_spec({"name": "minimal", "transforms": [{"kind": "selective_mask"}],
                               "cache": {"evictor": "selective"}})

@@ -216,9 +216,7 @@ SHARES_VANILLA = {name for name in get_registry().specs if name != "vanilla"
 def _launch_key(name):
     """A spec as the kernels and their launch see it: its fields with the evictor's options left out (its kind and
     the budget kept), without name and summary."""
-    data = get_registry().specs[name].model_dump(mode="json")
-    for key in ("name", "summary"):
-        data.pop(key, None)
+    data = get_registry().specs[name].function()
     if data.get("cache"):
         data["cache"] = {key: data["cache"].get(key) for key in ("evictor", "budget")}
     return json.dumps(data, sort_keys=True)

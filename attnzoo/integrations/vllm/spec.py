@@ -122,11 +122,11 @@ def native_rows(spec, call: LayerCall, model_type: str) -> bool:
 
     def reduced(s):
         plan = Variant(s, "reference").plan
-        data = s.model_dump(mode="json")
+        data = s.function()
         data["transforms"] = [e for e, t in zip(data["transforms"], plan.transforms, strict=True)
                               if t.slot not in ROW_SLOTS]
         data["attention"]["scale"] = plan.logit_scale(call.head_dim)
-        return {key: value for key, value in data.items() if key not in ("name", "summary")}
+        return data
 
     return reduced(spec) == reduced(native)
 
