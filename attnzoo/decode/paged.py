@@ -308,8 +308,18 @@ class PagedKVCache(KVCache):
         """A step into the pages: whatever the step moved out of them (a buffer it replaced, an evictor's own scores
         tensor) copied back, every section of gathered pages written back, and the headers made this cache's state
         (tokens held, next position, evicted and expired counts, slot order) in place. Returns whether the pages
-        hold this cache's buffers (in place, nothing moved), so that the host may step it again."""
+        hold this cache's buffers (in place, nothing moved), so that the host may step it again. Refused (ValueError,
+        one line) where the cache holds more tokens than a page's slots (a prefill of several tokens onto a page) or
+        padding (a step with a key mask): the headers are left as before the step, and with them the tokens they
+        hold (an in-place step wrote past them only: such a step appends, evicting nothing)."""
         m, rows = self._m, self.batch
+        slots = self._pages.sections["keys"].shape[2]
+        if m > slots:
+            raise ValueError(f"commit: the cache holds {m} tokens, a page {slots} slots (a page holds a budget: "
+                             f"decode one token a step); the pages' headers are as before the step")
+        if self.valid is not None:
+            raise ValueError("commit: a page holds real tokens only, the cache holds padding (a step with a key "
+                             "mask); the pages' headers are as before the step")
         buffers, moved = self.buffers(), False
         for name, page in self._home.items():
             held = buffers[name.replace("state.", "held.")]

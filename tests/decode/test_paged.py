@@ -171,10 +171,10 @@ def test_a_page_whose_header_disagrees_is_refused_before_any_write(field, value,
 def test_the_refusals_of_pages():
     """One line each: a cache with more tokens than a page's slots, or with padding, written into pages; a cache
     opened from one that holds tokens, on pages repeated, out of range or not given as int64, or with next positions
-    not one per page; a paged cache packed or copied."""
+    not one per page; a paged cache packed or copied, or committed holding more tokens than a page or padding."""
     budget, gen = 4, torch.Generator().manual_seed(4)
     core = _core("h2o")
-    _, memory, pages = _pages(core, budget, 3)
+    layout, memory, pages = _pages(core, budget, 3)
     big = core.new_cache(1, budget=None)
     core.prefill(*(torch.randn(1, h, 9, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV)), big)
     before = memory.clone()
@@ -197,6 +197,19 @@ def test_the_refusals_of_pages():
             pages.open(core.new_cache(1, budget=budget), blocks)
     with pytest.raises(ValueError, match="one per page"):
         pages.open(core.new_cache(1, budget=budget), torch.tensor([0]), next_position=torch.tensor([7, 7]))
+    cache = pages.open(core.new_cache(1, budget=None), torch.tensor([0]))  # a cache that keeps every token
+    core.prefill(*(torch.randn(1, h, 7, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV)), cache)
+    before = memory.clone()
+    with pytest.raises(ValueError, match="holds 11 tokens, a page 5 slots"):
+        cache.commit()  # seven more tokens on the page's four: the cache grew past the page
+    cache = pages.open(core.new_cache(1, budget=None), torch.tensor([0]))  # (at a budget, padding goes first)
+    core.decode(*(torch.randn(1, h, 1, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV)), cache,
+                key_mask=torch.tensor([[False]]))
+    with pytest.raises(ValueError, match="holds padding"):
+        cache.commit()
+    # the header and the tokens it holds as before (the in-place append wrote the slot past them only)
+    assert torch.equal(pages.headers[0], layout.views(before[0])["hdr"])
+    assert torch.equal(pages.sections["keys"][0, :, :4], layout.views(before[0])["keys"][0, :, :4])
     cache = pages.open(core.new_cache(1, budget=budget), torch.tensor([0]))
     with pytest.raises(ValueError, match="cannot be packed"):
         cache.pack(4)
