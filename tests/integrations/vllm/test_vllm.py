@@ -98,15 +98,20 @@ def _checkpoint(path, spec, budget=None, new_tokens=NEW_TOKENS, lengths=PROMPT_L
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     out = {}
-    for name, spec in (("served", SERVED), ("vanilla", "vanilla"), ("selective", NO_EVICTOR), ("plain", None)):
+    for name, spec in (("served", SERVED), ("vanilla", "vanilla"), ("ssa", "ssa"), ("selective", NO_EVICTOR),
+                       ("plain", None)):
         out[name] = (str(root / name), *_checkpoint(root / name, spec))
     return out
 
 
-def test_the_engine_generates_transformers_greedy_tokens(checkpoints):
+@pytest.mark.parametrize("name", ["served", "ssa"])
+def test_the_engine_generates_transformers_greedy_tokens(checkpoints, name):
+    """The engine's greedy tokens are transformers' (the whole sequence each step) for a composite spec (ALiBi,
+    soft-capping, a window, a sink: attnzoo's own attention over vLLM's pages) and for SSA's temperatures (row maps
+    only: vLLM's own kernel over mapped rows, ``native.py``), one rank each."""
     from vllm import LLM, SamplingParams
 
-    path, prompts, expected, _ = checkpoints["served"]
+    path, prompts, expected, _ = checkpoints[name]
     llm = LLM(model=path, **ENGINE)
     greedy = SamplingParams(temperature=0, ignore_eos=True, max_tokens=NEW_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
