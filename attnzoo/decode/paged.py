@@ -253,6 +253,11 @@ class Pages:
                 reason = f"does not continue at token {int(next_position[bad])}"
             raise ValueError(f"the page of block {int(blocks[bad])} {reason} (header {row}); nothing was written")
         names = ("keys", "values", "positions", *(f"state.{n}" for n in fresh.state_names))
+        missing = [name for name in names if name not in self.sections]
+        if missing:
+            raise ValueError(f"open: the pages hold no section {missing[0]!r} for the spec's per-token scores (they "
+                             f"hold {', '.join(n for n in self.sections if n.startswith('state.')) or 'none'}): a page "
+                             f"layout made for another spec")
         if run is not None:
             home = self.run(first, rows, names)
         else:

@@ -170,8 +170,9 @@ def test_a_page_whose_header_disagrees_is_refused_before_any_write(field, value,
 
 def test_the_refusals_of_pages():
     """One line each: a cache with more tokens than a page's slots, or with padding, written into pages; a cache
-    opened from one that holds tokens, on pages repeated, out of range or not given as int64, or with next positions
-    not one per page; a paged cache packed or copied, or committed holding more tokens than a page or padding."""
+    opened from one that holds tokens, on pages repeated, out of range or not given as int64, with next positions
+    not one per page, or of a spec whose scores the pages have no section for; a paged cache packed or copied, or
+    committed holding more tokens than a page or padding."""
     budget, gen = 4, torch.Generator().manual_seed(4)
     core = _core("h2o")
     layout, memory, pages = _pages(core, budget, 3)
@@ -195,6 +196,8 @@ def test_the_refusals_of_pages():
                             (torch.tensor([-1]), "distinct"), (torch.tensor([0.0]), "int64"), ([0], "int64")):
         with pytest.raises(ValueError, match=message):
             pages.open(core.new_cache(1, budget=budget), blocks)
+    with pytest.raises(ValueError, match="no section 'state.accumulated' .* another spec"):  # h2o's pages, F
+        pages.open(_core("selective-pruned").new_cache(1, budget=budget), torch.tensor([0]))
     with pytest.raises(ValueError, match="one per page"):
         pages.open(core.new_cache(1, budget=budget), torch.tensor([0]), next_position=torch.tensor([7, 7]))
     cache = pages.open(core.new_cache(1, budget=None), torch.tensor([0]))  # a cache that keeps every token
