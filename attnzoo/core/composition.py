@@ -70,13 +70,14 @@ class Composition:
             if isinstance(t, RowScaleTransform):
                 scale = t.scale(x, positions, group)
                 _check_scale(t, slot, scale, x)
-                x = x.to(torch.promote_types(x.dtype, scale.dtype)) * scale.unsqueeze(-1)
+                wide = torch.promote_types(x.dtype, scale.dtype)
+                x = (x if x.dtype == wide else x.to(wide)) * scale.unsqueeze(-1)
             else:
                 x = t.map(x, positions, group)
                 if tuple(x.shape) != tuple(rows.shape):
                     raise ValueError(f"transform '{t.kind}' ({slot.value}) returned rows of shape {tuple(x.shape)} "
                                      f"for rows of shape {tuple(rows.shape)}: a row map must keep the shape")
-            out = x.to(rows.dtype)
+            out = x if x.dtype == rows.dtype else x.to(rows.dtype)
         return out
 
     def context(self, qpos: torch.Tensor, kpos: torch.Tensor, dims: Dims,
@@ -180,12 +181,10 @@ class Composition:
 def _check_scale(t, slot, scale, rows) -> None:
     """A row scale is one number per row, (B, Hx, N) or broadcastable to it: anything else names the transform."""
     want = tuple(rows.shape[:-1])
-    ok = isinstance(scale, torch.Tensor) and scale.dim() <= len(want)
-    if ok:
-        try:
-            ok = tuple(torch.broadcast_shapes(tuple(scale.shape), want)) == want
-        except RuntimeError:
-            ok = False
+    # each dimension of the scale, from the right, 1 or the rows' (torch.broadcast_shapes is a third of a decode
+    # step's row maps on the CPU: its symbolic-shape guards)
+    ok = (isinstance(scale, torch.Tensor) and scale.dim() <= len(want)
+          and all(s == 1 or s == w for s, w in zip(reversed(scale.shape), reversed(want), strict=False)))
     if not ok:
         got = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise ValueError(f"transform '{t.kind}' ({slot.value}) returned a scale of shape {got} for rows of shape "

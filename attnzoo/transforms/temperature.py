@@ -48,6 +48,11 @@ def position_coefficient(kind: str, b: torch.Tensor) -> torch.Tensor:
     return b
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype`` (itself when it is already: ``Tensor.to``'s own call costs a microsecond)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 class _Temperature(RowScaleTransform):
     Options = TemperatureOptions
     heads_symbol = "H"
@@ -69,12 +74,15 @@ class _Temperature(RowScaleTransform):
         back to the rows' dtype once."""
         o = self.options
         wide = torch.promote_types(rows.dtype, torch.float32)
-        t = torch.ones((), dtype=wide, device=rows.device)
+        t = None  # 1 + each term, summed in order (a decode step maps a few rows: every op counts)
         if o.position_aware:
-            c = position_coefficient(o.position_coefficient, params["position_logit"].to(wide))
-            t = t + c * torch.log(positions.to(wide))
+            c = position_coefficient(o.position_coefficient, _as(params["position_logit"], wide))
+            t = 1 + c * torch.log(positions.to(wide))
         if o.token_aware:
-            t = t + gelu_dot_tanh(rows.to(wide), params["token_weight"].to(wide))
+            g = gelu_dot_tanh(_as(rows, wide), _as(params["token_weight"], wide))
+            t = 1 + g if t is None else t + g
+        if t is None:
+            t = torch.ones((), dtype=wide, device=rows.device)
         return t.expand(rows.shape[:-1])
 
 
