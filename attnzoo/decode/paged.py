@@ -21,6 +21,7 @@ it afresh. Nothing here knows a host; ``attnzoo.integrations.vllm`` serves vLLM'
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -127,13 +128,31 @@ def consecutive(blocks: torch.Tensor) -> tuple[int, torch.Tensor] | None:
 #: can hold (set at the first gathered batch). A fresh gathered tensor per step kept one copy of the pages per batch
 #: size and layer alive in a serving engine (the pruned server's memory grew round after round).
 _GATHERED: dict[tuple, torch.Tensor] = {}
+#: the cache whose batch each shared buffer holds (a weak reference, by the key of :data:`_GATHERED`): a cache opened
+#: while another holds a buffer and has not committed gets buffers of its own, and a cache whose buffer another has
+#: taken since is refused at its next step (:attr:`PagedKVCache.step_state`)
+_HOLDER: dict[tuple, weakref.ref] = {}
 
 
-def _gathered(name: str, section: torch.Tensor, blocks: torch.Tensor, capacity: int) -> torch.Tensor:
+def _key(name: str, section: torch.Tensor) -> tuple:
+    return (name, section.dtype, tuple(section.shape[1:]))
+
+
+def _in_use(key: tuple) -> bool:
+    """Whether the shared buffer ``key`` holds the batch of a cache that has not committed yet."""
+    ref = _HOLDER.get(key)
+    holder = ref() if ref is not None else None
+    return holder is not None and holder._pending  # noqa: SLF001 -- this module's own class
+
+
+def _gathered(name: str, section: torch.Tensor, blocks: torch.Tensor, capacity: int, shared: bool) -> torch.Tensor:
     """The pages ``blocks`` of ``section`` (pages first), copied into the first rows of this process's buffer for
-    that section (:data:`_GATHERED`; ``capacity`` rows, or ``blocks``' count if more)."""
+    that section (:data:`_GATHERED`; ``capacity`` rows, or ``blocks``' count if more), or into a buffer of their
+    own (not ``shared``: another cache holds the process's)."""
     rows = blocks.shape[0]
-    key = (name, section.dtype, tuple(section.shape[1:]))
+    if not shared:
+        return section.index_select(0, blocks)
+    key = _key(name, section)
     buffer = _GATHERED.get(key)
     if buffer is None or buffer.shape[0] < rows:
         buffer = _GATHERED[key] = section.new_empty((max(rows, capacity), *section.shape[1:]))
@@ -258,12 +277,19 @@ class Pages:
             raise ValueError(f"open: the pages hold no section {missing[0]!r} for the spec's per-token scores (they "
                              f"hold {', '.join(n for n in self.sections if n.startswith('state.')) or 'none'}): a page "
                              f"layout made for another spec")
+        shared = False
         if run is not None:
             home = self.run(first, rows, names)
         else:
-            home = {name: _gathered(name, self.sections[name], blocks, self.capacity) for name in names}
+            keys = [_key(name, self.sections[name]) for name in names]
+            shared = not any(_in_use(key) for key in keys)
+            home = {name: _gathered(name, self.sections[name], blocks, self.capacity, shared) for name in names}
         header = self.headers.narrow(0, first, rows) if run is not None else headers
         cache = PagedKVCache(fresh, self, given, blocks, order, home, header, in_place=run is not None)
+        if shared:
+            cache._shared = keys  # noqa: SLF001 -- this module's own class
+            for key in keys:
+                _HOLDER[key] = weakref.ref(cache)
         cache.attach(home["keys"], home["values"], home["positions"],
                      {n: home[f"state.{n}"] for n in cache.state_names}, held, headers[:, NEXT],
                      scrambled=bool(headers[:, SCRAMBLED].any()), step_state=step_state)
@@ -298,6 +324,29 @@ class PagedKVCache(KVCache):
         #: (tokens held, scrambled) as the last commit wrote them into every header (None: not yet; the headers'
         #: own may differ page by page, e.g. in slot order)
         self._marks: tuple[int, bool] | None = None
+        #: whether a step may have run since the last commit (or the open): a shared gathered buffer stays this
+        #: cache's until it commits
+        self._pending = True
+        #: the keys of the process's gathered buffers this cache holds (:data:`_HOLDER`), or () (in place, or its own)
+        self._shared: list[tuple] = []
+
+    @property
+    def step_state(self):
+        """What the full path validated for this cache (:class:`~.state.StepState`), read first by every step: a
+        cache over gathered pages whose buffers another cache's open has taken since its commit is refused here, in
+        one line, before the step reads them (open the pages afresh)."""
+        for key in self.__dict__.get("_shared", ()):
+            ref = _HOLDER.get(key)
+            if ref is None or ref() is not self:
+                raise ValueError("a paged cache over gathered pages was stepped after another cache over gathered "
+                                 "pages was opened, which reuses this process's buffers: open the pages afresh for "
+                                 "each step (PagedKVCache.current says no for gathered pages)")
+        self._pending = True
+        return self.__dict__["_step_state"]
+
+    @step_state.setter
+    def step_state(self, value) -> None:
+        self.__dict__["_step_state"] = value
 
     def current(self, next_position: torch.Tensor) -> bool:
         """Whether the pages are as this cache's last commit left them and each page's next position is
@@ -361,6 +410,7 @@ class PagedKVCache(KVCache):
         if not self._in_place:
             self._pages.headers.index_copy_(0, self.blocks, header)
         self._expect.copy_(header)
+        self._pending = False
         self._holds = self._in_place and not moved
         return self._holds
 

@@ -237,3 +237,40 @@ def test_every_pages_views_are_each_pages_bytes():
     with pytest.raises(ValueError, match="the layout needs"):
         layout.all_views(memory[:, :8].clone())
     assert paged.consecutive(torch.tensor([4, 2, 3])) is not None and paged.consecutive(torch.tensor([1, 3])) is None
+
+
+def test_gathered_caches_never_read_each_others_pages():
+    """Pages that are not consecutive are gathered into buffers the process shares (one per section shape): two
+    caches open at once (neither committed) get buffers of their own and each steps as its requests alone; a cache
+    stepped again after its commit, once another open has taken the shared buffers, is refused in one line before
+    the step reads them, its pages unchanged."""
+    budget, gen = 8, torch.Generator().manual_seed(5)
+    core = _core("h2o")
+    _, memory, pages = _pages(core, budget, 12)
+    refs = _prompts(core, pages, [1, 3, 5, 7], [14, 15, 16, 17], gen)
+
+    def opened(blocks, rows):
+        nexts = torch.tensor([int(refs[r].next_position[0]) for r in rows])
+        return pages.open(core.new_cache(2, budget=budget), torch.tensor(blocks), held=budget, next_position=nexts)
+
+    first, second = opened([1, 5], [0, 2]), opened([3, 7], [1, 3])  # both gathered, both open
+    for cache, rows in ((first, [0, 2]), (second, [1, 3])):
+        q, k, v = (torch.randn(2, h, 1, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV))
+        out = core.decode(q, k, v, cache)
+        for i, r in enumerate(rows):
+            want = core.decode(q[i:i + 1], k[i:i + 1], v[i:i + 1], refs[r])
+            torch.testing.assert_close(out[i:i + 1], want, rtol=1e-10, atol=1e-10)
+    assert not first.commit() and not second.commit()
+    third = opened([1, 5], [0, 2])  # takes the shared buffers again
+    before = memory.clone()
+    q, k, v = (torch.randn(2, h, 1, D, generator=gen, dtype=torch.float64) for h in (H, HKV, HKV))
+    stale = first if first._shared else second  # noqa: SLF001 -- whichever held the shared buffers
+    with pytest.raises(ValueError, match="open the pages afresh") as caught:
+        core.decode(q, k, v, stale)
+    assert "\n" not in str(caught.value)
+    assert torch.equal(memory.view(torch.int64), before.view(torch.int64))
+    out = core.decode(q, k, v, third)
+    third.commit()
+    for i, r in enumerate([0, 2]):
+        torch.testing.assert_close(out[i:i + 1], core.decode(q[i:i + 1], k[i:i + 1], v[i:i + 1], refs[r]),
+                                   rtol=1e-10, atol=1e-10)
