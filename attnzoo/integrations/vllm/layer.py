@@ -48,7 +48,7 @@ class Layer:
         """Serve ``core`` (its parameters loaded: :func:`load_layer`), an evicting spec's pages holding ``budget``
         tokens; ``where`` names the layer in errors; ``max_rows``: the most requests of a step (vLLM's
         ``max_num_seqs``; None: the cache's blocks), the capacity of the pages a batched step gathers
-        (:func:`.pages.gathered`); ``chunked``: an evicting spec's prompts are staged until their last chunk
+        (:class:`attnzoo.decode.paged.Pages`); ``chunked``: an evicting spec's prompts are staged until their last chunk
         (:meth:`_stage`; vLLM's chunked prefill on, for an evictor that allows it: ``start.chunk_refusal``);
         ``native``: the spec is the layer's native attention over rows mapped token by token
         (:func:`.spec.native_rows`): vLLM's own kernel attends, on rows mapped by :attr:`native`
@@ -117,7 +117,7 @@ class Layer:
         starts, lengths, blocks = step.starts, step.lengths, step.blocks
         out = output[:n].view(n, self.heads, self.head_dim)
         if self.chunked:
-            counts_t = self._chunks(geometry, pages, query, key, value, step, counts_t, out)
+            counts_t = self._chunks(pages, query, key, value, step, counts_t, out)
         full, full_starts, full_blocks, full_lengths = self._full_pages(step, counts_t)
         if full.numel() > 1:  # one request alone takes the step below
             self._decode_full(pages, query, key, value, full_starts, full_blocks, full_lengths, out)
@@ -136,10 +136,10 @@ class Layer:
                                        f"prompt in chunks (chunked prefill is turned off for an evicting spec at "
                                        f"start)")
         for count, rows in prompts.items():
-            self._prefill(geometry, pages, query, key, value, [starts[i] for i in rows], count,
+            self._prefill(pages, query, key, value, [starts[i] for i in rows], count,
                           blocks_t.index_select(0, torch.tensor(rows)), out)
 
-    def _chunks(self, geometry, pages, query, key, value, step, counts_t, out) -> torch.Tensor:
+    def _chunks(self, pages, query, key, value, step, counts_t, out) -> torch.Tensor:
         """Chunked prefill (``self.chunked``): each prefilling request's chunk (vLLM's ``is_prefilling``: its
         computed tokens below its prompt's before the step; :attr:`.step.Step.prefilling`) staged and attended
         (:meth:`_stage`); a request whose prompt is staged and which no longer prefills (its first decode step) has
@@ -152,14 +152,14 @@ class Layer:
         staged = []
         for i, count in enumerate(step.counts):
             if count and prefilling[i]:
-                self._stage(geometry, pages, query, key, value, step.starts[i], count, step.lengths[i],
+                self._stage(pages, query, key, value, step.starts[i], count, step.lengths[i],
                             step.blocks[i], out)
                 staged.append(i)
             elif count and step.blocks[i] in self.staged:
-                self._finish(geometry, pages, step.blocks[i], step.lengths[i] - count, query)
+                self._finish(pages, step.blocks[i], step.lengths[i] - count, query)
         return counts_t.index_fill(0, torch.tensor(staged, dtype=torch.int64), 0) if staged else counts_t
 
-    def _stage(self, geometry, pages, query, key, value, start, count, length, block, out) -> None:
+    def _stage(self, pages, query, key, value, start, count, length, block, out) -> None:
         """One chunk of a prompt (``count`` tokens ending at ``length``, page ``block``), its keys and values staged
         with the prompt's, the last ``rows`` queries kept for the evictor's prefill scoring. A prompt's first chunk
         (nothing computed before) runs the whole-prompt step (:meth:`_prefill`: its outputs, and its page as the
@@ -171,7 +171,7 @@ class Layer:
         q = query[start:start + count].view(count, -1, self.head_dim)
         if done == 0:
             self.staged[block] = (k.clone(), v.clone(), q[count - min(self.rows, count):].clone(), length)
-            self._prefill(geometry, pages, query, key, value, [start], count, torch.tensor([block]), out)
+            self._prefill(pages, query, key, value, [start], count, torch.tensor([block]), out)
             return
         held = self.staged.get(block)
         if held is None or held[3] != done:
@@ -186,7 +186,7 @@ class Layer:
                          values.transpose(0, 1).unsqueeze(0), kpos[:, done:], kpos)
         out[start:start + count] = o[0].transpose(0, 1)
 
-    def _finish(self, geometry, pages, block, length, query) -> None:
+    def _finish(self, pages, block, length, query) -> None:
         """The staged prompt of page ``block`` (``length`` tokens) evicted into its page, unless it came in one
         chunk (the page holds it already: :meth:`_stage`), as the whole prompt's step (:meth:`_prefill`) evicts it,
         without attending the prompt again (each chunk's outputs were written by :meth:`_stage`): its first
@@ -218,9 +218,9 @@ class Layer:
         with torch.no_grad():
             self.core.prefill(q.transpose(0, 1).unsqueeze(0), *(t[head:].transpose(0, 1).unsqueeze(0)
                                                                  for t in (keys, values)), cache)
-        self._into_pages(geometry, pages, torch.tensor([block]), cache)
+        self._into_pages(pages, torch.tensor([block]), cache)
 
-    def _into_pages(self, geometry, pages, blocks, cache) -> None:
+    def _into_pages(self, pages, blocks, cache) -> None:
         """A cache's kept tokens after a prompt (one row per page ``blocks``), in position order, into each page's
         first slots, and the headers afresh (:meth:`attnzoo.decode.paged.Pages.write`)."""
         try:
@@ -228,7 +228,7 @@ class Layer:
         except ValueError as exc:
             raise IntegrationError(f"{self.where}: {exc}") from None
 
-    def _prefill(self, geometry, pages, query, key, value, starts, count, blocks, out) -> None:
+    def _prefill(self, pages, query, key, value, starts, count, blocks, out) -> None:
         """Prompts of ``count`` tokens each (from ``starts``, into the pages ``blocks``), as one batch: the core's
         prefill with eviction into a fresh cache (each row exactly as alone: the prompts are the same length), the
         kept tokens, in position order, into each page's first slots, the headers afresh (the generation counts a
@@ -244,7 +244,7 @@ class Layer:
                        for t in (query, key, value))
         cache = self.core.new_cache(rows, budget=self.budget)
         o = self.core.prefill(q, k, v, cache)
-        self._into_pages(geometry, pages, blocks, cache)
+        self._into_pages(pages, blocks, cache)
         o = o.transpose(1, 2).to(out.dtype)  # (rows, count, H, D)
         if rows == 1:
             out[starts[0]:starts[0] + count] = o[0]
